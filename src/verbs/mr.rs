@@ -1,0 +1,292 @@
+//! Memory registration: regions of memory the device may read and write.
+
+use std::alloc::{self, Layout};
+use std::fmt;
+use std::ops::{Bound, RangeBounds};
+use std::ptr::NonNull;
+
+use bitflags::bitflags;
+use rdma_sys as sys;
+
+use super::error::{Error, Result};
+use super::pd::ProtectionDomain;
+
+bitflags! {
+    /// What the device (and remote peers) may do with a memory region, as
+    /// `ibv_access_flags`. Remote write and remote atomic need local write.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+    pub struct AccessFlags: u32 {
+        const LOCAL_WRITE = sys::ibv_access_flags::IBV_ACCESS_LOCAL_WRITE.0;
+        const REMOTE_WRITE = sys::ibv_access_flags::IBV_ACCESS_REMOTE_WRITE.0;
+        const REMOTE_READ = sys::ibv_access_flags::IBV_ACCESS_REMOTE_READ.0;
+        const REMOTE_ATOMIC = sys::ibv_access_flags::IBV_ACCESS_REMOTE_ATOMIC.0;
+    }
+}
+
+impl AccessFlags {
+    /// Everything: local write and remote read, write and atomic.
+    pub fn all_remote() -> AccessFlags {
+        AccessFlags::all()
+    }
+}
+
+const PAGE: usize = 4096;
+
+/// Page-aligned, zeroed memory owned by a region.
+struct OwnedBuf {
+    ptr: NonNull<u8>,
+    layout: Layout,
+}
+
+impl Drop for OwnedBuf {
+    fn drop(&mut self) {
+        // SAFETY: allocated with this layout in `MemoryRegion::allocate`.
+        unsafe { alloc::dealloc(self.ptr.as_ptr(), self.layout) };
+    }
+}
+
+/// A registered memory region. Holds its protection domain; deregisters on
+/// drop, and then frees the memory when it owns it.
+pub struct MemoryRegion {
+    mr: NonNull<sys::ibv_mr>,
+    addr: *mut u8,
+    len: usize,
+    // Field order matters: the MR is deregistered in Drop before `owned`
+    // frees the memory and `_pd` releases the PD.
+    owned: Option<OwnedBuf>,
+    pd: ProtectionDomain,
+}
+
+// SAFETY: the region is plain memory plus a verbs handle usable from any
+// thread; `&mut` access goes through `&mut self`.
+unsafe impl Send for MemoryRegion {}
+unsafe impl Sync for MemoryRegion {}
+
+impl fmt::Debug for MemoryRegion {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("MemoryRegion")
+            .field("addr", &self.addr)
+            .field("len", &self.len)
+            .field("lkey", &self.lkey())
+            .field("rkey", &self.rkey())
+            .finish()
+    }
+}
+
+impl Drop for MemoryRegion {
+    fn drop(&mut self) {
+        // SAFETY: registered in `register`, deregistered once.
+        let rc = unsafe { sys::ibv_dereg_mr(self.mr.as_ptr()) };
+        if rc != 0 {
+            log::warn!(
+                "ibv_dereg_mr failed: {}",
+                std::io::Error::from_raw_os_error(rc)
+            );
+        }
+    }
+}
+
+impl MemoryRegion {
+    pub(crate) fn allocate(pd: &ProtectionDomain, len: usize, access: AccessFlags) -> Result<Self> {
+        if len == 0 {
+            return Err(Error::invalid("a memory region cannot be empty"));
+        }
+        let layout = Layout::from_size_align(len, PAGE)
+            .map_err(|_| Error::invalid(format!("{len} bytes is too large to allocate")))?;
+        // SAFETY: layout has non-zero size.
+        let ptr =
+            NonNull::new(unsafe { alloc::alloc_zeroed(layout) }).ok_or_else(|| Error::Verb {
+                verb: "alloc",
+                source: std::io::Error::from_raw_os_error(libc::ENOMEM),
+            })?;
+        let owned = OwnedBuf { ptr, layout };
+        // SAFETY: the memory lives as long as the region, which owns it.
+        let mut mr = unsafe { Self::register_raw(pd, ptr.as_ptr(), len, access)? };
+        mr.owned = Some(owned);
+        Ok(mr)
+    }
+
+    /// # Safety
+    /// See [`ProtectionDomain::register_raw`].
+    pub(crate) unsafe fn register_raw(
+        pd: &ProtectionDomain,
+        addr: *mut u8,
+        len: usize,
+        access: AccessFlags,
+    ) -> Result<Self> {
+        if addr.is_null() || len == 0 {
+            return Err(Error::invalid("cannot register a NULL or empty buffer"));
+        }
+        let needs_local_write = AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_ATOMIC;
+        if access.intersects(needs_local_write) && !access.contains(AccessFlags::LOCAL_WRITE) {
+            return Err(Error::invalid(
+                "remote write and remote atomic access require LOCAL_WRITE",
+            ));
+        }
+        let mr = sys::ibv_reg_mr(pd.as_raw(), addr.cast(), len, access.bits() as i32);
+        let mr = NonNull::new(mr).ok_or_else(|| Error::last_os("ibv_reg_mr"))?;
+        Ok(MemoryRegion {
+            mr,
+            addr,
+            len,
+            owned: None,
+            pd: pd.clone(),
+        })
+    }
+
+    /// The protection domain the region is registered in.
+    pub fn pd(&self) -> &ProtectionDomain {
+        &self.pd
+    }
+
+    /// Start address of the region.
+    pub fn addr(&self) -> u64 {
+        self.addr as u64
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the region has no bytes (never true: empty regions are refused).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Local key, for scatter/gather entries.
+    pub fn lkey(&self) -> u32 {
+        // SAFETY: the MR is alive.
+        unsafe { (*self.mr.as_ptr()).lkey }
+    }
+
+    /// Remote key, for peers' RDMA READ, WRITE and atomics.
+    pub fn rkey(&self) -> u32 {
+        // SAFETY: the MR is alive.
+        unsafe { (*self.mr.as_ptr()).rkey }
+    }
+
+    /// The bytes of the region. Reading while a posted operation writes here
+    /// sees partial data: wait for its completion first.
+    pub fn as_slice(&self) -> &[u8] {
+        // SAFETY: addr..addr+len is valid for the region's life.
+        unsafe { std::slice::from_raw_parts(self.addr, self.len) }
+    }
+
+    /// The bytes of the region, writable.
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: as above, and `&mut self` excludes other Rust borrows.
+        unsafe { std::slice::from_raw_parts_mut(self.addr, self.len) }
+    }
+
+    /// A scatter/gather entry for `range` of this region.
+    ///
+    /// # Panics
+    /// When the range is out of bounds or longer than 4 GiB, as slicing does.
+    pub fn sge(&self, range: impl RangeBounds<usize>) -> Sge {
+        let (start, end) = bounds(range, self.len);
+        let length = u32::try_from(end - start).expect("one SGE covers at most 4 GiB - 1");
+        Sge {
+            addr: self.addr() + start as u64,
+            length,
+            lkey: self.lkey(),
+        }
+    }
+
+    /// What a peer needs to READ, WRITE or run atomics on this region.
+    pub fn remote(&self) -> RemoteRegion {
+        RemoteRegion {
+            addr: self.addr(),
+            len: self.len as u64,
+            rkey: self.rkey(),
+        }
+    }
+}
+
+fn bounds(range: impl RangeBounds<usize>, len: usize) -> (usize, usize) {
+    let start = match range.start_bound() {
+        Bound::Included(&s) => s,
+        Bound::Excluded(&s) => s + 1,
+        Bound::Unbounded => 0,
+    };
+    let end = match range.end_bound() {
+        Bound::Included(&e) => e + 1,
+        Bound::Excluded(&e) => e,
+        Bound::Unbounded => len,
+    };
+    assert!(
+        start <= end && end <= len,
+        "range {start}..{end} out of bounds of a {len}-byte region"
+    );
+    (start, end)
+}
+
+/// A scatter/gather entry, laid out exactly as `struct ibv_sge`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Sge {
+    pub addr: u64,
+    pub length: u32,
+    pub lkey: u32,
+}
+
+/// A peer's registered memory, as it was advertised to us.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RemoteRegion {
+    pub addr: u64,
+    pub len: u64,
+    pub rkey: u32,
+}
+
+impl RemoteRegion {
+    /// Size of [`RemoteRegion::to_bytes`].
+    pub const WIRE_LEN: usize = 20;
+
+    /// The remote address `offset` bytes into the region.
+    ///
+    /// # Panics
+    /// When `offset` is beyond the region.
+    pub fn at(&self, offset: u64) -> RemoteAddr {
+        assert!(
+            offset <= self.len,
+            "offset {offset} beyond a {}-byte remote region",
+            self.len
+        );
+        RemoteAddr {
+            addr: self.addr + offset,
+            rkey: self.rkey,
+        }
+    }
+
+    /// Big-endian encoding, for exchange with a peer.
+    pub fn to_bytes(&self) -> [u8; Self::WIRE_LEN] {
+        let mut b = [0; Self::WIRE_LEN];
+        b[..8].copy_from_slice(&self.addr.to_be_bytes());
+        b[8..16].copy_from_slice(&self.len.to_be_bytes());
+        b[16..].copy_from_slice(&self.rkey.to_be_bytes());
+        b
+    }
+
+    /// Decodes [`RemoteRegion::to_bytes`].
+    pub fn from_bytes(b: &[u8]) -> Result<RemoteRegion> {
+        if b.len() != Self::WIRE_LEN {
+            return Err(Error::invalid(format!(
+                "a remote region is {} bytes, got {}",
+                Self::WIRE_LEN,
+                b.len()
+            )));
+        }
+        Ok(RemoteRegion {
+            addr: u64::from_be_bytes(b[..8].try_into().expect("8 bytes")),
+            len: u64::from_be_bytes(b[8..16].try_into().expect("8 bytes")),
+            rkey: u32::from_be_bytes(b[16..].try_into().expect("4 bytes")),
+        })
+    }
+}
+
+/// One remote address with the key that grants access to it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RemoteAddr {
+    pub addr: u64,
+    pub rkey: u32,
+}

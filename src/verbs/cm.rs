@@ -462,7 +462,9 @@ impl CmId {
         })
     }
 
-    /// Disconnects; both sides get DISCONNECTED and outstanding work flushes.
+    /// Disconnects: the QP goes to error (outstanding work flushes) and the
+    /// peer gets DISCONNECTED. This side gets its own DISCONNECTED once the
+    /// peer answers by disconnecting too, which it should do on that event.
     pub fn disconnect(&self) -> Result<()> {
         // SAFETY: the id is alive.
         check_errno("rdma_disconnect", unsafe {

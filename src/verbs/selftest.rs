@@ -84,23 +84,22 @@ pub struct Endpoint {
     pub pd: ProtectionDomain,
 }
 
-impl Endpoint {
-    fn new(
-        ctx: &Context,
-        buf_len: usize,
-    ) -> Result<(
-        ProtectionDomain,
-        CompletionQueue,
-        CompletionQueue,
-        MemoryRegion,
-    )> {
-        let pd = ctx.alloc_pd()?;
-        let channel = ctx.create_comp_channel()?;
-        let send_cq = ctx.create_cq(256, Some(&channel))?;
-        let recv_cq = ctx.create_cq(256, Some(&channel))?;
-        let mr = pd.allocate(buf_len, AccessFlags::all())?;
-        Ok((pd, send_cq, recv_cq, mr))
-    }
+/// An endpoint's PD, send and receive CQs (sharing one completion channel)
+/// and a buffer registered with every access right.
+type Resources = (
+    ProtectionDomain,
+    CompletionQueue,
+    CompletionQueue,
+    MemoryRegion,
+);
+
+fn endpoint_resources(ctx: &Context, buf_len: usize) -> Result<Resources> {
+    let pd = ctx.alloc_pd()?;
+    let channel = ctx.create_comp_channel()?;
+    let send_cq = ctx.create_cq(256, Some(&channel))?;
+    let recv_cq = ctx.create_cq(256, Some(&channel))?;
+    let mr = pd.allocate(buf_len, AccessFlags::all())?;
+    Ok((pd, send_cq, recv_cq, mr))
 }
 
 /// Two connected RC QPs on the same device: `a` initiates, `b` is the target.
@@ -281,7 +280,7 @@ fn connect_manual(ctx: &Context, buf_len: usize) -> Result<(Endpoint, Endpoint)>
     let opts = QpOptions::default();
     let mut halves = Vec::new();
     for _ in 0..2 {
-        let (pd, send_cq, recv_cq, mr) = Endpoint::new(ctx, buf_len)?;
+        let (pd, send_cq, recv_cq, mr) = endpoint_resources(ctx, buf_len)?;
         let qp = pd.create_rc_qp(&send_cq, &recv_cq, &opts)?;
         halves.push((pd, send_cq, recv_cq, mr, qp));
     }
@@ -326,7 +325,7 @@ fn cm_endpoint(id: &CmId, buf_len: usize) -> Result<Endpoint> {
     let ctx = id
         .context()
         .ok_or_else(|| Error::invalid("CM id without a device"))?;
-    let (pd, send_cq, recv_cq, mr) = Endpoint::new(&ctx, buf_len)?;
+    let (pd, send_cq, recv_cq, mr) = endpoint_resources(&ctx, buf_len)?;
     let qp = id.create_qp(&pd, &send_cq, &recv_cq, &QpCaps::default())?;
     Ok(Endpoint {
         qp,

@@ -6,4 +6,5 @@
 //! - [`ffi`]: the C ABI (thin: pointer checks, the panic boundary, error codes).
 
 pub mod ffi;
+pub mod runtime;
 pub mod verbs;

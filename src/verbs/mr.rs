@@ -134,6 +134,11 @@ impl MemoryRegion {
         })
     }
 
+    /// The raw `ibv_mr`.
+    pub fn as_raw(&self) -> *mut sys::ibv_mr {
+        self.mr.as_ptr()
+    }
+
     /// The protection domain the region is registered in.
     pub fn pd(&self) -> &ProtectionDomain {
         &self.pd

@@ -1,35 +1,21 @@
-//! Device tests: they need an RDMA device, so they are `#[ignore]`d in a plain
-//! `cargo test`; `make test` runs them (`--ignored`, one at a time) on the
-//! host's device or on Soft-RoCE in a VM, through scripts/rdma-run.sh.
-//!
-//! Every wait is bounded by `TIMEOUT`, so a lost completion fails a test.
+//! The verbs layer on a real device.
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::time::{Duration, Instant};
 
 use snowrdma::verbs::selftest::{ConnectMode, LoopbackPair, Op};
 use snowrdma::verbs::{
-    AccessFlags, CmEventKind, CmId, Completion, ConnParam, Context, Error, QpState, SendOp,
-    SendRequest, WcOpcode, WcStatus,
+    AccessFlags, CmEventKind, CmId, Completion, ConnParam, Error, QpState, SendOp, SendRequest,
+    WcOpcode, WcStatus,
 };
 
-const TIMEOUT: Duration = Duration::from_secs(10);
-const SIZES: [usize; 4] = [1, 64, 4096, 1 << 20];
+use crate::{ctx, device_ip, TIMEOUT};
 
-fn ctx() -> Context {
-    Context::open(None).expect("an RDMA device: run the device tests through scripts/rdma-run.sh")
-}
+const SIZES: [usize; 4] = [1, 64, 4096, 1 << 20];
 
 fn pair(mode: ConnectMode) -> LoopbackPair {
     LoopbackPair::connect(&ctx(), mode, 1 << 20, TIMEOUT)
         .unwrap_or_else(|e| panic!("connecting a {mode} pair: {e}"))
-}
-
-fn device_ip() -> Ipv4Addr {
-    ctx()
-        .ipv4_address(1)
-        .unwrap()
-        .expect("the device has an IPv4 address")
 }
 
 fn check_all_sizes(mode: ConnectMode, op: Op) {

@@ -1,0 +1,1318 @@
+//! One SnowRDMA connection: an RC QP set up through RDMA CM, the receive ring
+//! the peer writes messages into, the staging buffer our messages leave from,
+//! and the command buffers. Completions are handled on the runtime's
+//! completion thread; RDMA CM events on its CM thread.
+
+use std::collections::{HashMap, VecDeque};
+use std::fmt;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, RwLock};
+use std::time::{Duration, Instant};
+
+use crate::verbs::{
+    self, AccessFlags, CmEvent, CmEventKind, CmId, Completion, CompletionQueue, ConnParam,
+    MemoryRegion, ProtectionDomain, QpCaps, QueuePair, RemoteAddr, RemoteRegion, SendOp,
+    SendRequest, Sge, WcOpcode, WcStatus,
+};
+
+use super::options::{CommMode, Options};
+use super::proto::{Cmd, ExtKind, Opcode, CMD_LEN, EXT_HEADER_LEN, IMM_EXTENDED};
+use super::ring::{RecvRing, SendRing};
+use super::{runtime, Error, Result, Runtime};
+
+/// Send-queue depth of every connection.
+const MAX_SEND_WR: u32 = 1024;
+/// Send-queue slots only commands (credits, goodbye) may use, so returning
+/// credit never waits behind data.
+const CMD_RESERVE: u32 = 16;
+/// Command send buffers.
+const CMD_SLOTS: u16 = CMD_RESERVE as u16;
+/// Receives kept free at the peer for its commands.
+const PEER_CMD_RESERVE: u64 = 16;
+/// Bytes a connection queues from inside callbacks (blocking mode) before
+/// `send` there returns 0.
+const MAX_QUEUED_BYTES: usize = 256 << 20;
+/// Bound on a sync operation; on expiry the connection is failed so the
+/// device stops touching the caller's buffer.
+const SYNC_OP_TIMEOUT: Duration = Duration::from_secs(30);
+
+// Work request ids: kind in the top byte, a slot, length or op id below.
+const K_RECV: u64 = 1;
+const K_DATA: u64 = 2;
+const K_CMD: u64 = 3;
+const K_WRITE: u64 = 4;
+const K_READ: u64 = 5;
+const K_SYNC: u64 = 6;
+const KIND_SHIFT: u32 = 56;
+const LOW_MASK: u64 = (1 << KIND_SHIFT) - 1;
+
+fn wr_id(kind: u64, low: u64) -> u64 {
+    (kind << KIND_SHIFT) | (low & LOW_MASK)
+}
+
+/// Connection state, numbered as the legacy `RdmaConnState`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(i32)]
+pub enum ConnState {
+    None = 0,
+    Connecting = 1,
+    Accepting = 2,
+    /// RDMA CM connected; the peer's receive buffer is not known yet.
+    Connected = 3,
+    /// Data can flow.
+    MrReady = 4,
+    Closed = 5,
+    Error = 6,
+}
+
+/// Which side made the connection, numbered as the legacy `ConnectionType`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(i32)]
+pub enum ConnKind {
+    Accepted = 0,
+    Connected = 1,
+}
+
+/// What a connection tells its owner. Every method has a default that does
+/// nothing. Data callbacks (`recv`, `write_done`, `read_done`) and
+/// `connected` run on the completion thread; `disconnected` runs on whichever
+/// runtime thread noticed (or on the thread whose sync operation failed).
+/// Callbacks may call any connection method, including blocking ones.
+pub trait ConnHandler: Send + Sync {
+    /// Data can flow (the peer's receive buffer is known).
+    fn connected(&self, _conn: &Connection) {}
+    /// A message arrived; `data` is valid only during the call.
+    fn recv(&self, _conn: &Connection, _data: &[u8], _imm: Option<u32>) {}
+    /// An asynchronous RDMA WRITE of `len` bytes completed.
+    fn write_done(&self, _conn: &Connection, _len: usize) {}
+    /// An asynchronous RDMA READ of `len` bytes completed.
+    fn read_done(&self, _conn: &Connection, _len: usize) {}
+    /// The peer went away or an operation failed; called once, never after a
+    /// local `close`.
+    fn disconnected(&self, _conn: &Connection) {}
+    /// The state changed (for mirrors of it, such as the C struct).
+    fn state_changed(&self, _conn: &Connection, _state: ConnState) {}
+    /// The peer advertised its receive buffer.
+    fn peer_buffer(&self, _conn: &Connection, _buf: RemoteRegion) {}
+    /// The runtime let go of an accepted connection after it ended.
+    fn retired(&self, _conn: &Connection) {}
+}
+
+struct NoHandler;
+impl ConnHandler for NoHandler {}
+
+/// A message deferred while a callback drives the CQ itself.
+struct Delivery {
+    offset: usize,
+    len: usize,
+    extended: bool,
+}
+
+struct State {
+    state: ConnState,
+    peer_ring: Option<RemoteRegion>,
+    peer_version: u8,
+    peer_recv_depth: u32,
+    peer_pa_rkey: Option<u32>,
+    tx: SendRing,
+    tx_msgs: u64,
+    tx_msgs_acked: u64,
+    rx: RecvRing,
+    rx_msgs: u64,
+    sq_used: u32,
+    cmd_free: Vec<u16>,
+    sync_ops: HashMap<u64, Option<std::result::Result<(), String>>>,
+    next_op: u64,
+    deferred: VecDeque<Delivery>,
+    /// Messages sent from inside callbacks while the ring was full.
+    queued: VecDeque<(Vec<u8>, Option<ExtKind>)>,
+    queued_bytes: usize,
+    last_errno: i32,
+}
+
+pub(crate) struct ConnInner {
+    rt: Arc<Runtime>,
+    id: CmId,
+    qp: QueuePair,
+    cq: CompletionQueue,
+    pd: ProtectionDomain,
+    recv_ring: MemoryRegion,
+    staging: MemoryRegion,
+    cmd_recv: MemoryRegion,
+    cmd_send: MemoryRegion,
+    opts: Options,
+    kind: ConnKind,
+    peer: Option<SocketAddr>,
+    handler: RwLock<Arc<dyn ConnHandler>>,
+    st: Mutex<State>,
+    cond: Condvar,
+    user_mrs: Mutex<HashMap<usize, MemoryRegion>>,
+    disconnect_fired: AtomicBool,
+    closed_locally: AtomicBool,
+    cm_source: AtomicU64,
+    cq_source: AtomicU64,
+}
+
+/// A SnowRDMA connection. Cheap to clone; all clones are the same
+/// connection.
+#[derive(Clone)]
+pub struct Connection {
+    pub(crate) inner: Arc<ConnInner>,
+}
+
+impl fmt::Debug for Connection {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Connection")
+            .field("peer", &self.inner.peer)
+            .field("kind", &self.inner.kind)
+            .field("state", &self.state())
+            .finish()
+    }
+}
+
+impl PartialEq for Connection {
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.inner, &other.inner)
+    }
+}
+
+impl Connection {
+    /// Builds the QP, buffers and posted receives on `id`'s device.
+    pub(crate) fn build(
+        rt: Arc<Runtime>,
+        id: CmId,
+        opts: &Options,
+        kind: ConnKind,
+    ) -> Result<Connection> {
+        let ctx = id
+            .context()
+            .ok_or_else(|| Error::InvalidArgument("the RDMA CM id has no device".into()))?;
+        let pd = ctx.alloc_pd()?;
+        let channel = ctx.create_comp_channel()?;
+        let recv_depth = opts.recv_depth.max(2 * PEER_CMD_RESERVE as u32);
+        let cq = ctx.create_cq(MAX_SEND_WR + recv_depth + 16, Some(&channel))?;
+        let caps = QpCaps {
+            max_send_wr: MAX_SEND_WR,
+            max_recv_wr: recv_depth,
+            max_send_sge: 1,
+            max_recv_sge: 1,
+            max_inline_data: opts.max_inline_data,
+        };
+        let qp = id.create_qp(&pd, &cq, &cq, &caps)?;
+        let remote =
+            AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_READ;
+        let recv_ring = pd.allocate(opts.recv_buf_len, remote)?;
+        let staging = pd.allocate(opts.recv_buf_len, AccessFlags::LOCAL_WRITE)?;
+        let cmd_recv = pd.allocate(recv_depth as usize * CMD_LEN, AccessFlags::LOCAL_WRITE)?;
+        let cmd_send = pd.allocate(CMD_SLOTS as usize * CMD_LEN, AccessFlags::LOCAL_WRITE)?;
+        if opts.enable_phys_addr_access {
+            warn_no_phys_addr();
+        }
+        let state = if kind == ConnKind::Connected {
+            ConnState::Connecting
+        } else {
+            ConnState::Accepting
+        };
+        let conn = Connection {
+            inner: Arc::new(ConnInner {
+                rt,
+                peer: id.peer_addr(),
+                id,
+                qp,
+                cq,
+                pd,
+                recv_ring,
+                staging,
+                cmd_recv,
+                cmd_send,
+                opts: opts.clone(),
+                kind,
+                handler: RwLock::new(Arc::new(NoHandler)),
+                st: Mutex::new(State {
+                    state,
+                    peer_ring: None,
+                    peer_version: 0,
+                    peer_recv_depth: 0,
+                    peer_pa_rkey: None,
+                    tx: SendRing::default(),
+                    tx_msgs: 0,
+                    tx_msgs_acked: 0,
+                    rx: RecvRing::new(opts.recv_buf_len),
+                    rx_msgs: 0,
+                    sq_used: 0,
+                    cmd_free: (0..CMD_SLOTS).collect(),
+                    sync_ops: HashMap::new(),
+                    next_op: 1,
+                    deferred: VecDeque::new(),
+                    queued: VecDeque::new(),
+                    queued_bytes: 0,
+                    last_errno: 0,
+                }),
+                cond: Condvar::new(),
+                user_mrs: Mutex::new(HashMap::new()),
+                disconnect_fired: AtomicBool::new(false),
+                closed_locally: AtomicBool::new(false),
+                cm_source: AtomicU64::new(0),
+                cq_source: AtomicU64::new(0),
+            }),
+        };
+        for slot in 0..recv_depth {
+            conn.post_recv_slot(slot)?;
+        }
+        Ok(conn)
+    }
+
+    /// Connects to a SnowRDMA server at `addr`; returns once data can flow.
+    /// Fails with an error when the server rejects, is unreachable, or does
+    /// not answer within `opts.timeout` per step.
+    pub fn connect(
+        addr: SocketAddr,
+        opts: &Options,
+        handler: Arc<dyn ConnHandler>,
+    ) -> Result<Connection> {
+        let rt = runtime()?;
+        let id = CmId::resolve(addr, None, opts.timeout)?;
+        let conn = Connection::build(rt.clone(), id.clone(), opts, ConnKind::Connected)?;
+        conn.set_handler(handler);
+        conn.notify_state(ConnState::Connecting);
+        id.connect(&conn.conn_param())?;
+        // Connection setup crosses the wire several times; allow each step
+        // the configured timeout, and at least a few seconds on the whole.
+        let setup = (opts.timeout * 4).max(Duration::from_secs(5));
+        if let Err(e) = id.expect_event(CmEventKind::ESTABLISHED, setup) {
+            conn.set_state(ConnState::Error);
+            return Err(e.into());
+        }
+        conn.set_state(ConnState::Connected);
+        let cm_key = rt.cm.add(Arc::new(CmSource::Client(conn.clone())));
+        conn.inner.cm_source.store(cm_key, Ordering::SeqCst);
+        conn.start_completions();
+        conn.send_reg_local_addr()?;
+        let waited = conn.wait_until(Instant::now() + setup, |st| match st.state {
+            ConnState::MrReady => Some(Ok(())),
+            ConnState::Closed | ConnState::Error => Some(Err(Error::Disconnected)),
+            _ => None,
+        });
+        if let Err(e) = waited {
+            conn.close();
+            return Err(e);
+        }
+        Ok(conn)
+    }
+
+    pub(crate) fn conn_param(&self) -> ConnParam {
+        let rd = match self.inner.opts.max_outstanding_rd_atomic {
+            0 => u8::MAX, // capped to the device's maximum by the verbs layer
+            n => n.min(255) as u8,
+        };
+        ConnParam {
+            responder_resources: rd,
+            initiator_depth: rd,
+            retry_count: self.inner.opts.retry_count,
+            rnr_retry_count: self.inner.opts.rnr_retry_count,
+            private_data: Vec::new(),
+        }
+    }
+
+    pub(crate) fn start_completions(&self) {
+        let key = self.inner.rt.cq.add(Arc::new(CqSource(self.clone())));
+        self.inner.cq_source.store(key, Ordering::SeqCst);
+    }
+
+    /// Replaces the handler (callbacks already running finish with the old).
+    pub fn set_handler(&self, handler: Arc<dyn ConnHandler>) {
+        *self.inner.handler.write().expect("handler lock") = handler;
+    }
+
+    fn handler(&self) -> Arc<dyn ConnHandler> {
+        self.inner.handler.read().expect("handler lock").clone()
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.inner.st.lock().expect("connection lock")
+    }
+
+    pub fn state(&self) -> ConnState {
+        self.lock().state
+    }
+
+    pub fn kind(&self) -> ConnKind {
+        self.inner.kind
+    }
+
+    /// The peer's address.
+    pub fn peer_addr(&self) -> Option<SocketAddr> {
+        self.inner.peer
+    }
+
+    pub fn options(&self) -> &Options {
+        &self.inner.opts
+    }
+
+    pub fn cm_id(&self) -> &CmId {
+        &self.inner.id
+    }
+
+    pub fn pd(&self) -> &ProtectionDomain {
+        &self.inner.pd
+    }
+
+    pub fn cq(&self) -> &CompletionQueue {
+        &self.inner.cq
+    }
+
+    /// Our receive ring (peers write messages into it).
+    pub fn recv_ring(&self) -> &MemoryRegion {
+        &self.inner.recv_ring
+    }
+
+    /// The staging buffer our messages are copied into before they leave.
+    pub fn staging(&self) -> &MemoryRegion {
+        &self.inner.staging
+    }
+
+    /// The receive buffers of commands.
+    pub fn cmd_buffers(&self) -> &MemoryRegion {
+        &self.inner.cmd_recv
+    }
+
+    /// The peer's receive buffer, once advertised.
+    pub fn peer_buffer(&self) -> Option<RemoteRegion> {
+        self.lock().peer_ring
+    }
+
+    /// The errno of the last failure on this connection (0: none).
+    pub fn last_errno(&self) -> i32 {
+        self.lock().last_errno
+    }
+
+    fn set_state(&self, state: ConnState) {
+        self.lock().state = state;
+        self.inner.cond.notify_all();
+        self.notify_state(state);
+    }
+
+    fn notify_state(&self, state: ConnState) {
+        self.handler().state_changed(self, state);
+    }
+
+    fn post_recv_slot(&self, slot: u32) -> Result<()> {
+        let sge = self
+            .inner
+            .cmd_recv
+            .sge(slot as usize * CMD_LEN..(slot as usize + 1) * CMD_LEN);
+        // SAFETY: the slot is only read after its receive completes and is
+        // reposted only after that; the MR lives as long as the QP.
+        unsafe {
+            self.inner
+                .qp
+                .post_recv(wr_id(K_RECV, slot as u64), &[sge])?
+        };
+        Ok(())
+    }
+
+    /// Copies `bytes` into one of our own registered buffers at `offset`.
+    ///
+    /// # Safety
+    /// The range must be inside `mr` and no posted operation may be reading
+    /// it; callers hold the state lock, which owns staging and command slots.
+    unsafe fn copy_into(mr: &MemoryRegion, offset: usize, bytes: &[u8]) {
+        debug_assert!(offset + bytes.len() <= mr.len());
+        std::ptr::copy_nonoverlapping(
+            bytes.as_ptr(),
+            (mr.addr() as usize + offset) as *mut u8,
+            bytes.len(),
+        );
+    }
+
+    /// Posts a command if a slot and send-queue room are free.
+    fn post_cmd(&self, st: &mut State, cmd: Cmd) -> Result<bool> {
+        if st.sq_used >= MAX_SEND_WR {
+            return Ok(false);
+        }
+        let Some(slot) = st.cmd_free.pop() else {
+            return Ok(false);
+        };
+        let off = slot as usize * CMD_LEN;
+        // SAFETY: the slot is free (its previous send completed); we hold the lock.
+        unsafe { Self::copy_into(&self.inner.cmd_send, off, &cmd.encode()) };
+        let sge = self.inner.cmd_send.sge(off..off + CMD_LEN);
+        // SAFETY: the slot stays untouched until the send completes.
+        let posted = unsafe {
+            self.inner.qp.post_send(&[SendRequest::new(
+                wr_id(K_CMD, slot as u64),
+                SendOp::Send,
+                &[sge],
+            )])
+        };
+        match posted {
+            Ok(()) => {
+                st.sq_used += 1;
+                Ok(true)
+            }
+            Err(e) => {
+                st.cmd_free.push(slot);
+                Err(e.into())
+            }
+        }
+    }
+
+    fn send_reg_local_addr(&self) -> Result<()> {
+        let ring = self.inner.recv_ring.remote();
+        let mut cmd = Cmd::new(Opcode::RegLocalAddr, ring.addr, ring.len as u32, ring.rkey);
+        cmd.recv_depth = self.inner.opts.recv_depth.max(2 * PEER_CMD_RESERVE as u32);
+        let mut st = self.lock();
+        if !self.post_cmd(&mut st, cmd)? {
+            return Err(Error::InvalidArgument(
+                "no room to advertise the receive buffer".into(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Sends a message: the peer's `recv` callback gets exactly these bytes,
+    /// whole, in order, once. Returns the bytes accepted, or 0 when the
+    /// peer's ring has no room now (non-blocking mode, or inside a callback
+    /// after waiting up to the timeout).
+    pub fn send(&self, data: &[u8]) -> Result<usize> {
+        self.send_message(data, None)
+    }
+
+    /// Sends a message that also delivers `imm` to the peer's `recv`
+    /// callback. Needs a snowrdma peer (legacy peers cannot receive it).
+    pub fn send_with_imm(&self, imm: u32, data: &[u8]) -> Result<usize> {
+        self.send_message(data, Some(ExtKind::WithImm(imm)))
+    }
+
+    /// Writes `data` into the peer's receive buffer without notifying it
+    /// (`rdmaConnWrite`); `write_done` fires when the write completes.
+    pub fn write_silent(&self, data: &[u8]) -> Result<usize> {
+        let legacy = self.lock().peer_version < 1;
+        // A legacy peer's buffer is written as the legacy library did; ours
+        // is told to skip the bytes so its ring stays in step.
+        self.send_message(data, if legacy { None } else { Some(ExtKind::Silent) })
+            .inspect(|&n| {
+                if n > 0 {
+                    self.handler().write_done(self, n);
+                }
+            })
+    }
+
+    fn send_message(&self, data: &[u8], ext: Option<ExtKind>) -> Result<usize> {
+        if data.is_empty() {
+            return Err(Error::InvalidArgument("a message cannot be empty".into()));
+        }
+        let blocking = self.inner.opts.comm_mode == CommMode::Blocking;
+        let on_cq_thread = self.inner.rt.cq.is_current();
+        let deadline = Instant::now() + self.inner.opts.timeout.max(Duration::from_secs(1));
+        let mut st = self.lock();
+        loop {
+            self.check_sendable(&st, data.len(), ext)?;
+            // Queued messages go first, so order holds.
+            if st.queued.is_empty() && self.try_post_message(&mut st, data, ext)? {
+                return Ok(data.len());
+            }
+            if on_cq_thread {
+                // Inside a callback nobody else would hand back room: in
+                // blocking mode the message waits in order in the queue, which
+                // the completion thread drains as credit arrives.
+                if blocking && st.queued_bytes + data.len() <= MAX_QUEUED_BYTES {
+                    st.queued_bytes += data.len();
+                    st.queued.push_back((data.to_vec(), ext));
+                    return Ok(data.len());
+                }
+                return Ok(0);
+            }
+            let now = Instant::now();
+            if !blocking || now >= deadline {
+                return Ok(0);
+            }
+            st = self
+                .inner
+                .cond
+                .wait_timeout(st, (deadline - now).min(Duration::from_millis(50)))
+                .expect("connection lock")
+                .0;
+        }
+    }
+
+    fn check_sendable(&self, st: &State, len: usize, ext: Option<ExtKind>) -> Result<()> {
+        match st.state {
+            ConnState::MrReady => {}
+            ConnState::Closed | ConnState::Error => return Err(Error::Disconnected),
+            _ => return Err(Error::NotConnected),
+        }
+        if ext.is_some() && st.peer_version < 1 {
+            return Err(Error::Unsupported(
+                "the peer runs the legacy library, which cannot receive immediates".into(),
+            ));
+        }
+        let header = if ext.is_some() { EXT_HEADER_LEN } else { 0 };
+        let cap = st.tx.capacity();
+        if len + header > cap {
+            return Err(Error::TooLarge {
+                len,
+                max: cap.saturating_sub(header),
+            });
+        }
+        Ok(())
+    }
+
+    /// Posts the message if the peer's ring, its receive queue and our send
+    /// queue all have room; false when one of them is full.
+    fn try_post_message(&self, st: &mut State, data: &[u8], ext: Option<ExtKind>) -> Result<bool> {
+        let total = data.len() + if ext.is_some() { EXT_HEADER_LEN } else { 0 };
+        let msgs_ok = st.peer_version < 1
+            || st.tx_msgs - st.tx_msgs_acked
+                < u64::from(st.peer_recv_depth).saturating_sub(PEER_CMD_RESERVE);
+        if st.sq_used >= MAX_SEND_WR - CMD_RESERVE || !msgs_ok {
+            return Ok(false);
+        }
+        match st.tx.reserve(total) {
+            Some(offset) => self.post_message(st, offset, data, ext).map(|()| true),
+            None => Ok(false),
+        }
+    }
+
+    /// Sends queued messages while there is room (completion thread).
+    fn flush_queued(&self) {
+        let mut st = self.lock();
+        while let Some((data, ext)) = st.queued.pop_front() {
+            match self.try_post_message(&mut st, &data, ext) {
+                Ok(true) => st.queued_bytes -= data.len(),
+                Ok(false) => {
+                    st.queued.push_front((data, ext));
+                    return;
+                }
+                Err(e) => {
+                    drop(st);
+                    return self.fail(&format!("sending a queued message: {e}"));
+                }
+            }
+        }
+    }
+
+    fn post_message(
+        &self,
+        st: &mut State,
+        offset: usize,
+        data: &[u8],
+        ext: Option<ExtKind>,
+    ) -> Result<()> {
+        let peer = st.peer_ring.ok_or(Error::NotConnected)?;
+        let mut len = data.len();
+        // SAFETY: [offset, offset+total) was just reserved, so no in-flight
+        // write reads it; we hold the state lock.
+        unsafe {
+            match ext {
+                Some(kind) => {
+                    Self::copy_into(&self.inner.staging, offset, &kind.encode());
+                    Self::copy_into(&self.inner.staging, offset + EXT_HEADER_LEN, data);
+                    len += EXT_HEADER_LEN;
+                }
+                None => Self::copy_into(&self.inner.staging, offset, data),
+            }
+        }
+        let imm = offset as u32 | if ext.is_some() { IMM_EXTENDED } else { 0 };
+        let sge = self.inner.staging.sge(offset..offset + len);
+        let op = SendOp::WriteWithImm(peer.at(offset as u64), imm);
+        // SAFETY: the staging range stays reserved until the peer returns it,
+        // which is after this write has landed.
+        unsafe {
+            self.inner
+                .qp
+                .post_send(&[SendRequest::new(wr_id(K_DATA, len as u64), op, &[sge])])?
+        };
+        st.sq_used += 1;
+        st.tx_msgs += 1;
+        Ok(())
+    }
+
+    /// Registers a zeroed buffer of `size` bytes for local write and remote
+    /// read/write on this connection; it lives until [`Connection::deregister`]
+    /// or the connection's end.
+    pub fn register(&self, size: usize) -> Result<*mut rdma_sys::ibv_mr> {
+        let access =
+            AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_READ;
+        let mr = self.inner.pd.allocate(size, access)?;
+        let raw = mr.as_raw();
+        self.inner
+            .user_mrs
+            .lock()
+            .expect("mr lock")
+            .insert(raw as usize, mr);
+        Ok(raw)
+    }
+
+    /// Deregisters and frees a buffer from [`Connection::register`]; false
+    /// when `mr` is not one of this connection's.
+    pub fn deregister(&self, mr: *mut rdma_sys::ibv_mr) -> bool {
+        self.inner
+            .user_mrs
+            .lock()
+            .expect("mr lock")
+            .remove(&(mr as usize))
+            .is_some()
+    }
+
+    /// Checks that `[addr, addr+len)` lies in a buffer registered on this
+    /// connection under `lkey`.
+    fn check_local(&self, addr: u64, lkey: u32, len: u32) -> Result<Sge> {
+        let mrs = self.inner.user_mrs.lock().expect("mr lock");
+        let own = [&self.inner.recv_ring, &self.inner.staging];
+        let found = mrs.values().chain(own).find(|mr| mr.lkey() == lkey);
+        match found {
+            None => Err(Error::InvalidArgument(format!(
+                "lkey {lkey:#x} is not a buffer registered on this connection (rdmaConnRegMem)"
+            ))),
+            Some(mr) if addr < mr.addr() || addr + len as u64 > mr.addr() + mr.len() as u64 => {
+                Err(Error::InvalidArgument(format!(
+                    "{len} bytes at {addr:#x} are outside the registered buffer of lkey {lkey:#x}"
+                )))
+            }
+            Some(_) => Ok(Sge {
+                addr,
+                length: len,
+                lkey,
+            }),
+        }
+    }
+
+    /// Posts a one-sided READ or WRITE; returns the op id for sync waits.
+    fn post_one_sided(
+        &self,
+        read: bool,
+        local: Sge,
+        remote: RemoteAddr,
+        sync: bool,
+    ) -> Result<u64> {
+        if local.length == 0 {
+            return Err(Error::InvalidArgument("length 0".into()));
+        }
+        let deadline = Instant::now() + self.inner.opts.timeout.max(Duration::from_secs(1));
+        let mut st = self
+            .wait_until(deadline, |st| match st.state {
+                ConnState::Closed | ConnState::Error => Some(Err(Error::Disconnected)),
+                ConnState::Connected | ConnState::MrReady
+                    if st.sq_used < MAX_SEND_WR - CMD_RESERVE =>
+                {
+                    Some(Ok(()))
+                }
+                ConnState::Connected | ConnState::MrReady => None,
+                _ => Some(Err(Error::NotConnected)),
+            })
+            .and_then(|room| room)
+            .map(|()| self.lock())?;
+        let op = if read {
+            SendOp::Read(remote)
+        } else {
+            SendOp::Write(remote)
+        };
+        let id = if sync {
+            let id = st.next_op;
+            st.next_op += 1;
+            st.sync_ops.insert(id, None);
+            wr_id(K_SYNC, id)
+        } else {
+            wr_id(if read { K_READ } else { K_WRITE }, local.length as u64)
+        };
+        // SAFETY: the caller's buffer was checked to be registered here; the
+        // C contract (and `read`/`write`'s docs) leave it to the device until
+        // the completion.
+        let posted = unsafe {
+            self.inner
+                .qp
+                .post_send(&[SendRequest::new(id, op, &[local])])
+        };
+        if let Err(e) = posted {
+            st.sync_ops.remove(&(id & LOW_MASK));
+            return Err(e.into());
+        }
+        st.sq_used += 1;
+        Ok(id & LOW_MASK)
+    }
+
+    /// Starts an RDMA READ of `len` bytes from `remote` into a buffer
+    /// registered on this connection; `read_done` fires on completion.
+    ///
+    /// # Safety
+    /// The local range must not be read or freed until `read_done`.
+    pub unsafe fn read(
+        &self,
+        local_addr: u64,
+        lkey: u32,
+        remote: RemoteAddr,
+        len: u32,
+    ) -> Result<usize> {
+        let sge = self.check_local(local_addr, lkey, len)?;
+        self.post_one_sided(true, sge, remote, false)
+            .map(|_| len as usize)
+    }
+
+    /// Starts an RDMA WRITE; `write_done` fires on completion.
+    ///
+    /// # Safety
+    /// The local range must not be changed or freed until `write_done`.
+    pub unsafe fn write(
+        &self,
+        local_addr: u64,
+        lkey: u32,
+        remote: RemoteAddr,
+        len: u32,
+    ) -> Result<usize> {
+        let sge = self.check_local(local_addr, lkey, len)?;
+        self.post_one_sided(false, sge, remote, false)
+            .map(|_| len as usize)
+    }
+
+    /// RDMA READ that returns once its own completion arrived (an error if
+    /// it failed, which also ends the connection).
+    pub fn read_sync(
+        &self,
+        local_addr: u64,
+        lkey: u32,
+        remote: RemoteAddr,
+        len: u32,
+    ) -> Result<usize> {
+        self.one_sided_sync(true, local_addr, lkey, remote, len)
+    }
+
+    /// RDMA WRITE that returns once its own completion arrived.
+    pub fn write_sync(
+        &self,
+        local_addr: u64,
+        lkey: u32,
+        remote: RemoteAddr,
+        len: u32,
+    ) -> Result<usize> {
+        self.one_sided_sync(false, local_addr, lkey, remote, len)
+    }
+
+    fn one_sided_sync(
+        &self,
+        read: bool,
+        local_addr: u64,
+        lkey: u32,
+        remote: RemoteAddr,
+        len: u32,
+    ) -> Result<usize> {
+        let sge = self.check_local(local_addr, lkey, len)?;
+        let op = self.post_one_sided(read, sge, remote, true)?;
+        let result = self.wait_until(Instant::now() + SYNC_OP_TIMEOUT, |st| {
+            match st.sync_ops.get(&op) {
+                Some(Some(_)) => st.sync_ops.remove(&op).flatten(),
+                Some(None) => None,
+                None => Some(Err("the connection closed".into())),
+            }
+        });
+        match result {
+            Ok(Ok(())) => Ok(len as usize),
+            Ok(Err(reason)) => Err(Error::OperationFailed(reason)),
+            Err(e) => {
+                self.lock().sync_ops.remove(&op);
+                if matches!(e, Error::Timeout(_)) {
+                    // Stop the device from touching the buffer any later.
+                    self.fail("a synchronous operation timed out");
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// Waits until `check` gives a value. On the completion thread (inside a
+    /// callback) it handles this connection's completions itself, since
+    /// nobody else will.
+    fn wait_until<T>(
+        &self,
+        deadline: Instant,
+        mut check: impl FnMut(&mut State) -> Option<T>,
+    ) -> Result<T> {
+        let on_cq_thread = self.inner.rt.cq.is_current();
+        loop {
+            {
+                let mut st = self.lock();
+                if let Some(v) = check(&mut st) {
+                    return Ok(v);
+                }
+                let now = Instant::now();
+                if now >= deadline {
+                    return Err(Error::Timeout("waiting on the connection".into()));
+                }
+                if !on_cq_thread {
+                    let left = (deadline - now).min(Duration::from_millis(50));
+                    let _ = self.inner.cond.wait_timeout(st, left);
+                    continue;
+                }
+            }
+            if self.drive_inline() == 0 {
+                std::thread::sleep(Duration::from_micros(20));
+            }
+        }
+    }
+
+    /// Handles this connection's pending completions from inside a callback;
+    /// messages are queued for delivery after the callback returns.
+    fn drive_inline(&self) -> usize {
+        let mut wcs: [Completion; 16] = Default::default();
+        let mut handled = 0;
+        loop {
+            let n = match self.inner.cq.poll(&mut wcs) {
+                Ok(n) => n,
+                Err(e) => {
+                    log::error!("polling the CQ failed: {e}");
+                    return handled;
+                }
+            };
+            if n == 0 {
+                return handled;
+            }
+            for wc in &wcs[..n] {
+                self.dispatch(wc, true);
+            }
+            handled += n;
+        }
+    }
+
+    /// Handles everything on the CQ (completion thread, top level).
+    pub(crate) fn process_completions(&self) {
+        let channel = self
+            .inner
+            .cq
+            .channel()
+            .expect("connections have a completion channel");
+        if let Err(e) = channel.get_event(Duration::ZERO) {
+            log::error!("completion channel: {e}");
+        }
+        let mut wcs: Vec<Completion> = vec![
+            Completion::default();
+            self.inner.opts.max_concurrent_work_requests.clamp(1, 4096)
+                as usize
+        ];
+        loop {
+            let n = match self.inner.cq.poll(&mut wcs) {
+                Ok(n) => n,
+                Err(e) => {
+                    log::error!("polling the CQ failed: {e}");
+                    return;
+                }
+            };
+            if n == 0 {
+                // Arm, then poll once more: a completion that arrived before
+                // arming would otherwise wait for the next one.
+                if self.inner.cq.arm(false).is_err() {
+                    return;
+                }
+                match self.inner.cq.poll(&mut wcs[..1]) {
+                    Ok(0) | Err(_) => break,
+                    Ok(_) => {
+                        let wc = wcs[0].clone();
+                        self.dispatch(&wc, false);
+                        continue;
+                    }
+                }
+            }
+            for wc in &wcs[..n] {
+                self.dispatch(wc, false);
+            }
+            self.deliver_deferred();
+            self.maybe_send_credit(false);
+            self.flush_queued();
+        }
+        self.deliver_deferred();
+        self.maybe_send_credit(true);
+        self.flush_queued();
+    }
+
+    fn dispatch(&self, wc: &Completion, inline: bool) {
+        let kind = wc.wr_id() >> KIND_SHIFT;
+        let low = wc.wr_id() & LOW_MASK;
+        if !wc.is_ok() {
+            let ending = matches!(self.state(), ConnState::Closed | ConnState::Error);
+            if kind == K_SYNC {
+                let reason = format!("completed with {}", wc.status());
+                if let Some(slot) = self.lock().sync_ops.get_mut(&low) {
+                    *slot = Some(Err(reason));
+                }
+            }
+            if !(ending && wc.status() == WcStatus::WR_FLUSH_ERR) {
+                self.fail(&format!(
+                    "work request {:#x} completed with {}",
+                    wc.wr_id(),
+                    wc.status()
+                ));
+            }
+            self.inner.cond.notify_all();
+            return;
+        }
+        match kind {
+            K_RECV => {
+                match wc.opcode() {
+                    WcOpcode::RECV => self.handle_cmd(low as u32, wc.byte_len() as usize),
+                    WcOpcode::RECV_RDMA_WITH_IMM => {
+                        self.handle_message(wc.imm().unwrap_or(0), wc.byte_len() as usize, inline)
+                    }
+                    other => log::warn!("unexpected receive completion {other}"),
+                }
+                if !matches!(self.state(), ConnState::Closed | ConnState::Error) {
+                    if let Err(e) = self.post_recv_slot(low as u32) {
+                        self.fail(&format!("reposting a receive: {e}"));
+                    }
+                }
+            }
+            K_DATA => {
+                self.lock().sq_used -= 1;
+                self.inner.cond.notify_all();
+            }
+            K_CMD => {
+                let mut st = self.lock();
+                st.sq_used -= 1;
+                st.cmd_free.push(low as u16);
+            }
+            K_WRITE | K_READ => {
+                self.lock().sq_used -= 1;
+                self.inner.cond.notify_all();
+                let h = self.handler();
+                if kind == K_WRITE {
+                    h.write_done(self, low as usize);
+                } else {
+                    h.read_done(self, low as usize);
+                }
+            }
+            K_SYNC => {
+                let mut st = self.lock();
+                st.sq_used -= 1;
+                if let Some(slot) = st.sync_ops.get_mut(&low) {
+                    *slot = Some(Ok(()));
+                }
+                drop(st);
+                self.inner.cond.notify_all();
+            }
+            _ => log::error!("completion with unknown work request id {:#x}", wc.wr_id()),
+        }
+    }
+
+    fn handle_cmd(&self, slot: u32, len: usize) {
+        let off = slot as usize * CMD_LEN;
+        let bytes = &self.inner.cmd_recv.as_slice()[off..off + CMD_LEN];
+        let cmd = match Cmd::decode(&bytes[..len.min(CMD_LEN)]) {
+            Ok(c) => c,
+            Err(e) => return self.fail(&format!("bad command from the peer: {e}")),
+        };
+        match cmd.opcode {
+            Opcode::RegLocalAddr => {
+                let ring = RemoteRegion {
+                    addr: cmd.addr,
+                    len: cmd.length as u64,
+                    rkey: cmd.key,
+                };
+                let first = {
+                    let mut st = self.lock();
+                    st.peer_ring = Some(ring);
+                    st.peer_version = cmd.version;
+                    st.peer_recv_depth = cmd.recv_depth;
+                    // A REG_LOCAL_ADDR restarts the sender at offset 0; our
+                    // staging buffer bounds how much of the peer's ring we use.
+                    st.tx
+                        .reset((cmd.length as usize).min(self.inner.staging.len()));
+                    st.tx_msgs = 0;
+                    st.tx_msgs_acked = 0;
+                    let first = st.state == ConnState::Connected;
+                    if first {
+                        st.state = ConnState::MrReady;
+                    }
+                    first
+                };
+                self.inner.cond.notify_all();
+                let h = self.handler();
+                h.peer_buffer(self, ring);
+                if first {
+                    h.state_changed(self, ConnState::MrReady);
+                    h.connected(self);
+                }
+            }
+            Opcode::RegPhysAddr => {
+                self.lock().peer_pa_rkey = Some(cmd.key);
+                log::info!("peer offers physical-address access (rkey {:#x}); PA operations are unavailable here", cmd.key);
+            }
+            Opcode::ConnGoodbye => log::debug!("peer said goodbye"),
+            Opcode::Credit => {
+                let mut st = self.lock();
+                if !st.tx.ack(cmd.addr) {
+                    drop(st);
+                    return self.fail("the peer returned credit it was never given");
+                }
+                let acked = st.tx_msgs_acked;
+                st.tx_msgs_acked = acked + u64::from(cmd.length.wrapping_sub(acked as u32));
+                drop(st);
+                self.inner.cond.notify_all();
+            }
+        }
+    }
+
+    fn handle_message(&self, imm: u32, len: usize, inline: bool) {
+        let delivery = Delivery {
+            offset: (imm & !IMM_EXTENDED) as usize,
+            len,
+            extended: imm & IMM_EXTENDED != 0,
+        };
+        if delivery.offset + len > self.inner.recv_ring.len() {
+            return self.fail(&format!(
+                "the peer wrote {len} bytes at {} outside the ring",
+                delivery.offset
+            ));
+        }
+        let mut st = self.lock();
+        if inline || !st.deferred.is_empty() {
+            st.deferred.push_back(delivery);
+            return;
+        }
+        drop(st);
+        self.deliver(delivery);
+    }
+
+    fn deliver_deferred(&self) {
+        loop {
+            let Some(d) = self.lock().deferred.pop_front() else {
+                return;
+            };
+            self.deliver(d);
+        }
+    }
+
+    fn deliver(&self, d: Delivery) {
+        {
+            let mut st = self.lock();
+            if !matches!(st.state, ConnState::MrReady | ConnState::Connected) {
+                return;
+            }
+            if !st.rx.accept(d.offset, d.len) {
+                drop(st);
+                return self.fail(&format!(
+                    "the peer wrote {} bytes at {}, out of order",
+                    d.len, d.offset
+                ));
+            }
+            st.rx_msgs += 1;
+        }
+        let bytes = &self.inner.recv_ring.as_slice()[d.offset..d.offset + d.len];
+        let h = self.handler();
+        if !d.extended {
+            return h.recv(self, bytes, None);
+        }
+        match (ExtKind::decode(bytes), bytes.get(EXT_HEADER_LEN..)) {
+            (Some(ExtKind::Silent), _) => {}
+            (Some(ExtKind::WithImm(imm)), Some(payload)) => h.recv(self, payload, Some(imm)),
+            _ => self.fail("the peer sent a malformed extended message"),
+        }
+    }
+
+    /// Returns consumed ring space to the peer: at the end of a round of
+    /// completions (`final_round`), or mid-round once a quarter of the ring
+    /// is waiting.
+    fn maybe_send_credit(&self, final_round: bool) {
+        let mut st = self.lock();
+        if st.peer_version < 1 || st.state != ConnState::MrReady {
+            return;
+        }
+        let unreported = st.rx.unreported();
+        if unreported == 0 || (!final_round && unreported < self.inner.recv_ring.len() as u64 / 4) {
+            return;
+        }
+        // No free slot: a command completion will free one, and the round it
+        // ends in sends the credit (still unreported until then).
+        if st.cmd_free.is_empty() || st.sq_used >= MAX_SEND_WR {
+            return;
+        }
+        let consumed = st.rx.take_report();
+        let cmd = Cmd::new(Opcode::Credit, consumed, st.rx_msgs as u32, 0);
+        if let Err(e) = self.post_cmd(&mut st, cmd) {
+            drop(st);
+            self.fail(&format!("returning credit: {e}"));
+        }
+    }
+
+    /// Ends the connection after a failure: state Error, waiters woken,
+    /// `disconnected` fired once, the peer told.
+    pub(crate) fn fail(&self, reason: &str) {
+        {
+            let mut st = self.lock();
+            if matches!(st.state, ConnState::Closed | ConnState::Error) {
+                return;
+            }
+            log::warn!("connection to {:?} failed: {reason}", self.inner.peer);
+            st.state = ConnState::Error;
+            st.last_errno = libc::ECONNABORTED;
+            for slot in st.sync_ops.values_mut() {
+                slot.get_or_insert_with(|| Err(reason.to_string()));
+            }
+        }
+        self.inner.cond.notify_all();
+        let _ = self.inner.id.disconnect();
+        self.notify_state(ConnState::Error);
+        self.fire_disconnected();
+        if self.inner.kind == ConnKind::Accepted {
+            self.retire();
+        }
+    }
+
+    fn fire_disconnected(&self) {
+        if !self.inner.closed_locally.load(Ordering::SeqCst)
+            && !self.inner.disconnect_fired.swap(true, Ordering::SeqCst)
+        {
+            self.handler().disconnected(self);
+        }
+    }
+
+    /// An RDMA CM event for this connection (CM thread).
+    pub(crate) fn on_cm_event(&self, ev: &CmEvent) {
+        match ev.kind {
+            CmEventKind::ESTABLISHED => {
+                self.set_state(ConnState::Connected);
+                if let Err(e) = self.send_reg_local_addr() {
+                    self.fail(&format!("advertising the receive buffer: {e}"));
+                }
+            }
+            CmEventKind::DISCONNECTED => {
+                let was = {
+                    let mut st = self.lock();
+                    let was = st.state;
+                    if !matches!(was, ConnState::Closed | ConnState::Error) {
+                        st.state = ConnState::Closed;
+                    }
+                    for slot in st.sync_ops.values_mut() {
+                        slot.get_or_insert_with(|| Err("the peer disconnected".into()));
+                    }
+                    was
+                };
+                self.inner.cond.notify_all();
+                // Answer, so the peer's own DISCONNECTED arrives.
+                let _ = self.inner.id.disconnect();
+                if !matches!(was, ConnState::Closed | ConnState::Error) {
+                    self.notify_state(ConnState::Closed);
+                    self.fire_disconnected();
+                }
+                if self.inner.kind == ConnKind::Accepted {
+                    self.retire();
+                }
+            }
+            CmEventKind::REJECTED
+            | CmEventKind::UNREACHABLE
+            | CmEventKind::CONNECT_ERROR
+            | CmEventKind::DEVICE_REMOVAL => {
+                self.fail(&format!("{} (status {})", ev.kind, ev.status));
+            }
+            _ => log::debug!("RDMA CM event {} on a connection", ev.kind),
+        }
+    }
+
+    /// Stops the runtime's watch over this connection.
+    fn unwatch(&self) {
+        let cm = self.inner.cm_source.swap(0, Ordering::SeqCst);
+        if cm != 0 {
+            self.inner.rt.cm.remove(cm);
+        }
+        let cq = self.inner.cq_source.swap(0, Ordering::SeqCst);
+        if cq != 0 {
+            self.inner.rt.cq.remove(cq);
+        }
+    }
+
+    /// The runtime lets go of an accepted connection that ended.
+    fn retire(&self) {
+        self.unwatch();
+        self.inner.rt.forget_accepted(self);
+        self.handler().retired(self);
+    }
+
+    /// Closes the connection: says goodbye to the peer, disconnects, and
+    /// frees everything once the last handle is gone. No callback fires for a
+    /// local close; a second close does nothing.
+    pub fn close(&self) {
+        if self.inner.closed_locally.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        let was = {
+            let mut st = self.lock();
+            let was = st.state;
+            if was == ConnState::MrReady {
+                let _ = self.post_cmd(&mut st, Cmd::new(Opcode::ConnGoodbye, 0, 0, 0));
+            }
+            st.state = ConnState::Closed;
+            for slot in st.sync_ops.values_mut() {
+                slot.get_or_insert_with(|| Err("the connection was closed".into()));
+            }
+            was
+        };
+        self.inner.cond.notify_all();
+        if matches!(was, ConnState::Connected | ConnState::MrReady) {
+            let _ = self.inner.id.disconnect();
+        }
+        self.notify_state(ConnState::Closed);
+        self.unwatch();
+        if self.inner.kind == ConnKind::Accepted {
+            self.inner.rt.forget_accepted(self);
+        }
+    }
+}
+
+/// Logs once per process that physical-address access is unavailable.
+pub(crate) fn warn_no_phys_addr() {
+    static WARNED: std::sync::Once = std::sync::Once::new();
+    WARNED.call_once(|| {
+        log::warn!(
+            "physical-address access needs MLNX_OFED experimental verbs (ibv_exp_reg_mr), which this \
+             rdma-core stack lacks: PA operations will fail with RDMA_ERR"
+        )
+    });
+}
+
+/// The completion channel of one connection, watched by the completion thread.
+pub(crate) struct CqSource(pub(crate) Connection);
+
+impl super::poller::Source for CqSource {
+    fn fd(&self) -> std::os::fd::RawFd {
+        self.0.inner.cq.channel().map_or(-1, |c| c.fd())
+    }
+
+    fn ready(&self) {
+        self.0.process_completions();
+    }
+}
+
+/// RDMA CM event sources: a client connection's own channel, or a listener's
+/// (which also carries its accepted connections' events).
+pub(crate) enum CmSource {
+    Client(Connection),
+    Listener(super::listener::Listener),
+}
+
+impl super::poller::Source for CmSource {
+    fn fd(&self) -> std::os::fd::RawFd {
+        match self {
+            CmSource::Client(c) => c.inner.id.channel().fd(),
+            CmSource::Listener(l) => l.cm_id().channel().fd(),
+        }
+    }
+
+    fn ready(&self) {
+        let channel = match self {
+            CmSource::Client(c) => c.inner.id.channel().clone(),
+            CmSource::Listener(l) => l.cm_id().channel().clone(),
+        };
+        loop {
+            let ev = match channel.get_event(Duration::ZERO) {
+                Ok(ev) => ev,
+                Err(verbs::Error::Timeout { .. }) => return,
+                Err(e) => {
+                    log::error!("RDMA CM event channel: {e}");
+                    return;
+                }
+            };
+            match self {
+                CmSource::Client(c) => c.on_cm_event(&ev),
+                CmSource::Listener(l) => l.on_cm_event(ev),
+            }
+        }
+    }
+}

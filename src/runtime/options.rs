@@ -1,0 +1,62 @@
+//! Connection and server options, with the legacy library's defaults.
+
+use std::time::Duration;
+
+/// Receive buffer (ring) size, `RDMA_DEFAULT_RX_LEN`.
+pub const DEFAULT_RECV_BUF_LEN: usize = 1024 * 1024;
+
+/// How calls that find no room behave.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CommMode {
+    /// `send` waits for room (not inside a callback: there it returns 0).
+    Blocking,
+    /// `send` returns 0 when the peer's ring is full.
+    NonBlocking,
+}
+
+/// Options of a connection or server. `Default` gives the legacy defaults.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Options {
+    pub listen_backlog: i32,
+    /// Address and route resolution, and each connection-setup wait.
+    pub timeout: Duration,
+    /// Upper bound of one wait of the runtime threads.
+    pub poll_event_timeout: Duration,
+    pub max_inline_data: u32,
+    pub retry_count: u8,
+    /// 7 retries forever on the wire.
+    pub rnr_retry_count: u8,
+    /// Completions taken per poll.
+    pub max_concurrent_work_requests: u32,
+    /// Receives posted per connection.
+    pub recv_depth: u32,
+    pub comm_mode: CommMode,
+    /// Ask for physical-address access (needs MLNX_OFED experimental verbs).
+    pub enable_phys_addr_access: bool,
+    /// Outstanding READs/atomics; 0 = the device's maximum.
+    pub max_outstanding_rd_atomic: u32,
+    /// CPU for the completion thread; `None`: no pinning.
+    pub io_affinity_cpu: Option<usize>,
+    /// Size of the receive ring peers write messages into.
+    pub recv_buf_len: usize,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options {
+            listen_backlog: 128,
+            timeout: Duration::from_millis(1000),
+            poll_event_timeout: Duration::from_millis(10),
+            max_inline_data: 0,
+            retry_count: 7,
+            rnr_retry_count: 7,
+            max_concurrent_work_requests: 128 + 2048 * 2,
+            recv_depth: 1024,
+            comm_mode: CommMode::NonBlocking,
+            enable_phys_addr_access: false,
+            max_outstanding_rd_atomic: 0,
+            io_affinity_cpu: None,
+            recv_buf_len: DEFAULT_RECV_BUF_LEN,
+        }
+    }
+}

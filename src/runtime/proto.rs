@@ -1,0 +1,192 @@
+//! The SnowRDMA wire protocol: the 32-byte command messages both sides SEND,
+//! and the layout of data messages in the receiver's ring.
+//!
+//! Legacy peers speak version 0: REG_LOCAL_ADDR, REG_PHYS_ADDR, CONN_GOODBYE,
+//! and data as RDMA WRITE WITH IMM whose immediate is the byte offset in the
+//! receiver's buffer. Version 1 (ours) announces itself in the version byte of
+//! REG_LOCAL_ADDR, with the receive depth in the reserved bytes, and adds
+//! CREDIT (the receiver returns consumed ring space) and extended data
+//! messages (immediate bit 31 set: an 8-byte header precedes the payload in
+//! the ring). Nothing of version 1 is ever sent to a version-0 peer.
+
+/// `RDMA_CMD_MAGIC`.
+pub const MAGIC: u8 = b'R';
+/// The protocol version this library speaks.
+pub const VERSION: u8 = 1;
+/// Size of a command on the wire.
+pub const CMD_LEN: usize = 32;
+
+/// Bit 31 of a data message's immediate: an extended message, whose ring
+/// bytes start with an [`ExtHeader`].
+pub const IMM_EXTENDED: u32 = 1 << 31;
+/// Size of [`ExtHeader`] in the ring.
+pub const EXT_HEADER_LEN: usize = 8;
+
+/// Command opcodes (`RdmaCmdType`, plus CREDIT from version 1).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Opcode {
+    RegLocalAddr = 0,
+    RegPhysAddr = 1,
+    ConnGoodbye = 2,
+    /// Version 1: `addr` = bytes of the ring consumed so far (cumulative),
+    /// `length` = messages consumed so far (cumulative, wrapping).
+    Credit = 3,
+}
+
+/// One command, as `RdmaCmd`: magic, version, opcode, 13 reserved bytes,
+/// `addr` in host order, `length` and `key` in network order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Cmd {
+    pub version: u8,
+    pub opcode: Opcode,
+    /// Version 1 REG_LOCAL_ADDR: the sender's receive depth.
+    pub recv_depth: u32,
+    pub addr: u64,
+    pub length: u32,
+    pub key: u32,
+}
+
+/// Why a received command was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum CmdError {
+    #[error("command of {0} bytes, expected {CMD_LEN}")]
+    Length(usize),
+    #[error("bad magic byte {0:#04x}")]
+    Magic(u8),
+    #[error("unknown command opcode {0}")]
+    Opcode(u8),
+}
+
+impl Cmd {
+    pub fn new(opcode: Opcode, addr: u64, length: u32, key: u32) -> Cmd {
+        Cmd {
+            version: VERSION,
+            opcode,
+            recv_depth: 0,
+            addr,
+            length,
+            key,
+        }
+    }
+
+    pub fn encode(&self) -> [u8; CMD_LEN] {
+        let mut b = [0u8; CMD_LEN];
+        b[0] = MAGIC;
+        b[1] = self.version;
+        b[2] = self.opcode as u8;
+        b[3..7].copy_from_slice(&self.recv_depth.to_be_bytes());
+        b[16..24].copy_from_slice(&self.addr.to_ne_bytes());
+        b[24..28].copy_from_slice(&self.length.to_be_bytes());
+        b[28..32].copy_from_slice(&self.key.to_be_bytes());
+        b
+    }
+
+    pub fn decode(b: &[u8]) -> Result<Cmd, CmdError> {
+        if b.len() != CMD_LEN {
+            return Err(CmdError::Length(b.len()));
+        }
+        if b[0] != MAGIC {
+            return Err(CmdError::Magic(b[0]));
+        }
+        let opcode = match b[2] {
+            0 => Opcode::RegLocalAddr,
+            1 => Opcode::RegPhysAddr,
+            2 => Opcode::ConnGoodbye,
+            3 => Opcode::Credit,
+            other => return Err(CmdError::Opcode(other)),
+        };
+        let u32_be =
+            |r: std::ops::Range<usize>| u32::from_be_bytes(b[r].try_into().expect("4 bytes"));
+        Ok(Cmd {
+            version: b[1],
+            opcode,
+            // Legacy peers leave the reserved bytes zero.
+            recv_depth: if b[1] >= 1 { u32_be(3..7) } else { 0 },
+            addr: u64::from_ne_bytes(b[16..24].try_into().expect("8 bytes")),
+            length: u32_be(24..28),
+            key: u32_be(28..32),
+        })
+    }
+}
+
+/// What an extended data message is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ExtKind {
+    /// A message that carries an application immediate.
+    WithImm(u32),
+    /// Bytes written with `rdmaConnWrite`: land in the ring, no callback.
+    Silent,
+}
+
+impl ExtKind {
+    pub fn encode(self) -> [u8; EXT_HEADER_LEN] {
+        let (kind, imm) = match self {
+            ExtKind::WithImm(imm) => (1u32, imm),
+            ExtKind::Silent => (2u32, 0),
+        };
+        let mut b = [0u8; EXT_HEADER_LEN];
+        b[..4].copy_from_slice(&kind.to_be_bytes());
+        b[4..].copy_from_slice(&imm.to_be_bytes());
+        b
+    }
+
+    pub fn decode(b: &[u8]) -> Option<ExtKind> {
+        let kind = u32::from_be_bytes(b.get(..4)?.try_into().ok()?);
+        let imm = u32::from_be_bytes(b.get(4..8)?.try_into().ok()?);
+        match kind {
+            1 => Some(ExtKind::WithImm(imm)),
+            2 => Some(ExtKind::Silent),
+            _ => None,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn commands_have_the_legacy_layout() {
+        let c = Cmd::new(Opcode::RegLocalAddr, 0x1122_3344_5566_7788, 1 << 20, 0xabcd);
+        let b = c.encode();
+        assert_eq!(b[0], b'R');
+        assert_eq!(b[1], 1);
+        assert_eq!(b[2], 0);
+        assert_eq!(&b[16..24], &0x1122_3344_5566_7788u64.to_ne_bytes());
+        assert_eq!(&b[24..28], &(1u32 << 20).to_be_bytes());
+        assert_eq!(&b[28..32], &0xabcdu32.to_be_bytes());
+        assert_eq!(Cmd::decode(&b).unwrap(), c);
+    }
+
+    #[test]
+    fn a_legacy_command_decodes_without_extensions() {
+        let mut b = Cmd::new(Opcode::ConnGoodbye, 0, 0, 0).encode();
+        b[1] = 0;
+        b[3] = 0xff; // reserved garbage from a legacy peer is ignored
+        let c = Cmd::decode(&b).unwrap();
+        assert_eq!(
+            (c.version, c.opcode, c.recv_depth),
+            (0, Opcode::ConnGoodbye, 0)
+        );
+    }
+
+    #[test]
+    fn malformed_commands_are_refused() {
+        let mut b = Cmd::new(Opcode::Credit, 0, 0, 0).encode();
+        assert_eq!(Cmd::decode(&b[..31]), Err(CmdError::Length(31)));
+        b[2] = 9;
+        assert_eq!(Cmd::decode(&b), Err(CmdError::Opcode(9)));
+        b[0] = b'X';
+        assert_eq!(Cmd::decode(&b), Err(CmdError::Magic(b'X')));
+    }
+
+    #[test]
+    fn extended_headers_round_trip() {
+        for k in [ExtKind::WithImm(0xdead_beef), ExtKind::Silent] {
+            assert_eq!(ExtKind::decode(&k.encode()), Some(k));
+        }
+        assert_eq!(ExtKind::decode(&[0, 0, 0, 7, 0, 0, 0, 0]), None);
+        assert_eq!(ExtKind::decode(&[0, 0]), None);
+    }
+}

@@ -1,0 +1,200 @@
+//! Ring accounting for two-sided sends. The receiver's buffer is a ring of
+//! `cap` bytes; a message occupies a contiguous range, so one that does not
+//! fit before the end starts again at 0 and the tail is skipped. The sender
+//! counts bytes it has used (`head`, including skipped tails) and bytes the
+//! receiver has returned (`acked`); the receiver infers skipped bytes from
+//! the offset of the next message and returns what it consumed.
+
+/// Sender side: where the next message goes and whether it fits.
+#[derive(Debug, Clone, Default)]
+pub struct SendRing {
+    cap: u64,
+    /// Bytes used since the ring was (re)advertised, skipped tails included.
+    head: u64,
+    /// Bytes the receiver has consumed and returned.
+    acked: u64,
+}
+
+impl SendRing {
+    pub fn new(cap: usize) -> SendRing {
+        SendRing {
+            cap: cap as u64,
+            head: 0,
+            acked: 0,
+        }
+    }
+
+    pub fn capacity(&self) -> usize {
+        self.cap as usize
+    }
+
+    /// Bytes in flight (sent, not yet returned).
+    pub fn in_flight(&self) -> u64 {
+        self.head - self.acked
+    }
+
+    /// Reserves `len` contiguous bytes; returns their offset, or `None` when
+    /// there is no room right now.
+    pub fn reserve(&mut self, len: usize) -> Option<usize> {
+        let len = len as u64;
+        if len == 0 || len > self.cap {
+            return None;
+        }
+        let pos = self.head % self.cap;
+        let skip = if pos + len > self.cap {
+            self.cap - pos
+        } else {
+            0
+        };
+        if self.in_flight() + skip + len > self.cap {
+            return None;
+        }
+        self.head += skip;
+        let offset = self.head % self.cap;
+        self.head += len;
+        Some(offset as usize)
+    }
+
+    /// The receiver reports it has consumed `consumed` bytes in all. Returns
+    /// false (and changes nothing) for a report that goes backwards or beyond
+    /// what was sent.
+    pub fn ack(&mut self, consumed: u64) -> bool {
+        if consumed < self.acked || consumed > self.head {
+            return false;
+        }
+        self.acked = consumed;
+        true
+    }
+
+    /// Forgets everything: the peer advertised its buffer afresh.
+    pub fn reset(&mut self, cap: usize) {
+        *self = SendRing::new(cap);
+    }
+}
+
+/// Receiver side: checks where messages land and counts what is consumed.
+#[derive(Debug, Clone, Default)]
+pub struct RecvRing {
+    cap: u64,
+    /// Bytes consumed so far, skipped tails and gaps included.
+    consumed: u64,
+    /// What the last credit told the sender.
+    reported: u64,
+}
+
+impl RecvRing {
+    pub fn new(cap: usize) -> RecvRing {
+        RecvRing {
+            cap: cap as u64,
+            consumed: 0,
+            reported: 0,
+        }
+    }
+
+    /// Accounts for a message of `len` bytes at `offset`, which must start at
+    /// the current position or (after a skipped tail) at 0, and end inside
+    /// the ring. Returns false for a message that breaks those rules.
+    pub fn accept(&mut self, offset: usize, len: usize) -> bool {
+        let (offset, len) = (offset as u64, len as u64);
+        if len == 0 || offset + len > self.cap {
+            return false;
+        }
+        let pos = self.consumed % self.cap;
+        let skip = if offset == pos {
+            0
+        } else if offset == 0 {
+            self.cap - pos
+        } else {
+            return false;
+        };
+        self.consumed += skip + len;
+        true
+    }
+
+    /// Bytes consumed that the sender has not been told about.
+    pub fn unreported(&self) -> u64 {
+        self.consumed - self.reported
+    }
+
+    /// Marks everything consumed as reported; returns the cumulative count to
+    /// put in the credit.
+    pub fn take_report(&mut self) -> u64 {
+        self.reported = self.consumed;
+        self.consumed
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn messages_wrap_and_credit_frees_room() {
+        let mut tx = SendRing::new(100);
+        let mut rx = RecvRing::new(100);
+        assert_eq!(tx.reserve(40), Some(0));
+        assert_eq!(tx.reserve(40), Some(40));
+        assert_eq!(tx.reserve(40), None, "only 20 bytes left");
+        assert!(rx.accept(0, 40) && rx.accept(40, 40));
+        assert!(tx.ack(rx.take_report()));
+        // 20 bytes remain before the end: a 30-byte message skips them.
+        assert_eq!(tx.reserve(30), Some(0));
+        assert!(rx.accept(0, 30));
+        assert_eq!(tx.in_flight(), 50);
+        assert!(tx.ack(rx.take_report()));
+        assert_eq!(tx.in_flight(), 0);
+    }
+
+    #[test]
+    fn a_full_ring_refuses_until_credit_arrives() {
+        let mut tx = SendRing::new(64);
+        assert_eq!(tx.reserve(64), Some(0));
+        assert_eq!(tx.reserve(1), None);
+        assert!(tx.ack(64));
+        assert_eq!(tx.reserve(1), Some(0));
+    }
+
+    #[test]
+    fn impossible_sizes_and_acks_are_refused() {
+        let mut tx = SendRing::new(64);
+        assert_eq!(tx.reserve(0), None);
+        assert_eq!(tx.reserve(65), None);
+        tx.reserve(10);
+        assert!(!tx.ack(11), "acking more than was sent");
+        assert!(tx.ack(5));
+        assert!(!tx.ack(4), "acks never go backwards");
+    }
+
+    #[test]
+    fn the_receiver_refuses_messages_out_of_place() {
+        let mut rx = RecvRing::new(64);
+        assert!(!rx.accept(10, 4), "must start at the current position or 0");
+        assert!(!rx.accept(60, 8), "must end inside the ring");
+        assert!(!rx.accept(0, 0));
+        assert!(rx.accept(0, 60));
+        assert!(rx.accept(0, 8), "wrapped: skips 4 bytes");
+        assert_eq!(rx.unreported(), 72);
+    }
+
+    #[test]
+    fn many_laps_stay_in_step() {
+        let mut tx = SendRing::new(1000);
+        let mut rx = RecvRing::new(1000);
+        let mut sent = 0u64;
+        for i in 0..10_000usize {
+            let len = 1 + (i * 7919) % 997;
+            let off = match tx.reserve(len) {
+                Some(o) => o,
+                None => {
+                    assert!(tx.ack(rx.take_report()));
+                    tx.reserve(len).expect("room after credit")
+                }
+            };
+            assert!(rx.accept(off, len), "message {i} at {off}+{len}");
+            sent += len as u64;
+        }
+        assert!(tx.ack(rx.take_report()));
+        assert_eq!(tx.in_flight(), 0);
+        assert!(sent > 100 * 1000);
+    }
+}

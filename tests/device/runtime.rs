@@ -1,0 +1,235 @@
+//! The SnowRDMA runtime (Rust API) on a real device.
+
+use std::net::{IpAddr, SocketAddr};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use snowrdma::runtime::{CommMode, ConnHandler, ConnState, Connection, Listener, Options};
+use snowrdma::verbs::selftest::fill_pattern;
+
+use crate::{device_ip, TIMEOUT};
+
+/// Echoes every message back, in blocking mode (queued when the ring is full).
+struct Echo;
+impl ConnHandler for Echo {
+    fn recv(&self, conn: &Connection, data: &[u8], imm: Option<u32>) {
+        let sent = match imm {
+            Some(v) => conn.send_with_imm(v, data),
+            None => conn.send(data),
+        };
+        assert_eq!(sent.unwrap(), data.len(), "echo");
+    }
+}
+
+/// Collects what arrives.
+#[derive(Default)]
+struct Collect {
+    got: Mutex<(Vec<u8>, Vec<Option<u32>>, usize)>,
+    cond: Condvar,
+}
+impl ConnHandler for Collect {
+    fn recv(&self, _conn: &Connection, data: &[u8], imm: Option<u32>) {
+        let mut g = self.got.lock().unwrap();
+        g.0.extend_from_slice(data);
+        g.1.push(imm);
+        self.cond.notify_all();
+    }
+    fn disconnected(&self, _conn: &Connection) {
+        self.got.lock().unwrap().2 += 1;
+        self.cond.notify_all();
+    }
+}
+
+impl Collect {
+    fn wait_bytes(&self, n: usize, timeout: Duration) -> Vec<u8> {
+        let deadline = Instant::now() + timeout;
+        let mut g = self.got.lock().unwrap();
+        while g.0.len() < n {
+            let now = Instant::now();
+            assert!(now < deadline, "only {} of {n} bytes arrived", g.0.len());
+            g = self.cond.wait_timeout(g, deadline - now).unwrap().0;
+        }
+        g.0.clone()
+    }
+}
+
+fn echo_server(opts: &Options) -> (Listener, SocketAddr) {
+    let l = Listener::bind(
+        SocketAddr::new(IpAddr::V4(device_ip()), 0),
+        opts,
+        Box::new(|_| Some(Arc::new(Echo) as Arc<dyn ConnHandler>)),
+    )
+    .unwrap();
+    l.start();
+    let addr = l.local_addr().unwrap();
+    (l, addr)
+}
+
+fn blocking() -> Options {
+    Options {
+        comm_mode: CommMode::Blocking,
+        ..Options::default()
+    }
+}
+
+#[test]
+#[ignore = "needs an RDMA device: run `make test`"]
+fn echo_of_messages_that_wrap_the_ring_many_times() {
+    let opts = Options {
+        recv_buf_len: 64 << 10,
+        ..blocking()
+    };
+    let (server, addr) = echo_server(&opts);
+    let sink = Arc::new(Collect::default());
+    let conn = Connection::connect(addr, &opts, sink.clone()).unwrap();
+    assert_eq!(conn.state(), ConnState::MrReady);
+    let mut sent = Vec::new();
+    let mut seed = 1u64;
+    while sent.len() < 4 << 20 {
+        seed += 1;
+        let len = 1 + (seed as usize * 7919) % (16 << 10);
+        let mut msg = vec![0u8; len];
+        fill_pattern(&mut msg, seed);
+        assert_eq!(conn.send(&msg).unwrap(), len);
+        sent.extend_from_slice(&msg);
+    }
+    let got = sink.wait_bytes(sent.len(), TIMEOUT * 6);
+    assert!(got == sent, "echoed bytes differ");
+    conn.close();
+    server.release();
+}
+
+#[test]
+#[ignore = "needs an RDMA device: run `make test`"]
+fn immediates_arrive_with_their_message() {
+    let (server, addr) = echo_server(&blocking());
+    let sink = Arc::new(Collect::default());
+    let conn = Connection::connect(addr, &blocking(), sink.clone()).unwrap();
+    conn.send_with_imm(0xfeed_0001, b"with imm").unwrap();
+    conn.send(b"plain").unwrap();
+    let got = sink.wait_bytes(13, TIMEOUT);
+    assert_eq!(&got, b"with immplain");
+    assert_eq!(sink.got.lock().unwrap().1, [Some(0xfeed_0001), None]);
+    conn.close();
+    server.release();
+}
+
+#[test]
+#[ignore = "needs an RDMA device: run `make test`"]
+fn a_full_ring_returns_zero_in_non_blocking_mode_and_never_overflows() {
+    // The server never consumes: its callback parks until released.
+    let gate = Arc::new((Mutex::new(false), Condvar::new()));
+    struct Park(Arc<(Mutex<bool>, Condvar)>);
+    impl ConnHandler for Park {
+        fn recv(&self, _c: &Connection, _d: &[u8], _i: Option<u32>) {
+            let (m, c) = &*self.0;
+            let mut open = m.lock().unwrap();
+            while !*open {
+                open = c.wait(open).unwrap();
+            }
+        }
+    }
+    let opts = Options {
+        recv_buf_len: 16 << 10,
+        ..Options::default()
+    };
+    let g = gate.clone();
+    let server = Listener::bind(
+        SocketAddr::new(IpAddr::V4(device_ip()), 0),
+        &opts,
+        Box::new(move |_| Some(Arc::new(Park(g.clone())) as Arc<dyn ConnHandler>)),
+    )
+    .unwrap();
+    server.start();
+    let conn = Connection::connect(
+        server.local_addr().unwrap(),
+        &opts,
+        Arc::new(Collect::default()),
+    )
+    .unwrap();
+    let mut accepted = 0;
+    let deadline = Instant::now() + TIMEOUT;
+    loop {
+        let n = conn.send(&[7u8; 1000]).unwrap();
+        if n == 0 {
+            break;
+        }
+        accepted += n;
+        assert!(Instant::now() < deadline);
+    }
+    assert!(
+        (8 << 10..=16 << 10).contains(&accepted),
+        "accepted {accepted}"
+    );
+    let too_big = vec![0u8; (16 << 10) + 1];
+    assert!(conn.send(&too_big).is_err());
+    assert!(conn.send(&[]).is_err());
+    *gate.0.lock().unwrap() = true;
+    gate.1.notify_all();
+    conn.close();
+    server.release();
+}
+
+#[test]
+#[ignore = "needs an RDMA device: run `make test`"]
+fn connecting_to_a_closed_port_fails_within_the_timeout() {
+    let opts = Options {
+        timeout: Duration::from_millis(1000),
+        ..Options::default()
+    };
+    let start = Instant::now();
+    let err = Connection::connect(
+        SocketAddr::new(IpAddr::V4(device_ip()), 9),
+        &opts,
+        Arc::new(Collect::default()),
+    )
+    .unwrap_err();
+    assert!(
+        start.elapsed() < Duration::from_secs(8),
+        "took {:?}: {err}",
+        start.elapsed()
+    );
+}
+
+#[test]
+#[ignore = "needs an RDMA device: run `make test`"]
+fn sync_read_and_write_move_the_bytes_and_a_wrong_rkey_fails() {
+    let (server, addr) = echo_server(&Options::default());
+    let conn =
+        Connection::connect(addr, &Options::default(), Arc::new(Collect::default())).unwrap();
+    let mr = conn.register(8192).unwrap();
+    let (addr_l, lkey, len) = unsafe { ((*mr).addr as u64, (*mr).lkey, (*mr).length) };
+    assert_eq!(len, 8192);
+    // The peer's ring is remote memory we may read and write.
+    let remote = conn.peer_buffer().unwrap();
+    unsafe { std::slice::from_raw_parts_mut(addr_l as *mut u8, 4096).fill(0x5c) };
+    assert_eq!(
+        conn.write_sync(addr_l, lkey, remote.at(0), 4096).unwrap(),
+        4096
+    );
+    assert_eq!(
+        conn.read_sync(addr_l + 4096, lkey, remote.at(0), 4096)
+            .unwrap(),
+        4096
+    );
+    let back = unsafe { std::slice::from_raw_parts((addr_l + 4096) as *const u8, 4096) };
+    assert!(back.iter().all(|&b| b == 0x5c));
+    // Unregistered local memory is refused before anything is posted.
+    assert!(conn
+        .read_sync(addr_l, lkey ^ 0xffff, remote.at(0), 16)
+        .is_err());
+    assert!(conn
+        .read_sync(addr_l + 8000, lkey, remote.at(0), 4096)
+        .is_err());
+    assert_eq!(conn.state(), ConnState::MrReady);
+    // A wrong rkey fails the operation (and, as RDMA does, the connection).
+    let mut bad = remote.at(0);
+    bad.rkey ^= 0x77;
+    assert!(conn.read_sync(addr_l, lkey, bad, 64).is_err());
+    assert!(conn.send(b"x").is_err());
+    assert!(conn.deregister(mr));
+    assert!(!conn.deregister(mr));
+    conn.close();
+    conn.close();
+    server.release();
+}

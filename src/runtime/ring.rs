@@ -28,7 +28,7 @@ impl SendRing {
         self.cap as usize
     }
 
-    /// Bytes in flight (sent, not yet returned).
+    /// Bytes in flight (sent, not yet returned), skipped tails included.
     pub fn in_flight(&self) -> u64 {
         self.head - self.acked
     }
@@ -40,15 +40,24 @@ impl SendRing {
         if len == 0 || len > self.cap {
             return None;
         }
+        let used = self.in_flight();
         let pos = self.head % self.cap;
-        let skip = if pos + len > self.cap {
-            self.cap - pos
-        } else {
+        let skip = if pos + len <= self.cap {
+            if used + len > self.cap {
+                return None;
+            }
             0
+        } else {
+            // The message starts again at 0: it must not reach the oldest
+            // unreturned byte, which sits at `pos - used` when nothing in
+            // flight wraps. The skipped tail holds no data; it stays counted
+            // until the receiver, seeing the message at 0, returns it.
+            let fits = used == 0 || (used <= pos && len <= pos - used);
+            if !fits {
+                return None;
+            }
+            self.cap - pos
         };
-        if self.in_flight() + skip + len > self.cap {
-            return None;
-        }
         self.head += skip;
         let offset = self.head % self.cap;
         self.head += len;

@@ -22,13 +22,13 @@ lib:
 	$(CARGO) build $(CARGO_FLAGS)
 
 header:
-	cbindgen -q --config cbindgen.toml --crate snowrdma --output include/snowrdma.h
+	cbindgen -q --config cbindgen.toml --crate snowrdma --output include/rdma.h
 
 # The committed header must be what the source generates.
 check-header:
 	@mkdir -p target
-	cbindgen -q --config cbindgen.toml --crate snowrdma --output target/snowrdma.h.check
-	diff -u include/snowrdma.h target/snowrdma.h.check
+	cbindgen -q --config cbindgen.toml --crate snowrdma --output target/rdma.h.check
+	diff -u include/rdma.h target/rdma.h.check
 
 c-examples: lib
 	@mkdir -p $(EXAMPLEDIR)

@@ -3,7 +3,7 @@
  * --require-device, also requires at least one device.
  *
  * Build: cc -Wall -Wextra -Werror -I include devices.c -L <libdir> -lsnowrdma */
-#include <snowrdma.h>
+#include <rdma.h>
 
 #include <stdio.h>
 #include <string.h>

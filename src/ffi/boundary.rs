@@ -6,6 +6,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 /// Runs an export's body; a panic becomes `on_panic` (and a log line) instead
 /// of unwinding into C, which would be undefined behaviour.
 pub(crate) fn guard<T>(name: &'static str, on_panic: T, body: impl FnOnce() -> T) -> T {
+    init_logging();
     match catch_unwind(AssertUnwindSafe(body)) {
         Ok(v) => v,
         Err(payload) => {
@@ -30,4 +31,16 @@ pub(crate) unsafe fn out_buf<'a>(ptr: *mut libc::c_char, len: usize) -> Option<&
     } else {
         Some(std::slice::from_raw_parts_mut(ptr.cast::<u8>(), len))
     }
+}
+
+/// C programs get the library's log on stderr when `SNOWRDMA_LOG` is set
+/// (`env_logger` filter syntax, e.g. `debug` or `snowrdma=info`); it is off
+/// otherwise. Rust programs install their own logger.
+fn init_logging() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        if let Ok(filter) = std::env::var("SNOWRDMA_LOG") {
+            let _ = env_logger::Builder::new().parse_filters(&filter).try_init();
+        }
+    });
 }

@@ -171,6 +171,16 @@ impl fmt::Debug for Connection {
     }
 }
 
+/// A handle that does not keep the connection alive.
+#[derive(Clone)]
+pub struct WeakConnection(std::sync::Weak<ConnInner>);
+
+impl WeakConnection {
+    pub fn upgrade(&self) -> Option<Connection> {
+        self.0.upgrade().map(|inner| Connection { inner })
+    }
+}
+
 impl PartialEq for Connection {
     fn eq(&self, other: &Self) -> bool {
         Arc::ptr_eq(&self.inner, &other.inner)
@@ -318,6 +328,19 @@ impl Connection {
     pub(crate) fn start_completions(&self) {
         let key = self.inner.rt.cq.add(Arc::new(CqSource(self.clone())));
         self.inner.cq_source.store(key, Ordering::SeqCst);
+    }
+
+    pub fn downgrade(&self) -> WeakConnection {
+        WeakConnection(Arc::downgrade(&self.inner))
+    }
+
+    /// The lkey of the buffer registered on this connection (by
+    /// [`Connection::register`]) that holds `[addr, addr+len)`.
+    pub fn registered_lkey(&self, addr: u64, len: usize) -> Option<u32> {
+        let mrs = self.inner.user_mrs.lock().expect("mr lock");
+        mrs.values()
+            .find(|mr| addr >= mr.addr() && addr + len as u64 <= mr.addr() + mr.len() as u64)
+            .map(|mr| mr.lkey())
     }
 
     /// Replaces the handler (callbacks already running finish with the old).

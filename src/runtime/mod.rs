@@ -18,7 +18,7 @@ pub mod ring;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, Weak};
 
-pub use conn::{ConnHandler, ConnKind, ConnState, Connection};
+pub use conn::{ConnHandler, ConnKind, ConnState, Connection, WeakConnection};
 pub use listener::{AcceptHook, Listener};
 pub use options::{CommMode, Options, DEFAULT_RECV_BUF_LEN};
 

@@ -34,6 +34,9 @@ pub use device::{
     PortState, DEVICE_ENV, GID_INDEX_ENV,
 };
 pub use error::{Error, Result};
-pub use mr::{AccessFlags, MemoryRegion, RemoteAddr, RemoteRegion, Sge};
+pub use mr::{AccessFlags, MemoryRegion, RemoteAddr, RemoteRegion, Sge, REMOTE_REGION_WIRE_LEN};
 pub use pd::ProtectionDomain;
-pub use qp::{PreparedQp, QpCaps, QpInfo, QpOptions, QpState, QueuePair, SendOp, SendRequest};
+pub use qp::{
+    PreparedQp, QpCaps, QpInfo, QpOptions, QpState, QueuePair, SendOp, SendRequest,
+    QP_INFO_WIRE_LEN,
+};

@@ -235,6 +235,9 @@ pub struct Sge {
     pub lkey: u32,
 }
 
+/// Size of [`RemoteRegion::to_bytes`].
+pub const REMOTE_REGION_WIRE_LEN: usize = 20;
+
 /// A peer's registered memory, as it was advertised to us.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RemoteRegion {
@@ -244,9 +247,6 @@ pub struct RemoteRegion {
 }
 
 impl RemoteRegion {
-    /// Size of [`RemoteRegion::to_bytes`].
-    pub const WIRE_LEN: usize = 20;
-
     /// The remote address `offset` bytes into the region.
     ///
     /// # Panics
@@ -264,8 +264,8 @@ impl RemoteRegion {
     }
 
     /// Big-endian encoding, for exchange with a peer.
-    pub fn to_bytes(&self) -> [u8; Self::WIRE_LEN] {
-        let mut b = [0; Self::WIRE_LEN];
+    pub fn to_bytes(&self) -> [u8; REMOTE_REGION_WIRE_LEN] {
+        let mut b = [0; REMOTE_REGION_WIRE_LEN];
         b[..8].copy_from_slice(&self.addr.to_be_bytes());
         b[8..16].copy_from_slice(&self.len.to_be_bytes());
         b[16..].copy_from_slice(&self.rkey.to_be_bytes());
@@ -274,10 +274,10 @@ impl RemoteRegion {
 
     /// Decodes [`RemoteRegion::to_bytes`].
     pub fn from_bytes(b: &[u8]) -> Result<RemoteRegion> {
-        if b.len() != Self::WIRE_LEN {
+        if b.len() != REMOTE_REGION_WIRE_LEN {
             return Err(Error::invalid(format!(
                 "a remote region is {} bytes, got {}",
-                Self::WIRE_LEN,
+                REMOTE_REGION_WIRE_LEN,
                 b.len()
             )));
         }

@@ -83,6 +83,9 @@ impl Default for QpOptions {
     }
 }
 
+/// Size of [`QpInfo::to_bytes`].
+pub const QP_INFO_WIRE_LEN: usize = 30;
+
 /// What one side of a manual connection tells the other.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct QpInfo {
@@ -94,12 +97,9 @@ pub struct QpInfo {
 }
 
 impl QpInfo {
-    /// Size of [`QpInfo::to_bytes`].
-    pub const WIRE_LEN: usize = 30;
-
     /// Big-endian encoding for exchange over any byte stream.
-    pub fn to_bytes(&self) -> [u8; Self::WIRE_LEN] {
-        let mut b = [0; Self::WIRE_LEN];
+    pub fn to_bytes(&self) -> [u8; QP_INFO_WIRE_LEN] {
+        let mut b = [0; QP_INFO_WIRE_LEN];
         b[..4].copy_from_slice(&self.qpn.to_be_bytes());
         b[4..8].copy_from_slice(&self.psn.to_be_bytes());
         b[8..10].copy_from_slice(&self.lid.to_be_bytes());
@@ -110,10 +110,10 @@ impl QpInfo {
 
     /// Decodes [`QpInfo::to_bytes`].
     pub fn from_bytes(b: &[u8]) -> Result<QpInfo> {
-        if b.len() != Self::WIRE_LEN {
+        if b.len() != QP_INFO_WIRE_LEN {
             return Err(Error::invalid(format!(
                 "QP info is {} bytes, got {}",
-                Self::WIRE_LEN,
+                QP_INFO_WIRE_LEN,
                 b.len()
             )));
         }

@@ -491,6 +491,51 @@ int rdmaConnect(struct RdmaConn *conn, char *serverip, int port);
 void rdmaConnClose(struct RdmaConn *conn);
 
 /**
+ * Sets the callback for each received message (completion thread). Returns `RDMA_OK`, or `RDMA_ERR` for an unknown connection.
+ *
+ * # Safety
+ * Any pointer is accepted; unknown ones are refused.
+ */
+int rdmaConnSetRecvCallback(struct RdmaConn *conn,
+                            RdmaRecvCallbackFunc func);
+
+/**
+ * Sets the callback for completed writes (completion thread). Returns `RDMA_OK`, or `RDMA_ERR` for an unknown connection.
+ *
+ * # Safety
+ * Any pointer is accepted; unknown ones are refused.
+ */
+int rdmaConnSetWriteCallback(struct RdmaConn *conn,
+                             RdmaWriteCallbackFunc func);
+
+/**
+ * Sets the callback for completed async reads (completion thread). Returns `RDMA_OK`, or `RDMA_ERR` for an unknown connection.
+ *
+ * # Safety
+ * Any pointer is accepted; unknown ones are refused.
+ */
+int rdmaConnSetReadCallback(struct RdmaConn *conn,
+                            RdmaReadCallbackFunc func);
+
+/**
+ * Sets the callback for "data can flow" (completion thread). Returns `RDMA_OK`, or `RDMA_ERR` for an unknown connection.
+ *
+ * # Safety
+ * Any pointer is accepted; unknown ones are refused.
+ */
+int rdmaConnSetConnectedCallback(struct RdmaConn *conn,
+                                 RdmaConnectedCallbackFunc func);
+
+/**
+ * Sets the callback for the end of the connection (a runtime thread). Returns `RDMA_OK`, or `RDMA_ERR` for an unknown connection.
+ *
+ * # Safety
+ * Any pointer is accepted; unknown ones are refused.
+ */
+int rdmaConnSetDisconnectCallback(struct RdmaConn *conn,
+                                  RdmaDisconnectCallbackFunc func);
+
+/**
  * snowrdma extension: the callback for messages sent with an immediate
  * (`rdmaConnSendWithImm`, `rdmaConnWriteWithImm`). Without it, such messages
  * go to the receive callback and the immediate is dropped.
@@ -595,6 +640,85 @@ int rdmaConnRead(struct RdmaConn *conn,
  * As `rdmaConnRead`.
  */
 int rdmaConnReadBuf(struct RdmaConn *conn, void *buf, size_t buf_len);
+
+/**
+ * RDMA WRITE of `length` bytes from `local_addr` (in a buffer from
+ * `rdmaConnRegMem`, checked) to the peer's `remote_addr`/`rkey`; returns
+ * `length` once its own completion arrived, or `RDMA_ERR` when it failed (a
+ * failed completion also ends the connection, with the disconnect callback).
+ *
+ * # Safety
+ * Any pointers are accepted; the local range is checked, the remote one is
+ * the device's to check.
+ */
+int rdmaSyncWriteSignaled(struct RdmaConn *conn,
+                          uint64_t local_addr,
+                          uint32_t lkey,
+                          uint64_t remote_addr,
+                          uint32_t rkey,
+                          uint32_t length);
+
+/**
+ * RDMA READ, as `rdmaSyncWriteSignaled` in the other direction.
+ *
+ * # Safety
+ * As `rdmaSyncWriteSignaled`.
+ */
+int rdmaSyncReadSignaled(struct RdmaConn *conn,
+                         uint64_t local_addr,
+                         uint32_t lkey,
+                         uint64_t remote_addr,
+                         uint32_t rkey,
+                         uint32_t length);
+
+/**
+ * Physical-address RDMA WRITE: `RDMA_ERR` with a logged reason on stacks
+ * without physical-address memory registration (upstream rdma-core).
+ *
+ * # Safety
+ * Touches no memory.
+ */
+int rdmaPAWriteSignaled(struct RdmaConn *conn,
+                        uint64_t _local_addr,
+                        uint32_t _lkey,
+                        uint64_t _remote_addr,
+                        uint32_t _length);
+
+/**
+ * Physical-address RDMA READ: `RDMA_ERR` as `rdmaPAWriteSignaled`.
+ *
+ * # Safety
+ * Touches no memory.
+ */
+int rdmaPAReadSignaled(struct RdmaConn *conn,
+                       uint64_t _local_addr,
+                       uint32_t _lkey,
+                       uint64_t _remote_addr,
+                       uint32_t _length);
+
+/**
+ * Synchronous physical-address RDMA WRITE: `RDMA_ERR` as `rdmaPAWriteSignaled`.
+ *
+ * # Safety
+ * Touches no memory.
+ */
+int rdmaPASyncWriteSignaled(struct RdmaConn *conn,
+                            uint64_t _local_addr,
+                            uint32_t _lkey,
+                            uint64_t _remote_addr,
+                            uint32_t _length);
+
+/**
+ * Synchronous physical-address RDMA READ: `RDMA_ERR` as `rdmaPAWriteSignaled`.
+ *
+ * # Safety
+ * Touches no memory.
+ */
+int rdmaPASyncReadSignaled(struct RdmaConn *conn,
+                           uint64_t _local_addr,
+                           uint32_t _lkey,
+                           uint64_t _remote_addr,
+                           uint32_t _length);
 
 #ifdef __cplusplus
 }  // extern "C"

@@ -883,41 +883,95 @@ pub unsafe extern "C" fn rdmaConnClose(conn: *mut RdmaConn) {
     })
 }
 
-macro_rules! setter {
-    ($(#[$doc:meta])* $name:ident, $field:ident, $ty:ty) => {
-        $(#[$doc])*
-        ///
-        /// # Safety
-        /// Any pointer is accepted; unknown ones are refused.
-        #[no_mangle]
-        pub unsafe extern "C" fn $name(conn: *mut RdmaConn, func: $ty) -> c_int {
-            guard(stringify!($name), RDMA_ERR, || {
-                let Some(ffi) = lookup(conn, stringify!($name)) else {
-                    return RDMA_ERR;
-                };
-                // SAFETY: the struct is alive while in the table.
-                unsafe { std::ptr::write_volatile(addr_of_mut!((*ffi.ptr()).$field), func) };
-                RDMA_OK
-            })
-        }
-    };
+/// Stores a callback in the connection's struct, where the runtime reads it.
+fn set_callback(
+    func: &'static str,
+    conn: *mut RdmaConn,
+    store: impl FnOnce(*mut RdmaConn),
+) -> c_int {
+    guard(func, RDMA_ERR, || {
+        let Some(ffi) = lookup(conn, func) else {
+            return RDMA_ERR;
+        };
+        store(ffi.ptr());
+        RDMA_OK
+    })
 }
 
-setter!(
-    /// Sets the callback for each received message (completion thread).
-    rdmaConnSetRecvCallback, recv_callback, RdmaRecvCallbackFunc);
-setter!(
-    /// Sets the callback for completed writes (completion thread).
-    rdmaConnSetWriteCallback, write_callback, RdmaWriteCallbackFunc);
-setter!(
-    /// Sets the callback for completed async reads (completion thread).
-    rdmaConnSetReadCallback, read_callback, RdmaReadCallbackFunc);
-setter!(
-    /// Sets the callback for "data can flow" (completion thread).
-    rdmaConnSetConnectedCallback, connected_callback, RdmaConnectedCallbackFunc);
-setter!(
-    /// Sets the callback for the end of the connection (a runtime thread).
-    rdmaConnSetDisconnectCallback, disconnect_callback, RdmaDisconnectCallbackFunc);
+/// Sets the callback for each received message (completion thread). Returns `RDMA_OK`, or `RDMA_ERR` for an unknown connection.
+///
+/// # Safety
+/// Any pointer is accepted; unknown ones are refused.
+#[no_mangle]
+pub unsafe extern "C" fn rdmaConnSetRecvCallback(
+    conn: *mut RdmaConn,
+    func: RdmaRecvCallbackFunc,
+) -> c_int {
+    // SAFETY: the struct is alive while in the table.
+    set_callback("rdmaConnSetRecvCallback", conn, |p| unsafe {
+        std::ptr::write_volatile(addr_of_mut!((*p).recv_callback), func)
+    })
+}
+
+/// Sets the callback for completed writes (completion thread). Returns `RDMA_OK`, or `RDMA_ERR` for an unknown connection.
+///
+/// # Safety
+/// Any pointer is accepted; unknown ones are refused.
+#[no_mangle]
+pub unsafe extern "C" fn rdmaConnSetWriteCallback(
+    conn: *mut RdmaConn,
+    func: RdmaWriteCallbackFunc,
+) -> c_int {
+    // SAFETY: the struct is alive while in the table.
+    set_callback("rdmaConnSetWriteCallback", conn, |p| unsafe {
+        std::ptr::write_volatile(addr_of_mut!((*p).write_callback), func)
+    })
+}
+
+/// Sets the callback for completed async reads (completion thread). Returns `RDMA_OK`, or `RDMA_ERR` for an unknown connection.
+///
+/// # Safety
+/// Any pointer is accepted; unknown ones are refused.
+#[no_mangle]
+pub unsafe extern "C" fn rdmaConnSetReadCallback(
+    conn: *mut RdmaConn,
+    func: RdmaReadCallbackFunc,
+) -> c_int {
+    // SAFETY: the struct is alive while in the table.
+    set_callback("rdmaConnSetReadCallback", conn, |p| unsafe {
+        std::ptr::write_volatile(addr_of_mut!((*p).read_callback), func)
+    })
+}
+
+/// Sets the callback for "data can flow" (completion thread). Returns `RDMA_OK`, or `RDMA_ERR` for an unknown connection.
+///
+/// # Safety
+/// Any pointer is accepted; unknown ones are refused.
+#[no_mangle]
+pub unsafe extern "C" fn rdmaConnSetConnectedCallback(
+    conn: *mut RdmaConn,
+    func: RdmaConnectedCallbackFunc,
+) -> c_int {
+    // SAFETY: the struct is alive while in the table.
+    set_callback("rdmaConnSetConnectedCallback", conn, |p| unsafe {
+        std::ptr::write_volatile(addr_of_mut!((*p).connected_callback), func)
+    })
+}
+
+/// Sets the callback for the end of the connection (a runtime thread). Returns `RDMA_OK`, or `RDMA_ERR` for an unknown connection.
+///
+/// # Safety
+/// Any pointer is accepted; unknown ones are refused.
+#[no_mangle]
+pub unsafe extern "C" fn rdmaConnSetDisconnectCallback(
+    conn: *mut RdmaConn,
+    func: RdmaDisconnectCallbackFunc,
+) -> c_int {
+    // SAFETY: the struct is alive while in the table.
+    set_callback("rdmaConnSetDisconnectCallback", conn, |p| unsafe {
+        std::ptr::write_volatile(addr_of_mut!((*p).disconnect_callback), func)
+    })
+}
 
 /// snowrdma extension: the callback for messages sent with an immediate
 /// (`rdmaConnSendWithImm`, `rdmaConnWriteWithImm`). Without it, such messages
@@ -1192,81 +1246,158 @@ pub unsafe extern "C" fn rdmaConnReadBuf(
     })
 }
 
-macro_rules! sync_op {
-    ($(#[$doc:meta])* $name:ident, $method:ident) => {
-        $(#[$doc])*
-        ///
-        /// # Safety
-        /// The local range must be in a buffer from `rdmaConnRegMem` (checked).
-        #[no_mangle]
-        pub unsafe extern "C" fn $name(
-            conn: *mut RdmaConn,
-            local_addr: u64,
-            lkey: u32,
-            remote_addr: u64,
-            rkey: u32,
-            length: u32,
-        ) -> c_int {
-            guard(stringify!($name), RDMA_ERR, || {
-                let (Some(c), Some(len)) = (live(conn, stringify!($name)), checked_len(length as usize, stringify!($name)))
-                else {
-                    return RDMA_ERR;
-                };
-                let remote = RemoteAddr { addr: remote_addr, rkey };
-                op_result(stringify!($name), c.$method(local_addr, lkey, remote, len))
-            })
-        }
-    };
+fn sync_one_sided(
+    func: &'static str,
+    read: bool,
+    conn: *mut RdmaConn,
+    local_addr: u64,
+    lkey: u32,
+    remote_addr: u64,
+    rkey: u32,
+    length: u32,
+) -> c_int {
+    guard(func, RDMA_ERR, || {
+        let (Some(c), Some(len)) = (live(conn, func), checked_len(length as usize, func)) else {
+            return RDMA_ERR;
+        };
+        let remote = RemoteAddr {
+            addr: remote_addr,
+            rkey,
+        };
+        let r = if read {
+            c.read_sync(local_addr, lkey, remote, len)
+        } else {
+            c.write_sync(local_addr, lkey, remote, len)
+        };
+        op_result(func, r)
+    })
 }
 
-sync_op!(
-    /// RDMA WRITE that returns `length` once its own completion arrived, or
-    /// `RDMA_ERR` when it failed (a failed completion also ends the
-    /// connection, with the disconnect callback).
-    rdmaSyncWriteSignaled, write_sync);
-sync_op!(
-    /// RDMA READ that returns `length` once its own completion arrived, or
-    /// `RDMA_ERR`.
-    rdmaSyncReadSignaled, read_sync);
-
-macro_rules! pa_op {
-    ($(#[$doc:meta])* $name:ident) => {
-        $(#[$doc])*
-        ///
-        /// # Safety
-        /// Touches no memory.
-        #[no_mangle]
-        pub unsafe extern "C" fn $name(
-            conn: *mut RdmaConn,
-            _local_addr: u64,
-            _lkey: u32,
-            _remote_addr: u64,
-            _length: u32,
-        ) -> c_int {
-            guard(stringify!($name), RDMA_ERR, || {
-                if lookup(conn, stringify!($name)).is_some() {
-                    log::warn!(
-                        "{}: physical-address access needs MLNX_OFED experimental verbs \
-                         (ibv_exp_reg_mr with physical-address access), absent from this rdma-core stack",
-                        stringify!($name)
-                    );
-                }
-                RDMA_ERR
-            })
-        }
-    };
+/// RDMA WRITE of `length` bytes from `local_addr` (in a buffer from
+/// `rdmaConnRegMem`, checked) to the peer's `remote_addr`/`rkey`; returns
+/// `length` once its own completion arrived, or `RDMA_ERR` when it failed (a
+/// failed completion also ends the connection, with the disconnect callback).
+///
+/// # Safety
+/// Any pointers are accepted; the local range is checked, the remote one is
+/// the device's to check.
+#[no_mangle]
+pub unsafe extern "C" fn rdmaSyncWriteSignaled(
+    conn: *mut RdmaConn,
+    local_addr: u64,
+    lkey: u32,
+    remote_addr: u64,
+    rkey: u32,
+    length: u32,
+) -> c_int {
+    sync_one_sided(
+        "rdmaSyncWriteSignaled",
+        false,
+        conn,
+        local_addr,
+        lkey,
+        remote_addr,
+        rkey,
+        length,
+    )
 }
 
-pa_op!(
-    /// Physical-address RDMA WRITE: `RDMA_ERR` with a logged reason on stacks
-    /// without physical-address memory registration (upstream rdma-core).
-    rdmaPAWriteSignaled);
-pa_op!(
-    /// Physical-address RDMA READ: `RDMA_ERR` as `rdmaPAWriteSignaled`.
-    rdmaPAReadSignaled);
-pa_op!(
-    /// Synchronous physical-address RDMA WRITE: `RDMA_ERR` as `rdmaPAWriteSignaled`.
-    rdmaPASyncWriteSignaled);
-pa_op!(
-    /// Synchronous physical-address RDMA READ: `RDMA_ERR` as `rdmaPAWriteSignaled`.
-    rdmaPASyncReadSignaled);
+/// RDMA READ, as `rdmaSyncWriteSignaled` in the other direction.
+///
+/// # Safety
+/// As `rdmaSyncWriteSignaled`.
+#[no_mangle]
+pub unsafe extern "C" fn rdmaSyncReadSignaled(
+    conn: *mut RdmaConn,
+    local_addr: u64,
+    lkey: u32,
+    remote_addr: u64,
+    rkey: u32,
+    length: u32,
+) -> c_int {
+    sync_one_sided(
+        "rdmaSyncReadSignaled",
+        true,
+        conn,
+        local_addr,
+        lkey,
+        remote_addr,
+        rkey,
+        length,
+    )
+}
+
+/// Physical-address operations need MLNX_OFED's experimental verbs; upstream
+/// rdma-core has no physical-address registration, so they fail cleanly.
+fn pa_unsupported(func: &'static str, conn: *mut RdmaConn) -> c_int {
+    guard(func, RDMA_ERR, || {
+        if lookup(conn, func).is_some() {
+            log::warn!(
+                "{func}: physical-address access needs MLNX_OFED experimental verbs (ibv_exp_reg_mr \
+                 with physical-address access), absent from this rdma-core stack"
+            );
+        }
+        RDMA_ERR
+    })
+}
+
+/// Physical-address RDMA WRITE: `RDMA_ERR` with a logged reason on stacks
+/// without physical-address memory registration (upstream rdma-core).
+///
+/// # Safety
+/// Touches no memory.
+#[no_mangle]
+pub unsafe extern "C" fn rdmaPAWriteSignaled(
+    conn: *mut RdmaConn,
+    _local_addr: u64,
+    _lkey: u32,
+    _remote_addr: u64,
+    _length: u32,
+) -> c_int {
+    pa_unsupported("rdmaPAWriteSignaled", conn)
+}
+
+/// Physical-address RDMA READ: `RDMA_ERR` as `rdmaPAWriteSignaled`.
+///
+/// # Safety
+/// Touches no memory.
+#[no_mangle]
+pub unsafe extern "C" fn rdmaPAReadSignaled(
+    conn: *mut RdmaConn,
+    _local_addr: u64,
+    _lkey: u32,
+    _remote_addr: u64,
+    _length: u32,
+) -> c_int {
+    pa_unsupported("rdmaPAReadSignaled", conn)
+}
+
+/// Synchronous physical-address RDMA WRITE: `RDMA_ERR` as `rdmaPAWriteSignaled`.
+///
+/// # Safety
+/// Touches no memory.
+#[no_mangle]
+pub unsafe extern "C" fn rdmaPASyncWriteSignaled(
+    conn: *mut RdmaConn,
+    _local_addr: u64,
+    _lkey: u32,
+    _remote_addr: u64,
+    _length: u32,
+) -> c_int {
+    pa_unsupported("rdmaPASyncWriteSignaled", conn)
+}
+
+/// Synchronous physical-address RDMA READ: `RDMA_ERR` as `rdmaPAWriteSignaled`.
+///
+/// # Safety
+/// Touches no memory.
+#[no_mangle]
+pub unsafe extern "C" fn rdmaPASyncReadSignaled(
+    conn: *mut RdmaConn,
+    _local_addr: u64,
+    _lkey: u32,
+    _remote_addr: u64,
+    _length: u32,
+) -> c_int {
+    pa_unsupported("rdmaPASyncReadSignaled", conn)
+}

@@ -1040,7 +1040,9 @@ impl Connection {
                         .reset((cmd.length as usize).min(self.inner.staging.len()));
                     st.tx_msgs = 0;
                     st.tx_msgs_acked = 0;
-                    let first = st.state == ConnState::Connected;
+                    // On the accepting side the peer's advertisement can be
+                    // handled before the CM thread has seen ESTABLISHED.
+                    let first = matches!(st.state, ConnState::Connected | ConnState::Accepting);
                     if first {
                         st.state = ConnState::MrReady;
                     }
@@ -1191,7 +1193,17 @@ impl Connection {
     pub(crate) fn on_cm_event(&self, ev: &CmEvent) {
         match ev.kind {
             CmEventKind::ESTABLISHED => {
-                self.set_state(ConnState::Connected);
+                let upgraded = {
+                    let mut st = self.lock();
+                    let accepting = st.state == ConnState::Accepting;
+                    if accepting {
+                        st.state = ConnState::Connected;
+                    }
+                    accepting
+                };
+                if upgraded {
+                    self.notify_state(ConnState::Connected);
+                }
                 if let Err(e) = self.send_reg_local_addr() {
                     self.fail(&format!("advertising the receive buffer: {e}"));
                 }

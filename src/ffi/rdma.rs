@@ -1252,17 +1252,12 @@ fn sync_one_sided(
     conn: *mut RdmaConn,
     local_addr: u64,
     lkey: u32,
-    remote_addr: u64,
-    rkey: u32,
+    remote: RemoteAddr,
     length: u32,
 ) -> c_int {
     guard(func, RDMA_ERR, || {
         let (Some(c), Some(len)) = (live(conn, func), checked_len(length as usize, func)) else {
             return RDMA_ERR;
-        };
-        let remote = RemoteAddr {
-            addr: remote_addr,
-            rkey,
         };
         let r = if read {
             c.read_sync(local_addr, lkey, remote, len)
@@ -1290,14 +1285,17 @@ pub unsafe extern "C" fn rdmaSyncWriteSignaled(
     rkey: u32,
     length: u32,
 ) -> c_int {
+    let remote = RemoteAddr {
+        addr: remote_addr,
+        rkey,
+    };
     sync_one_sided(
         "rdmaSyncWriteSignaled",
         false,
         conn,
         local_addr,
         lkey,
-        remote_addr,
-        rkey,
+        remote,
         length,
     )
 }
@@ -1315,14 +1313,17 @@ pub unsafe extern "C" fn rdmaSyncReadSignaled(
     rkey: u32,
     length: u32,
 ) -> c_int {
+    let remote = RemoteAddr {
+        addr: remote_addr,
+        rkey,
+    };
     sync_one_sided(
         "rdmaSyncReadSignaled",
         true,
         conn,
         local_addr,
         lkey,
-        remote_addr,
-        rkey,
+        remote,
         length,
     )
 }

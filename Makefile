@@ -11,7 +11,7 @@ PREFIX  ?= /usr/local
 
 LIBDIR     := target/$(PROFILE)
 EXAMPLEDIR := target/c-examples
-RDMA_LIBS  := -lrdmacm -libverbs -lpthread -ldl -lm
+RDMA_LIBS  := -lrdmacm -libverbs -lpthread
 CARGO_FLAGS := $(if $(filter release,$(PROFILE)),--release,)
 
 .PHONY: all lib header check-header c-examples run deps lint host-test device-test test clean
@@ -30,12 +30,21 @@ check-header:
 	cbindgen -q --config cbindgen.toml --crate snowrdma --output target/rdma.h.check
 	diff -u include/rdma.h target/rdma.h.check
 
+C_PROGRAMS := devices layout echo_server client misuse
+
 c-examples: lib
 	@mkdir -p $(EXAMPLEDIR)
-	$(CC) $(CFLAGS) c-examples/devices.c -o $(EXAMPLEDIR)/devices \
-	    -L$(LIBDIR) -Wl,-rpath,$(abspath $(LIBDIR)) -lsnowrdma
+	for p in $(C_PROGRAMS); do \
+	    $(CC) $(CFLAGS) c-examples/$$p.c -o $(EXAMPLEDIR)/$$p \
+	        -L$(LIBDIR) -Wl,-rpath,$(abspath $(LIBDIR)) -lsnowrdma -lpthread || exit 1; \
+	done
 	$(CC) $(CFLAGS) c-examples/devices.c -o $(EXAMPLEDIR)/devices-static \
 	    -L$(LIBDIR) -Wl,-Bstatic -lsnowrdma -Wl,-Bdynamic $(RDMA_LIBS)
+	# The legacy compile line, dynamic and static.
+	$(CC) $(CFLAGS) c-examples/legacy_style.c -o $(EXAMPLEDIR)/legacy_style -I include \
+	    -L$(LIBDIR) -Wl,-rpath,$(abspath $(LIBDIR)) -lsnowrdma -lrdmacm -libverbs -lpthread
+	$(CC) $(CFLAGS) c-examples/legacy_style.c -o $(EXAMPLEDIR)/legacy_style-static -I include \
+	    -L$(LIBDIR) -Wl,-Bstatic -lsnowrdma -Wl,-Bdynamic -lrdmacm -libverbs -lpthread
 
 deps:
 	scripts/install-deps.sh
@@ -49,8 +58,10 @@ lint:
 
 host-test:
 	$(CARGO) test
+	$(EXAMPLEDIR)/layout
 	$(EXAMPLEDIR)/devices
 	$(EXAMPLEDIR)/devices-static
+	scripts/check-symbols.sh $(LIBDIR)/libsnowrdma.so include/rdma.h
 
 device-test:
 	scripts/device-tests.sh

@@ -180,7 +180,17 @@ static int stream(struct peer *p)
         }
         if (r != len) {
             free(msg);
-            return fail(p, "rdmaConnSend failed");
+            /* An ended connection fails the send at once; its disconnect
+             * callback follows on a runtime thread. */
+            pthread_mutex_lock(&p->mu);
+            struct timespec deadline;
+            clock_gettime(CLOCK_REALTIME, &deadline);
+            deadline.tv_sec += 10;
+            while (!p->disconnected && pthread_cond_timedwait(&p->cv, &p->mu, &deadline) == 0)
+                ;
+            int gone = p->disconnected;
+            pthread_mutex_unlock(&p->mu);
+            return fail(p, gone ? "disconnected while streaming" : "rdmaConnSend failed");
         }
         sent += len;
     }

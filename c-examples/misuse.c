@@ -1,0 +1,168 @@
+/* Feeds the SnowRDMA API bad input, against a running echo_server, and
+ * checks that every call answers with its error code while the process and
+ * the other connections carry on. Exits 0 when all behaved.
+ *
+ *   misuse <ip> <port of echo_server> <a port where nothing listens> */
+#include <rdma.h>
+
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+static int failures, checks;
+static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t cv = PTHREAD_COND_INITIALIZER;
+static int echoes, disconnects;
+
+#define CHECK(cond, what)                                                                                  \
+    do {                                                                                                   \
+        checks++;                                                                                          \
+        if (cond) {                                                                                        \
+            printf("ok   %s\n", what);                                                                     \
+        } else {                                                                                           \
+            printf("FAIL %s\n", what);                                                                     \
+            failures++;                                                                                    \
+        }                                                                                                  \
+    } while (0)
+
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+static void on_recv(RdmaConn *conn, void *data, size_t len)
+{
+    (void)conn, (void)data, (void)len;
+    pthread_mutex_lock(&mu);
+    echoes++;
+    pthread_cond_broadcast(&cv);
+    pthread_mutex_unlock(&mu);
+}
+
+static void on_disconnect(RdmaConn *conn)
+{
+    (void)conn;
+    pthread_mutex_lock(&mu);
+    disconnects++;
+    pthread_cond_broadcast(&cv);
+    pthread_mutex_unlock(&mu);
+}
+
+/* Waits up to 10 s for *counter to reach want. */
+static int wait_count(int *counter, int want)
+{
+    struct timespec deadline;
+    clock_gettime(CLOCK_REALTIME, &deadline);
+    deadline.tv_sec += 10;
+    pthread_mutex_lock(&mu);
+    while (*counter < want && pthread_cond_timedwait(&cv, &mu, &deadline) == 0)
+        ;
+    int ok = *counter >= want;
+    pthread_mutex_unlock(&mu);
+    return ok;
+}
+
+static RdmaConn *connect_to(char *ip, int port)
+{
+    RdmaConnOptions opt = {0};
+    opt.recv_callback = on_recv;
+    opt.disconnect_callback = on_disconnect;
+    RdmaConn *c = rdmaConn(&opt);
+    if (c && rdmaConnect(c, ip, port) != RDMA_OK) {
+        rdmaConnClose(c);
+        return NULL;
+    }
+    return c;
+}
+
+static int echo_works(RdmaConn *c)
+{
+    int before;
+    pthread_mutex_lock(&mu);
+    before = echoes;
+    pthread_mutex_unlock(&mu);
+    return rdmaConnSend(c, "ping", 4) == 4 && wait_count(&echoes, before + 1);
+}
+
+int main(int argc, char **argv)
+{
+    if (argc != 4) {
+        fprintf(stderr, "usage: %s <ip> <echo port> <closed port>\n", argv[0]);
+        return 2;
+    }
+    char *ip = argv[1];
+    int port = atoi(argv[2]), closed = atoi(argv[3]);
+    char buf[64] = "data";
+    const size_t err = (size_t)-1;
+
+    /* Connecting where nothing listens fails, within about rdmaTimeoutms. */
+    rdmaTimeoutms = 1000;
+    double t = now_s();
+    RdmaConn *nowhere = rdmaConn(NULL);
+    CHECK(nowhere != NULL, "rdmaConn(NULL) gives a connection with default options");
+    CHECK(rdmaConnect(nowhere, ip, closed) == RDMA_ERR, "connect to a closed port -> RDMA_ERR");
+    CHECK(now_s() - t < 5.0, "... within 5 s");
+    CHECK(nowhere->state == RDMA_CONN_STATE_ERROR, "... and conn->state says ERROR");
+    rdmaConnClose(nowhere);
+    CHECK(rdmaConnect(NULL, ip, port) == RDMA_ERR, "rdmaConnect(NULL conn) -> RDMA_ERR");
+
+    RdmaConn *a = connect_to(ip, port);
+    RdmaConn *b = connect_to(ip, port);
+    CHECK(a && b, "two connections to the echo server");
+    if (!a || !b)
+        return 1;
+    CHECK(a->state == RDMA_CONN_STATE_MR_READY && a->type == CONNECTED_CONN, "state MR_READY, type CONNECTED_CONN");
+    CHECK(a->ip && strcmp(a->ip, ip) == 0 && a->port == port, "conn->ip and conn->port name the server");
+    CHECK(rdmaConnect(a, ip, port) == RDMA_ERR, "connecting a connected conn -> RDMA_ERR");
+
+    CHECK(rdmaConnSend(NULL, buf, 4) == err, "send on NULL -> (size_t)-1");
+    CHECK(rdmaConnSend(a, NULL, 4) == err, "send of NULL data -> (size_t)-1");
+    CHECK(rdmaConnSend(a, buf, 0) == err, "send of 0 bytes -> (size_t)-1");
+    size_t huge = (size_t)a->tx_length + 1;
+    char *big = calloc(1, huge);
+    CHECK(rdmaConnSend(a, big, huge) == err, "message larger than the peer's ring -> (size_t)-1");
+    free(big);
+    CHECK(rdmaConnWrite(a, NULL, 4) == err, "write of NULL data -> (size_t)-1");
+    CHECK(rdmaConnWriteWithImm(a, 1, buf, 0) == RDMA_ERR, "write with imm of 0 bytes -> RDMA_ERR");
+    CHECK(rdmaConnSend((RdmaConn *)buf, buf, 4) == err, "send on a foreign pointer -> (size_t)-1");
+    CHECK(rdmaConnSetRecvCallback((RdmaConn *)buf, on_recv) == RDMA_ERR, "set callback on a foreign pointer -> RDMA_ERR");
+    CHECK(rdmaConnRegMem(NULL, 64) == NULL, "rdmaConnRegMem(NULL) -> NULL");
+    CHECK(rdmaServerStart(NULL) == RDMA_ERR, "rdmaServerStart(NULL) -> RDMA_ERR");
+    CHECK(rdmaServer(NULL, ip, port, NULL) == RDMA_ERR, "rdmaServer(NULL listener) -> RDMA_ERR");
+
+    struct ibv_mr *mr = rdmaConnRegMem(a, 4096);
+    CHECK(mr != NULL, "rdmaConnRegMem");
+    uint64_t local = (uint64_t)(uintptr_t)mr->addr, remote = (uint64_t)(uintptr_t)a->tx_addr;
+    CHECK(rdmaSyncReadSignaled(a, local, mr->lkey ^ 0x5a5a, remote, a->tx_key, 64) == RDMA_ERR,
+          "sync read into an unregistered lkey -> RDMA_ERR");
+    CHECK(rdmaSyncReadSignaled(a, local + 4000, mr->lkey, remote, a->tx_key, 4096) == RDMA_ERR,
+          "sync read past the end of the local buffer -> RDMA_ERR");
+    CHECK(rdmaSyncReadSignaled(a, local, mr->lkey, remote, a->tx_key, 0) == RDMA_ERR, "sync read of 0 bytes -> RDMA_ERR");
+    CHECK(rdmaPAReadSignaled(a, local, mr->lkey, remote, 64) == RDMA_ERR, "PA read without PA support -> RDMA_ERR");
+    CHECK(rdmaPASyncWriteSignaled(a, local, mr->lkey, remote, 64) == RDMA_ERR, "PA sync write -> RDMA_ERR");
+    CHECK(echo_works(a), "the connection still echoes after refused calls");
+
+    /* A wrong rkey fails the operation and, as RDMA does, the connection. */
+    CHECK(rdmaSyncReadSignaled(a, local, mr->lkey, remote, a->tx_key ^ 0x77, 64) == RDMA_ERR,
+          "sync read with a wrong rkey -> RDMA_ERR");
+    CHECK(wait_count(&disconnects, 1), "... and the disconnect callback fires");
+    CHECK(rdmaConnSend(a, buf, 4) == err, "send on the failed connection -> (size_t)-1");
+    CHECK(echo_works(b), "the other connection is intact");
+
+    rdmaConnClose(a);
+    CHECK(rdmaConnSend(a, buf, 4) == err, "send after close -> (size_t)-1");
+    rdmaConnClose(a); /* double close: refused, harmless */
+    CHECK(echo_works(b), "the other connection is still intact after the double close");
+    RdmaConn *c = connect_to(ip, port);
+    CHECK(c && echo_works(c), "a new connection works");
+    rdmaConnClose(b);
+    if (c)
+        rdmaConnClose(c);
+    rdmaRuntimeStop();
+    printf("misuse: %d of %d checks behaved\n", checks - failures, checks);
+    return failures ? 1 : 0;
+}

@@ -1,0 +1,185 @@
+//! The C programs in c-examples/ against the real library on a real device:
+//! built by `make c-examples` (which `make test` runs first). Servers are
+//! killed when a test ends, whether it passed or not.
+
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::mpsc;
+use std::thread;
+use std::time::{Duration, Instant};
+
+use crate::device_ip;
+
+fn program(name: &str) -> PathBuf {
+    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("target/c-examples")
+        .join(name);
+    assert!(
+        p.exists(),
+        "{} is missing: run `make c-examples PROFILE=debug`",
+        p.display()
+    );
+    p
+}
+
+/// A child process killed on drop, with its stdout lines on a channel.
+struct Proc {
+    child: Child,
+    lines: mpsc::Receiver<String>,
+}
+
+impl Proc {
+    fn spawn(name: &str, args: &[String]) -> Proc {
+        let mut child = Command::new(program(name))
+            .args(args)
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap_or_else(|e| panic!("starting {name}: {e}"));
+        let out = child.stdout.take().unwrap();
+        let (tx, lines) = mpsc::channel();
+        thread::spawn(move || {
+            for line in BufReader::new(out).lines().map_while(Result::ok) {
+                println!("    | {line}");
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        Proc { child, lines }
+    }
+
+    /// Waits for a line containing `needle`.
+    fn expect_line(&self, needle: &str, timeout: Duration) -> String {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(line) if line.contains(needle) => return line,
+                Ok(_) => {}
+                Err(_) => panic!("no line with {needle:?} within {timeout:?}"),
+            }
+        }
+    }
+
+    fn wait(&mut self, timeout: Duration) -> ExitStatus {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return status;
+            }
+            assert!(Instant::now() < deadline, "did not exit within {timeout:?}");
+            thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+fn echo_server(port: u16) -> Proc {
+    let server = Proc::spawn("echo_server", &[device_ip().to_string(), port.to_string()]);
+    server.expect_line("listening on", Duration::from_secs(10));
+    server
+}
+
+fn run(name: &str, args: &[&str], timeout: Duration) -> ExitStatus {
+    let mut args: Vec<String> = args.iter().map(|s| s.to_string()).collect();
+    args.insert(0, device_ip().to_string());
+    let mut p = Proc::spawn(name, &args);
+    p.wait(timeout)
+}
+
+#[test]
+#[ignore = "needs an RDMA device: run `make test`"]
+fn c_echo_of_64_mib_in_random_sizes_over_one_connection() {
+    let _server = echo_server(7601);
+    let status = run(
+        "client",
+        &["7601", "-b", "67108864", "-m", "262144", "-l", "200"],
+        Duration::from_secs(600),
+    );
+    assert!(status.success(), "client: {status}");
+}
+
+#[test]
+#[ignore = "needs an RDMA device: run `make test`"]
+fn c_echo_over_16_connections_at_once() {
+    let _server = echo_server(7602);
+    let status = run(
+        "client",
+        &[
+            "7602", "-c", "16", "-b", "4194304", "-m", "262144", "-l", "20",
+        ],
+        Duration::from_secs(600),
+    );
+    assert!(status.success(), "client: {status}");
+}
+
+#[test]
+#[ignore = "needs an RDMA device: run `make test`"]
+fn c_bad_input_gives_error_codes() {
+    let _server = echo_server(7603);
+    let status = run("misuse", &["7603", "7699"], Duration::from_secs(120));
+    assert!(status.success(), "misuse: {status}");
+}
+
+#[test]
+#[ignore = "needs an RDMA device: run `make test`"]
+fn c_legacy_style_program_runs_dynamic_and_static() {
+    for (name, port) in [("legacy_style", "7604"), ("legacy_style-static", "7605")] {
+        let status = run(name, &[port], Duration::from_secs(60));
+        assert!(status.success(), "{name}: {status}");
+    }
+}
+
+#[test]
+#[ignore = "needs an RDMA device: run `make test`"]
+fn c_server_survives_a_client_killed_mid_stream() {
+    let server = echo_server(7606);
+    let ip = device_ip().to_string();
+    let mut victim = Proc::spawn(
+        "client",
+        &[ip, "7606".into(), "-b".into(), "1073741824".into()],
+    );
+    server.expect_line("connected", Duration::from_secs(10));
+    thread::sleep(Duration::from_millis(1500));
+    victim.kill();
+    server.expect_line("disconnected", Duration::from_secs(30));
+    let status = run(
+        "client",
+        &["7606", "-b", "1048576", "-l", "10"],
+        Duration::from_secs(60),
+    );
+    assert!(status.success(), "a client after the killed one: {status}");
+}
+
+#[test]
+#[ignore = "needs an RDMA device: run `make test`"]
+fn c_client_learns_of_a_server_killed_mid_stream() {
+    let mut server = echo_server(7607);
+    let ip = device_ip().to_string();
+    let mut client = Proc::spawn(
+        "client",
+        &[ip, "7607".into(), "-b".into(), "1073741824".into()],
+    );
+    server.expect_line("connected", Duration::from_secs(10));
+    thread::sleep(Duration::from_millis(1500));
+    server.kill();
+    let start = Instant::now();
+    let status = client.wait(Duration::from_secs(60));
+    assert_eq!(
+        status.code(),
+        Some(3),
+        "the client reports the disconnect (exit 3): {status}"
+    );
+    println!("client noticed after {:?}", start.elapsed());
+}

@@ -14,7 +14,7 @@ EXAMPLEDIR := target/c-examples
 RDMA_LIBS  := -lrdmacm -libverbs -lpthread
 CARGO_FLAGS := $(if $(filter release,$(PROFILE)),--release,)
 
-.PHONY: all lib header check-header c-examples run deps lint host-test device-test test clean
+.PHONY: all lib header check-header c-examples run deps lint host-test device-test test install clean
 
 all: lib header c-examples
 
@@ -62,6 +62,11 @@ host-test:
 	$(EXAMPLEDIR)/devices
 	$(EXAMPLEDIR)/devices-static
 	scripts/check-symbols.sh $(LIBDIR)/libsnowrdma.so include/rdma.h
+	$(MAKE) install PREFIX=$(abspath target/install-check)
+	$(CC) -Wall -Wextra -Werror c-examples/layout.c -o target/install-check/layout \
+	    $$(PKG_CONFIG_PATH=$(abspath target/install-check)/lib/pkgconfig pkg-config --cflags --libs snowrdma) \
+	    -Wl,-rpath,$(abspath target/install-check)/lib
+	target/install-check/layout
 
 device-test:
 	scripts/device-tests.sh
@@ -71,6 +76,17 @@ test: deps
 	$(MAKE) PROFILE=debug c-examples
 	$(MAKE) PROFILE=debug host-test
 	$(MAKE) PROFILE=debug device-test
+
+# Installs the library, the headers (rdma.h and snowrdma/rdma.h) and a
+# pkg-config file: `pkg-config --cflags --libs snowrdma`.
+install: lib header
+	install -d $(DESTDIR)$(PREFIX)/lib/pkgconfig $(DESTDIR)$(PREFIX)/include/snowrdma
+	install -m 755 $(LIBDIR)/libsnowrdma.so $(DESTDIR)$(PREFIX)/lib/
+	install -m 644 $(LIBDIR)/libsnowrdma.a $(DESTDIR)$(PREFIX)/lib/
+	install -m 644 include/rdma.h $(DESTDIR)$(PREFIX)/include/
+	install -m 644 include/snowrdma/rdma.h $(DESTDIR)$(PREFIX)/include/snowrdma/
+	sed -e 's|@PREFIX@|$(PREFIX)|' -e 's|@VERSION@|$(shell sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -1)|' \
+	    snowrdma.pc.in > $(DESTDIR)$(PREFIX)/lib/pkgconfig/snowrdma.pc
 
 clean:
 	$(CARGO) clean

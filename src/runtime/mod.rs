@@ -169,3 +169,21 @@ fn pin_to_cpu(cpu: usize) {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pinning_to_a_cpu_that_does_not_exist_only_warns() {
+        std::thread::spawn(|| {
+            pin_to_cpu(0);
+            // SAFETY: plain libc call.
+            assert_eq!(unsafe { libc::sched_getcpu() }, 0);
+            pin_to_cpu(1 << 20);
+            pin_to_cpu(libc::CPU_SETSIZE as usize - 1);
+        })
+        .join()
+        .unwrap();
+    }
+}

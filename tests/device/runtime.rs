@@ -233,3 +233,229 @@ fn sync_read_and_write_move_the_bytes_and_a_wrong_rkey_fails() {
     conn.close();
     server.release();
 }
+
+#[test]
+#[ignore = "needs an RDMA device: run `make test`"]
+fn callbacks_can_run_sync_operations_and_send_without_deadlock() {
+    // On the first message, the client's callback reads the server's buffer
+    // synchronously (the completion thread must drive its own CQ) and sends.
+    struct ReadInCallback {
+        result: Mutex<Option<Vec<u8>>>,
+        cond: Condvar,
+    }
+    impl ConnHandler for ReadInCallback {
+        fn recv(&self, conn: &Connection, data: &[u8], _imm: Option<u32>) {
+            if data != b"first" {
+                return;
+            }
+            let mr = conn.register(64).unwrap();
+            let (addr, lkey) = unsafe { ((*mr).addr as u64, (*mr).lkey) };
+            let peer = conn.peer_buffer().unwrap();
+            let n = conn.read_sync(addr, lkey, peer.at(0), 5).unwrap();
+            let got = unsafe { std::slice::from_raw_parts(addr as *const u8, n) }.to_vec();
+            assert_eq!(conn.send(b"second").unwrap(), 6);
+            conn.deregister(mr);
+            *self.result.lock().unwrap() = Some(got);
+            self.cond.notify_all();
+        }
+    }
+    let (server, addr) = echo_server(&blocking());
+    let h = Arc::new(ReadInCallback {
+        result: Mutex::new(None),
+        cond: Condvar::new(),
+    });
+    let conn = Connection::connect(addr, &Options::default(), h.clone()).unwrap();
+    conn.send(b"first").unwrap();
+    let g = h
+        .cond
+        .wait_timeout_while(h.result.lock().unwrap(), TIMEOUT, |r| r.is_none())
+        .unwrap()
+        .0;
+    // The server's ring starts with the bytes we sent it.
+    assert_eq!(g.as_deref(), Some(&b"first"[..]));
+    drop(g);
+    conn.close();
+    server.release();
+}
+
+#[test]
+#[ignore = "needs an RDMA device: run `make test`"]
+fn stopping_a_server_leaves_other_connections_running() {
+    let (a, a_addr) = echo_server(&blocking());
+    let (b, b_addr) = echo_server(&blocking());
+    let sink = Arc::new(Collect::default());
+    let to_b = Connection::connect(b_addr, &blocking(), sink.clone()).unwrap();
+    let to_a = Connection::connect(a_addr, &blocking(), Arc::new(Collect::default())).unwrap();
+    a.stop();
+    a.release();
+    assert!(
+        Connection::connect(
+            a_addr,
+            &Options {
+                timeout: Duration::from_millis(500),
+                ..blocking()
+            },
+            Arc::new(Collect::default())
+        )
+        .is_err(),
+        "a released server accepts nothing"
+    );
+    to_b.send(b"still here").unwrap();
+    assert_eq!(sink.wait_bytes(10, TIMEOUT), b"still here");
+    to_a.close();
+    to_b.close();
+    b.release();
+}
+
+/// A peer that speaks the legacy protocol (version 0), built on raw verbs:
+/// it must get the legacy wire format and no extension.
+#[test]
+#[ignore = "needs an RDMA device: run `make test`"]
+fn a_legacy_peer_gets_the_legacy_protocol_and_no_extension() {
+    use snowrdma::runtime::proto::{Cmd, Opcode, CMD_LEN};
+    use snowrdma::verbs::{
+        AccessFlags, CmEventKind, CmId, ConnParam, QpCaps, SendOp, SendRequest, WcOpcode,
+    };
+
+    struct EchoAndTryImm(Mutex<Option<String>>);
+    impl ConnHandler for EchoAndTryImm {
+        fn recv(&self, conn: &Connection, data: &[u8], _imm: Option<u32>) {
+            conn.send(data).unwrap();
+            let refused = conn.send_with_imm(7, data).unwrap_err().to_string();
+            *self.0.lock().unwrap() = Some(refused);
+        }
+    }
+    let seen = Arc::new(EchoAndTryImm(Mutex::new(None)));
+    let s2 = seen.clone();
+    let server = Listener::bind(
+        SocketAddr::new(IpAddr::V4(device_ip()), 0),
+        &blocking(),
+        Box::new(move |_| Some(s2.clone() as Arc<dyn ConnHandler>)),
+    )
+    .unwrap();
+    server.start();
+
+    let id = CmId::resolve(server.local_addr().unwrap(), None, TIMEOUT).unwrap();
+    let ctx = id.context().unwrap();
+    let pd = ctx.alloc_pd().unwrap();
+    let cq = ctx
+        .create_cq(256, Some(&ctx.create_comp_channel().unwrap()))
+        .unwrap();
+    let qp = id.create_qp(&pd, &cq, &cq, &QpCaps::default()).unwrap();
+    let ring = pd.allocate(1 << 20, AccessFlags::all()).unwrap();
+    let mut cmds = pd.allocate(64 * CMD_LEN, AccessFlags::LOCAL_WRITE).unwrap();
+    for slot in 0..64 {
+        unsafe {
+            qp.post_recv(
+                slot as u64,
+                &[cmds.sge(slot * CMD_LEN..(slot + 1) * CMD_LEN)],
+            )
+            .unwrap()
+        };
+    }
+    id.connect(&ConnParam::default()).unwrap();
+    id.expect_event(CmEventKind::ESTABLISHED, TIMEOUT).unwrap();
+
+    // Advertise our ring as the legacy library does: version 0.
+    let mut reg = Cmd::new(
+        Opcode::RegLocalAddr,
+        ring.addr(),
+        ring.len() as u32,
+        ring.rkey(),
+    );
+    reg.version = 0;
+    cmds.as_mut_slice()[63 * CMD_LEN..].copy_from_slice(&reg.encode());
+    let sge = cmds.sge(63 * CMD_LEN..);
+    unsafe {
+        qp.post_send(&[SendRequest::new(1000, SendOp::Send, &[sge])])
+            .unwrap()
+    };
+
+    let mut server_ring = None;
+    let mut echoed = false;
+    let deadline = Instant::now() + TIMEOUT;
+    let quiet_until = |t: Instant| t + Duration::from_millis(700);
+    let mut settle = None;
+    while Instant::now() < deadline && settle.is_none_or(|t| Instant::now() < t) {
+        let wc = match cq.wait_one(Duration::from_millis(100)) {
+            Ok(wc) => wc,
+            Err(e) if e.is_timeout() => continue,
+            Err(e) => panic!("{e}"),
+        };
+        match wc.opcode() {
+            WcOpcode::RECV => {
+                let slot = wc.wr_id() as usize;
+                let cmd =
+                    Cmd::decode(&cmds.as_slice()[slot * CMD_LEN..(slot + 1) * CMD_LEN]).unwrap();
+                assert_ne!(
+                    cmd.opcode,
+                    Opcode::Credit,
+                    "a legacy peer was sent a CREDIT"
+                );
+                if cmd.opcode == Opcode::RegLocalAddr {
+                    server_ring = Some((cmd.addr, cmd.key));
+                    // Send one legacy message: WRITE WITH IMM, immediate = offset.
+                    let msg = b"hello legacy";
+                    let staging = pd.allocate(64, AccessFlags::LOCAL_WRITE).unwrap();
+                    let remote = snowrdma::verbs::RemoteAddr {
+                        addr: cmd.addr,
+                        rkey: cmd.key,
+                    };
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(
+                            msg.as_ptr(),
+                            staging.addr() as *mut u8,
+                            msg.len(),
+                        );
+                        qp.post_send(&[SendRequest::new(
+                            1001,
+                            SendOp::WriteWithImm(remote, 0),
+                            &[staging.sge(..msg.len())],
+                        )])
+                        .unwrap();
+                    }
+                    cq.wait_one(TIMEOUT).unwrap();
+                }
+                unsafe {
+                    qp.post_recv(
+                        slot as u64,
+                        &[cmds.sge(slot * CMD_LEN..(slot + 1) * CMD_LEN)],
+                    )
+                    .unwrap()
+                };
+            }
+            WcOpcode::RECV_RDMA_WITH_IMM => {
+                assert_eq!(
+                    wc.imm(),
+                    Some(0),
+                    "the immediate is the byte offset, without the extension bit"
+                );
+                assert_eq!(wc.byte_len(), 12);
+                assert_eq!(&ring.as_slice()[..12], b"hello legacy");
+                echoed = true;
+                settle = Some(quiet_until(Instant::now()));
+                let slot = wc.wr_id() as usize;
+                unsafe {
+                    qp.post_recv(
+                        slot as u64,
+                        &[cmds.sge(slot * CMD_LEN..(slot + 1) * CMD_LEN)],
+                    )
+                    .unwrap()
+                };
+            }
+            _ => {}
+        }
+    }
+    assert!(server_ring.is_some(), "the server advertised its buffer");
+    assert!(echoed, "the echo came back in the legacy format");
+    let refused = seen
+        .0
+        .lock()
+        .unwrap()
+        .clone()
+        .expect("the server tried an immediate");
+    assert!(refused.contains("legacy"), "{refused}");
+    id.disconnect().unwrap();
+    drop(qp);
+    server.release();
+}

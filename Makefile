@@ -8,13 +8,15 @@ CC      ?= cc
 CFLAGS  ?= -O2 -g
 CFLAGS  += -Wall -Wextra -Werror -I include
 PREFIX  ?= /usr/local
+# Where `make bench` writes its table as JSON.
+BENCH_JSON ?= target/bench/results.json
 
 LIBDIR     := target/$(PROFILE)
 EXAMPLEDIR := target/c-examples
 RDMA_LIBS  := -lrdmacm -libverbs -lpthread
 CARGO_FLAGS := $(if $(filter release,$(PROFILE)),--release,)
 
-.PHONY: all lib header check-header c-examples run deps lint host-test device-test test install clean
+.PHONY: all lib header check-header c-examples run deps lint host-test device-test test install bench clean
 
 all: lib header c-examples
 
@@ -76,6 +78,13 @@ test: deps
 	$(MAKE) PROFILE=debug c-examples
 	$(MAKE) PROFILE=debug host-test
 	$(MAKE) PROFILE=debug device-test
+
+# Every case against perftest on the same device, interleaved, 5 repetitions
+# (SNOWRDMA_BENCH_REPS); prints the table and writes it to $(BENCH_JSON).
+bench: deps
+	$(CARGO) build --release
+	scripts/rdma-run.sh scripts/bench.sh target/bench/results.txt
+	target/release/snowrdma-bench report target/bench/results.txt --json $(BENCH_JSON)
 
 # Installs the library, the headers (rdma.h and snowrdma/rdma.h) and a
 # pkg-config file: `pkg-config --cflags --libs snowrdma`.

@@ -388,6 +388,7 @@ unsafe fn resolve_options(opt: *const RdmaOptions) -> Options {
         max_outstanding_rd_atomic: rd.max(0) as u32,
         io_affinity_cpu: usize::try_from(cpu).ok(),
         recv_buf_len: DEFAULT_RECV_BUF_LEN,
+        spin: defaults.spin,
     }
 }
 

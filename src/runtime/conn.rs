@@ -30,6 +30,11 @@ const CMD_RESERVE: u32 = 16;
 const CMD_SLOTS: u16 = CMD_RESERVE as u16;
 /// Receives kept free at the peer for its commands.
 const PEER_CMD_RESERVE: u64 = 16;
+/// Completions taken per poll at most (`rdmaMaxConcurrentWorkRequests`
+/// is capped to this).
+const MAX_POLL_BATCH: usize = 256;
+/// Every this many data writes, one asks for a completion.
+const SIGNAL_EVERY: u32 = 16;
 /// Bytes a connection queues from inside callbacks (blocking mode) before
 /// `send` there returns 0.
 const MAX_QUEUED_BYTES: usize = 256 << 20;
@@ -128,6 +133,9 @@ struct State {
     /// Messages sent from inside callbacks while the ring was full.
     queued: VecDeque<(Vec<u8>, Option<ExtKind>)>,
     queued_bytes: usize,
+    /// Data writes posted without a completion since the last signaled one.
+    unsignaled_data: u32,
+    rx_msgs_reported: u64,
     last_errno: i32,
 }
 
@@ -147,6 +155,8 @@ pub(crate) struct ConnInner {
     handler: RwLock<Arc<dyn ConnHandler>>,
     st: Mutex<State>,
     cond: Condvar,
+    /// Bumped at every wake, so spinning waiters see changes without the lock.
+    wakeups: AtomicU64,
     user_mrs: Mutex<HashMap<usize, MemoryRegion>>,
     disconnect_fired: AtomicBool,
     closed_locally: AtomicBool,
@@ -257,9 +267,12 @@ impl Connection {
                     deferred: VecDeque::new(),
                     queued: VecDeque::new(),
                     queued_bytes: 0,
+                    unsignaled_data: 0,
+                    rx_msgs_reported: 0,
                     last_errno: 0,
                 }),
                 cond: Condvar::new(),
+                wakeups: AtomicU64::new(0),
                 user_mrs: Mutex::new(HashMap::new()),
                 disconnect_fired: AtomicBool::new(false),
                 closed_locally: AtomicBool::new(false),
@@ -352,6 +365,39 @@ impl Connection {
         self.inner.handler.read().expect("handler lock").clone()
     }
 
+    /// Wakes every thread waiting on this connection.
+    fn wake(&self) {
+        self.inner.wakeups.fetch_add(1, Ordering::Release);
+        self.inner.cond.notify_all();
+    }
+
+    /// Releases the lock until something changes or `deadline`: spins
+    /// first (`Options::spin`), since completions usually come sooner than a
+    /// sleeping thread can be woken, then sleeps in short bounded waits.
+    fn park<'a>(&'a self, st: MutexGuard<'a, State>, deadline: Instant) -> MutexGuard<'a, State> {
+        let seen = self.inner.wakeups.load(Ordering::Acquire);
+        drop(st);
+        let spin_until = Instant::now() + self.inner.opts.spin;
+        while Instant::now() < spin_until.min(deadline) {
+            if self.inner.wakeups.load(Ordering::Acquire) != seen {
+                return self.lock();
+            }
+            std::hint::spin_loop();
+        }
+        let st = self.lock();
+        if self.inner.wakeups.load(Ordering::Acquire) != seen {
+            return st;
+        }
+        let left = deadline
+            .saturating_duration_since(Instant::now())
+            .min(Duration::from_millis(10));
+        self.inner
+            .cond
+            .wait_timeout(st, left)
+            .expect("connection lock")
+            .0
+    }
+
     fn lock(&self) -> MutexGuard<'_, State> {
         self.inner.st.lock().expect("connection lock")
     }
@@ -412,7 +458,7 @@ impl Connection {
 
     fn set_state(&self, state: ConnState) {
         self.lock().state = state;
-        self.inner.cond.notify_all();
+        self.wake();
         self.notify_state(state);
     }
 
@@ -551,12 +597,7 @@ impl Connection {
             if !blocking || now >= deadline {
                 return Ok(0);
             }
-            st = self
-                .inner
-                .cond
-                .wait_timeout(st, (deadline - now).min(Duration::from_millis(50)))
-                .expect("connection lock")
-                .0;
+            st = self.park(st, deadline);
         }
     }
 
@@ -640,13 +681,20 @@ impl Connection {
         let imm = offset as u32 | if ext.is_some() { IMM_EXTENDED } else { 0 };
         let sge = self.inner.staging.sge(offset..offset + len);
         let op = SendOp::WriteWithImm(peer.at(offset as u64), imm);
+        // Only every SIGNAL_EVERY-th message asks for a completion; it
+        // accounts for the unsignaled ones before it (completions are in
+        // order), which saves the completion thread most of the work.
+        let covered = st.unsignaled_data + 1;
+        let sges = [sge];
+        let mut req = SendRequest::new(wr_id(K_DATA, covered as u64), op, &sges);
+        let signal = covered >= SIGNAL_EVERY || st.sq_used + 1 >= MAX_SEND_WR - CMD_RESERVE;
+        if !signal {
+            req = req.unsignaled();
+        }
         // SAFETY: the staging range stays reserved until the peer returns it,
         // which is after this write has landed.
-        unsafe {
-            self.inner
-                .qp
-                .post_send(&[SendRequest::new(wr_id(K_DATA, len as u64), op, &[sge])])?
-        };
+        unsafe { self.inner.qp.post_send(&[req])? };
+        st.unsignaled_data = if signal { 0 } else { covered };
         st.sq_used += 1;
         st.tx_msgs += 1;
         Ok(())
@@ -863,8 +911,7 @@ impl Connection {
                     return Err(Error::Timeout("waiting on the connection".into()));
                 }
                 if !on_cq_thread {
-                    let left = (deadline - now).min(Duration::from_millis(50));
-                    let _ = self.inner.cond.wait_timeout(st, left);
+                    drop(self.park(st, deadline));
                     continue;
                 }
             }
@@ -907,13 +954,12 @@ impl Connection {
         if let Err(e) = channel.get_event(Duration::ZERO) {
             log::error!("completion channel: {e}");
         }
-        let mut wcs: Vec<Completion> = vec![
-            Completion::default();
-            self.inner.opts.max_concurrent_work_requests.clamp(1, 4096)
-                as usize
-        ];
+        let mut batch: [Completion; MAX_POLL_BATCH] =
+            std::array::from_fn(|_| Completion::default());
+        let take = (self.inner.opts.max_concurrent_work_requests as usize).clamp(1, MAX_POLL_BATCH);
+        let wcs = &mut batch[..take];
         loop {
-            let n = match self.inner.cq.poll(&mut wcs) {
+            let n = match self.inner.cq.poll(wcs) {
                 Ok(n) => n,
                 Err(e) => {
                     log::error!("polling the CQ failed: {e}");
@@ -943,7 +989,7 @@ impl Connection {
             self.flush_queued();
         }
         self.deliver_deferred();
-        self.maybe_send_credit(true);
+        self.maybe_send_credit(false);
         self.flush_queued();
     }
 
@@ -965,7 +1011,7 @@ impl Connection {
                     wc.status()
                 ));
             }
-            self.inner.cond.notify_all();
+            self.wake();
             return;
         }
         match kind {
@@ -984,8 +1030,10 @@ impl Connection {
                 }
             }
             K_DATA => {
-                self.lock().sq_used -= 1;
-                self.inner.cond.notify_all();
+                let mut st = self.lock();
+                st.sq_used = st.sq_used.saturating_sub(low as u32);
+                drop(st);
+                self.wake();
             }
             K_CMD => {
                 let mut st = self.lock();
@@ -994,7 +1042,7 @@ impl Connection {
             }
             K_WRITE | K_READ => {
                 self.lock().sq_used -= 1;
-                self.inner.cond.notify_all();
+                self.wake();
                 let h = self.handler();
                 if kind == K_WRITE {
                     h.write_done(self, low as usize);
@@ -1009,7 +1057,7 @@ impl Connection {
                     *slot = Some(Ok(()));
                 }
                 drop(st);
-                self.inner.cond.notify_all();
+                self.wake();
             }
             _ => log::error!("completion with unknown work request id {:#x}", wc.wr_id()),
         }
@@ -1048,7 +1096,7 @@ impl Connection {
                     }
                     first
                 };
-                self.inner.cond.notify_all();
+                self.wake();
                 let h = self.handler();
                 h.peer_buffer(self, ring);
                 if first {
@@ -1070,7 +1118,7 @@ impl Connection {
                 let acked = st.tx_msgs_acked;
                 st.tx_msgs_acked = acked + u64::from(cmd.length.wrapping_sub(acked as u32));
                 drop(st);
-                self.inner.cond.notify_all();
+                self.wake();
             }
         }
     }
@@ -1132,29 +1180,56 @@ impl Connection {
         }
     }
 
-    /// Returns consumed ring space to the peer: at the end of a round of
-    /// completions (`final_round`), or mid-round once a quarter of the ring
-    /// is waiting.
-    fn maybe_send_credit(&self, final_round: bool) {
+    /// Returns consumed ring space to the peer once an eighth of the ring or
+    /// of the receive queue is waiting, or whatever is waiting when `force`d
+    /// (every tick of the completion thread), so a sender never waits longer
+    /// than a tick while one credit message covers many messages.
+    fn maybe_send_credit(&self, force: bool) {
         let mut st = self.lock();
         if st.peer_version < 1 || st.state != ConnState::MrReady {
             return;
         }
         let unreported = st.rx.unreported();
-        if unreported == 0 || (!final_round && unreported < self.inner.recv_ring.len() as u64 / 4) {
+        let unreported_msgs = st.rx_msgs - st.rx_msgs_reported;
+        let enough = unreported >= self.inner.recv_ring.len() as u64 / 8
+            || unreported_msgs >= u64::from(self.inner.opts.recv_depth / 8).max(1);
+        if unreported == 0 || !(force || enough) {
             return;
         }
-        // No free slot: a command completion will free one, and the round it
-        // ends in sends the credit (still unreported until then).
+        // No free slot: a command completion will free one, and a later
+        // round sends the credit (still unreported until then).
         if st.cmd_free.is_empty() || st.sq_used >= MAX_SEND_WR {
             return;
         }
         let consumed = st.rx.take_report();
+        st.rx_msgs_reported = st.rx_msgs;
         let cmd = Cmd::new(Opcode::Credit, consumed, st.rx_msgs as u32, 0);
         if let Err(e) = self.post_cmd(&mut st, cmd) {
             drop(st);
             self.fail(&format!("returning credit: {e}"));
         }
+    }
+
+    /// One non-blocking round (the completion thread spinning): returns
+    /// whether there was anything.
+    pub(crate) fn poll_round(&self) -> bool {
+        let mut wcs: [Completion; 32] = Default::default();
+        let n = match self.inner.cq.poll(&mut wcs) {
+            Ok(n) => n,
+            Err(e) => {
+                log::error!("polling the CQ failed: {e}");
+                return false;
+            }
+        };
+        for wc in &wcs[..n] {
+            self.dispatch(wc, false);
+        }
+        if n > 0 {
+            self.deliver_deferred();
+            self.maybe_send_credit(false);
+            self.flush_queued();
+        }
+        n > 0
     }
 
     /// Ends the connection after a failure: state Error, waiters woken,
@@ -1172,7 +1247,7 @@ impl Connection {
                 slot.get_or_insert_with(|| Err(reason.to_string()));
             }
         }
-        self.inner.cond.notify_all();
+        self.wake();
         let _ = self.inner.id.disconnect();
         self.notify_state(ConnState::Error);
         self.fire_disconnected();
@@ -1220,7 +1295,7 @@ impl Connection {
                     }
                     was
                 };
-                self.inner.cond.notify_all();
+                self.wake();
                 // Answer, so the peer's own DISCONNECTED arrives.
                 let _ = self.inner.id.disconnect();
                 if !matches!(was, ConnState::Closed | ConnState::Error) {
@@ -1279,7 +1354,7 @@ impl Connection {
             }
             was
         };
-        self.inner.cond.notify_all();
+        self.wake();
         if matches!(was, ConnState::Connected | ConnState::MrReady) {
             let _ = self.inner.id.disconnect();
         }
@@ -1312,6 +1387,14 @@ impl super::poller::Source for CqSource {
 
     fn ready(&self) {
         self.0.process_completions();
+    }
+
+    fn poll_once(&self) -> bool {
+        self.0.poll_round()
+    }
+
+    fn tick(&self) {
+        self.0.maybe_send_credit(true);
     }
 }
 

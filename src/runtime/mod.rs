@@ -17,6 +17,7 @@ pub mod ring;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, Weak};
+use std::time::Duration;
 
 pub use conn::{ConnHandler, ConnKind, ConnState, Connection, WeakConnection};
 pub use listener::{AcceptHook, Listener};
@@ -82,12 +83,22 @@ pub fn runtime() -> Result<Arc<Runtime>> {
         .unwrap_or_default();
     let cpu = opts.io_affinity_cpu;
     let rt = Arc::new(Runtime {
-        cm: Poller::start("snowrdma-cm", opts.poll_event_timeout, || {})?,
-        cq: Poller::start("snowrdma-cq", opts.poll_event_timeout, move || {
-            if let Some(cpu) = cpu {
-                pin_to_cpu(cpu)
-            }
-        })?,
+        cm: Poller::start(
+            "snowrdma-cm",
+            opts.poll_event_timeout,
+            Duration::ZERO,
+            || {},
+        )?,
+        cq: Poller::start(
+            "snowrdma-cq",
+            opts.poll_event_timeout,
+            opts.spin,
+            move || {
+                if let Some(cpu) = cpu {
+                    pin_to_cpu(cpu)
+                }
+            },
+        )?,
         accepted: Mutex::new(HashMap::new()),
     });
     *slot = Some(rt.clone());

@@ -39,6 +39,20 @@ pub struct Options {
     pub io_affinity_cpu: Option<usize>,
     /// Size of the receive ring peers write messages into.
     pub recv_buf_len: usize,
+    /// How long the completion thread, and a thread waiting for a sync
+    /// operation or for room, keep polling before they sleep.
+    pub spin: Duration,
+}
+
+/// Environment variable overriding [`Options::spin`], in microseconds.
+pub const SPIN_ENV: &str = "SNOWRDMA_SPIN_US";
+
+fn default_spin() -> Duration {
+    let us = std::env::var(SPIN_ENV)
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(200);
+    Duration::from_micros(us)
 }
 
 impl Default for Options {
@@ -57,6 +71,7 @@ impl Default for Options {
             max_outstanding_rd_atomic: 0,
             io_affinity_cpu: None,
             recv_buf_len: DEFAULT_RECV_BUF_LEN,
+            spin: default_spin(),
         }
     }
 }

@@ -7,7 +7,7 @@ use std::os::fd::RawFd;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// Something with a file descriptor to watch.
 pub trait Source: Send + Sync {
@@ -15,6 +15,13 @@ pub trait Source: Send + Sync {
     /// Called on the poller's thread when `fd` is readable (or on every tick
     /// when the poll times out, so a missed wakeup costs at most one tick).
     fn ready(&self);
+    /// Handles what is pending without waiting or re-arming; true when there
+    /// was something. Called in a loop while the thread spins.
+    fn poll_once(&self) -> bool {
+        false
+    }
+    /// Called about once per tick, busy or not.
+    fn tick(&self) {}
 }
 
 struct Shared {
@@ -40,9 +47,12 @@ pub struct Poller {
 
 impl Poller {
     /// Starts the thread; `on_start` runs first on it (naming, pinning).
+    /// After handling work the thread keeps polling for up to `spin` before
+    /// it sleeps: a wakeup costs more than the next message usually takes.
     pub fn start(
         name: &str,
         tick: Duration,
+        spin: Duration,
         on_start: impl FnOnce() + Send + 'static,
     ) -> std::io::Result<Poller> {
         // SAFETY: plain syscall.
@@ -61,7 +71,7 @@ impl Poller {
             .name(name.to_string())
             .spawn(move || {
                 on_start();
-                run(&s, tick)
+                run(&s, tick, spin)
             })?;
         Ok(Poller {
             shared,
@@ -114,8 +124,9 @@ impl Drop for Poller {
     }
 }
 
-fn run(shared: &Shared, tick: Duration) {
+fn run(shared: &Shared, tick: Duration, spin: Duration) {
     let tick_ms = tick.as_millis().clamp(1, i32::MAX as u128) as i32;
+    let mut last_tick = Instant::now();
     while !shared.stop.load(Ordering::SeqCst) {
         let snapshot: Vec<Arc<dyn Source>> = shared
             .sources
@@ -145,16 +156,43 @@ fn run(shared: &Shared, tick: Duration) {
             }
             continue;
         }
+        let mut changed = false;
         if fds[0].revents != 0 {
             let mut buf = 0u64;
             // SAFETY: reads 8 bytes from our eventfd.
             unsafe { libc::read(shared.wake, (&mut buf as *mut u64).cast(), 8) };
+            changed = true;
         }
+        let mut worked = false;
         for (pfd, source) in fds[1..].iter().zip(&snapshot) {
             // On a timeout every source gets a look: cheap, and it bounds the
             // cost of any lost wakeup.
             if n == 0 || pfd.revents != 0 {
                 source.ready();
+                worked = true;
+            }
+        }
+        if worked && !changed && !spin.is_zero() {
+            let mut until = Instant::now() + spin;
+            while Instant::now() < until && !shared.stop.load(Ordering::Relaxed) {
+                let mut any = false;
+                for source in &snapshot {
+                    any |= source.poll_once();
+                }
+                if any {
+                    until = Instant::now() + spin;
+                }
+                std::hint::spin_loop();
+            }
+            // Re-arm before sleeping.
+            for source in &snapshot {
+                source.ready();
+            }
+        }
+        if last_tick.elapsed() >= tick {
+            last_tick = Instant::now();
+            for source in &snapshot {
+                source.tick();
             }
         }
     }

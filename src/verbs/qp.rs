@@ -289,10 +289,19 @@ impl QueuePair {
         if reqs.is_empty() {
             return Ok(());
         }
+        let mut bad = std::ptr::null_mut();
+        if let [req] = reqs {
+            // The common case, without a heap allocation.
+            // SAFETY: all-zero is a valid ibv_send_wr.
+            let mut wr: sys::ibv_send_wr = std::mem::zeroed();
+            req.fill(&mut wr)?;
+            return check_code(
+                "ibv_post_send",
+                sys::ibv_post_send(self.as_raw(), &mut wr, &mut bad),
+            );
+        }
         // SAFETY: all-zero is a valid ibv_send_wr.
-        let mut wrs: Vec<sys::ibv_send_wr> = (0..reqs.len())
-            .map(|_| unsafe { std::mem::zeroed() })
-            .collect();
+        let mut wrs: Vec<sys::ibv_send_wr> = (0..reqs.len()).map(|_| std::mem::zeroed()).collect();
         for (wr, req) in wrs.iter_mut().zip(reqs) {
             req.fill(wr)?;
         }
@@ -300,7 +309,6 @@ impl QueuePair {
             let next: *mut sys::ibv_send_wr = &mut wrs[i];
             wrs[i - 1].next = next;
         }
-        let mut bad = std::ptr::null_mut();
         check_code(
             "ibv_post_send",
             sys::ibv_post_send(self.as_raw(), wrs.as_mut_ptr(), &mut bad),

@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# Runs every benchmark case and its perftest reference, interleaved (A B A B
+# ...), on the RDMA device (scripts/rdma-run.sh puts this in the Soft-RoCE
+# VM), appending "case side value" lines to the results file.
+#
+#   scripts/bench.sh <results file>      SNOWRDMA_BENCH_REPS (default 5)
+set -u
+results=$1
+reps=${SNOWRDMA_BENCH_REPS:-5}
+bench=target/release/snowrdma-bench
+read -r dev ip < <($bench addr) || { echo "bench: no RDMA device" >&2; exit 1; }
+mkdir -p "$(dirname "$results")"
+: >"$results"
+port=18600
+
+# perftest <column of the figure> <tool> <args...>: runs the tool's server and
+# client on the device, prints the figure from the client's result line.
+perftest() {
+    local col=$1 tool=$2
+    shift 2
+    port=$((port + 1))
+    timeout 120 "$tool" -d "$dev" -R -F -p "$port" "$@" >/dev/null 2>&1 &
+    local server=$!
+    sleep 0.5
+    local out
+    out=$(timeout 120 "$tool" -d "$dev" -R -F -p "$port" "$@" "$ip" 2>&1)
+    wait "$server" 2>/dev/null
+    # The result line starts with the message size and the iteration count.
+    echo "$out" | awk -v c="$col" '$1 ~ /^[0-9]+$/ && $2 ~ /^[0-9]+$/ && NF >= c { v = $c } END { if (v != "") print v }'
+}
+
+ours() {
+    port=$((port + 1))
+    timeout 300 $bench run "$@" --port "$port"
+}
+
+record() {
+    local case=$1 side=$2 value=$3
+    if [ -z "$value" ]; then
+        echo "bench: $case ($side) produced no figure" >&2
+        return
+    fi
+    echo "$case $side $value" | tee -a "$results"
+}
+
+for rep in $(seq 1 "$reps"); do
+    echo "--- repetition $rep of $reps"
+    record write_lat reference "$(perftest 5 ib_write_lat -s 64 -n 1000)"
+    record write_lat snowrdma "$(ours verbs-write-lat -s 64 -n 1000)"
+    record read_lat reference "$(perftest 5 ib_read_lat -s 64 -n 1000)"
+    record read_lat snowrdma "$(ours verbs-read-lat -s 64 -n 1000)"
+    record cas_lat reference "$(perftest 5 ib_atomic_lat -n 1000)"
+    record cas_lat snowrdma "$(ours verbs-cas-lat -s 8 -n 1000)"
+    record sync_read reference "$(perftest 5 ib_read_lat -s 64 -n 1000)"
+    record sync_read snowrdma "$(ours sync-read -s 64 -n 1000)"
+    record sync_write reference "$(ours verbs-write-signaled -s 64 -n 1000)"
+    record sync_write snowrdma "$(ours sync-write -s 64 -n 1000)"
+    record echo_lat reference "$(perftest 5 ib_send_lat -s 64 -n 1000)"
+    record echo_lat snowrdma "$(ours echo-lat -s 64 -n 1000)"
+    record stream_bw reference "$(perftest 4 ib_write_bw -s 65536 -n 1000)"
+    record stream_bw snowrdma "$(ours stream-bw -s 65536 -n 1000)"
+    record msg_rate reference "$(perftest 5 ib_write_bw -s 64 -n 20000)"
+    record msg_rate snowrdma "$(ours msg-rate -s 64 -n 20000)"
+done

@@ -1,0 +1,527 @@
+//! The benchmark side of `make bench`: each case measured the way the
+//! perftest program it is compared with measures (same size, iterations and
+//! signaling; the median of per-iteration latencies), through our verbs layer
+//! or through the public C API; and the report that puts both side by side.
+//!
+//!   snowrdma-bench addr                 the device and its IPv4 address
+//!   snowrdma-bench run <case> [-n N]    one repetition; prints the figure
+//!   snowrdma-bench report <results> [--json PATH]
+
+use std::collections::BTreeMap;
+use std::ffi::{c_void, CString};
+use std::net::{IpAddr, SocketAddr};
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use clap::{Parser, Subcommand, ValueEnum};
+use snowrdma::ffi::rdma::*;
+use snowrdma::verbs::selftest::{ConnectMode, LoopbackPair};
+use snowrdma::verbs::{Completion, Context, SendOp, SendRequest};
+
+#[derive(Parser)]
+#[command(about = "snowrdma benchmarks, compared with perftest by `make bench`")]
+struct Args {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Print the first device's name and IPv4 address.
+    Addr,
+    /// Run one repetition of a case and print its figure.
+    Run {
+        case: Case,
+        /// Iterations (latency) or messages (throughput).
+        #[arg(short = 'n', long)]
+        iters: usize,
+        /// Message size in bytes.
+        #[arg(short, long)]
+        size: usize,
+        /// Port for the cases that run a server.
+        #[arg(short, long, default_value_t = 7700)]
+        port: u16,
+    },
+    /// Summarise a results file (lines: case, side, value) as a table and JSON.
+    Report {
+        results: PathBuf,
+        #[arg(long, default_value = "target/bench/results.json")]
+        json: PathBuf,
+    },
+}
+
+#[derive(Clone, Copy, ValueEnum, PartialEq, Eq, Debug)]
+enum Case {
+    /// Verbs layer: RDMA WRITE ping-pong, half round trip (ib_write_lat).
+    VerbsWriteLat,
+    /// Verbs layer: RDMA READ, post to completion (ib_read_lat).
+    VerbsReadLat,
+    /// Verbs layer: atomic compare-and-swap (ib_atomic_lat).
+    VerbsCasLat,
+    /// Verbs layer: one signaled RDMA WRITE, post to completion.
+    VerbsWriteSignaled,
+    /// C API: rdmaSyncReadSignaled.
+    SyncRead,
+    /// C API: rdmaSyncWriteSignaled.
+    SyncWrite,
+    /// C API: rdmaConnSend echo, half round trip (ib_send_lat).
+    EchoLat,
+    /// C API: rdmaConnSend streaming, MiB/s (ib_write_bw).
+    StreamBw,
+    /// C API: rdmaConnSend message rate, Mpps (ib_write_bw).
+    MsgRate,
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+fn us(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e6
+}
+
+fn spin_one(cq: &snowrdma::verbs::CompletionQueue) -> Completion {
+    let mut wc = [Completion::default()];
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        if cq.poll(&mut wc).expect("poll") == 1 {
+            let [wc] = wc;
+            return wc.into_result().expect("completion");
+        }
+        assert!(Instant::now() < deadline, "a completion was lost");
+    }
+}
+
+/// Post-to-completion latency of one operation, spinning on the CQ, as
+/// ib_read_lat / ib_atomic_lat do.
+fn verbs_op_lat(case: Case, iters: usize, size: usize) -> f64 {
+    let ctx = Context::open(None).expect("device");
+    let mut pair = LoopbackPair::connect(
+        &ctx,
+        ConnectMode::RdmaCm,
+        size.max(8),
+        Duration::from_secs(10),
+    )
+    .expect("pair");
+    let remote = pair.b.mr.remote().at(0);
+    let sge = pair
+        .a
+        .mr
+        .sge(..if case == Case::VerbsCasLat { 8 } else { size });
+    let mut lat = Vec::with_capacity(iters);
+    for i in 0..iters {
+        let op = match case {
+            Case::VerbsReadLat => SendOp::Read(remote),
+            Case::VerbsCasLat => SendOp::CompareSwap {
+                remote,
+                compare: i as u64,
+                swap: i as u64 + 1,
+            },
+            _ => SendOp::Write(remote),
+        };
+        let t = Instant::now();
+        // SAFETY: a's buffer is touched by nothing else until the completion.
+        unsafe {
+            pair.a
+                .qp
+                .post_send(&[SendRequest::new(i as u64, op, &[sge])])
+                .expect("post")
+        };
+        spin_one(&pair.a.send_cq);
+        lat.push(us(t.elapsed()));
+    }
+    pair.b.mr.as_mut_slice()[0] = 0;
+    median(&mut lat)
+}
+
+/// RDMA WRITE ping-pong as ib_write_lat does it: each side writes the
+/// iteration number into the other's buffer and spins on its own buffer.
+fn verbs_write_lat(iters: usize, size: usize) -> f64 {
+    let ctx = Context::open(None).expect("device");
+    // Each buffer: [0, size) receives the peer's writes, [size, 2 size) is sent.
+    let pair = LoopbackPair::connect(&ctx, ConnectMode::RdmaCm, 2 * size, Duration::from_secs(10))
+        .expect("pair");
+    let LoopbackPair { a, b, .. } = pair;
+    let (a_rem, b_rem) = (a.mr.remote().at(0), b.mr.remote().at(0));
+    let last = size as u64 - 1;
+    let pong = std::thread::spawn(move || {
+        let flag = (b.mr.addr() + last) as *const u8;
+        let out = (b.mr.addr() + size as u64 + last) as *mut u8;
+        let sge = b.mr.sge(size..2 * size);
+        for i in 0..iters {
+            let want = (i % 255 + 1) as u8;
+            // SAFETY: the peer writes this byte; we only read it.
+            while unsafe { std::ptr::read_volatile(flag) } != want {}
+            // SAFETY: our send area; the previous write from it completed.
+            unsafe {
+                std::ptr::write_volatile(out, want);
+                b.qp.post_send(&[SendRequest::new(i as u64, SendOp::Write(a_rem), &[sge])])
+                    .expect("post");
+            }
+            spin_one(&b.send_cq);
+        }
+    });
+    let flag = (a.mr.addr() + last) as *const u8;
+    let out = (a.mr.addr() + size as u64 + last) as *mut u8;
+    let sge = a.mr.sge(size..2 * size);
+    let mut lat = Vec::with_capacity(iters);
+    for i in 0..iters {
+        let want = (i % 255 + 1) as u8;
+        let t = Instant::now();
+        // SAFETY: as above.
+        unsafe {
+            std::ptr::write_volatile(out, want);
+            a.qp.post_send(&[SendRequest::new(i as u64, SendOp::Write(b_rem), &[sge])])
+                .expect("post");
+        }
+        spin_one(&a.send_cq);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while unsafe { std::ptr::read_volatile(flag) } != want {
+            assert!(Instant::now() < deadline, "the pong was lost");
+        }
+        lat.push(us(t.elapsed()) / 2.0);
+    }
+    pong.join().expect("pong thread");
+    median(&mut lat)
+}
+
+static RECEIVED: AtomicU64 = AtomicU64::new(0);
+static RECEIVED_BYTES: AtomicU64 = AtomicU64::new(0);
+
+unsafe extern "C" fn echo_back(conn: *mut RdmaConnFwd, data: *mut c_void, len: usize) {
+    rdmaConnSend(conn.cast(), data, len);
+}
+
+unsafe extern "C" fn count(_conn: *mut RdmaConnFwd, _data: *mut c_void, len: usize) {
+    RECEIVED.fetch_add(1, Ordering::Release);
+    RECEIVED_BYTES.fetch_add(len as u64, Ordering::Release);
+}
+
+/// An in-process server and a connected client through the public C API.
+struct CPair {
+    listener: *mut RdmaListener,
+    conn: *mut RdmaConn,
+    server: Option<std::thread::JoinHandle<()>>,
+}
+
+impl CPair {
+    fn new(port: u16, server_recv: RdmaRecvCallbackFunc) -> CPair {
+        let ip = Context::open(None)
+            .unwrap()
+            .ipv4_address(1)
+            .unwrap()
+            .expect("an IPv4 address");
+        let ip = CString::new(ip.to_string()).unwrap();
+        // SAFETY: zeroed options are the C programs' `{0}`.
+        unsafe {
+            rdmaCommMode = RdmaCommMode::RDMA_BLOCKING;
+            let mut opt: RdmaServerOptions = std::mem::zeroed();
+            opt.recv_callback = server_recv;
+            let mut listener = std::ptr::null_mut();
+            assert_eq!(
+                rdmaServer(&mut listener, ip.as_ptr(), port as i32, &opt),
+                RDMA_OK
+            );
+            let l = listener as usize;
+            let server = std::thread::spawn(move || {
+                rdmaServerStart(l as *mut RdmaListener);
+            });
+            let mut copt: RdmaConnOptions = std::mem::zeroed();
+            copt.recv_callback = Some(count);
+            let conn = rdmaConn(&copt);
+            std::thread::sleep(Duration::from_millis(50));
+            assert_eq!(
+                rdmaConnect(conn, ip.as_ptr() as *mut _, port as i32),
+                RDMA_OK
+            );
+            CPair {
+                listener,
+                conn,
+                server: Some(server),
+            }
+        }
+    }
+}
+
+impl Drop for CPair {
+    fn drop(&mut self) {
+        // SAFETY: handles from CPair::new.
+        unsafe {
+            rdmaConnClose(self.conn);
+            rdmaServerStop(self.listener);
+            if let Some(t) = self.server.take() {
+                let _ = t.join();
+            }
+            rdmaServerRelease(self.listener);
+        }
+    }
+}
+
+fn sync_lat(read: bool, iters: usize, size: usize, port: u16) -> f64 {
+    let p = CPair::new(port, None);
+    // SAFETY: the connection is live; the MR is ours.
+    unsafe {
+        let mr = rdmaConnRegMem(p.conn, size.max(64));
+        let (local, lkey) = ((*mr).addr as u64, (*mr).lkey);
+        let (remote, rkey) = ((*p.conn).tx_addr as u64, (*p.conn).tx_key);
+        let mut lat = Vec::with_capacity(iters);
+        for _ in 0..iters {
+            let t = Instant::now();
+            let r = if read {
+                rdmaSyncReadSignaled(p.conn, local, lkey, remote, rkey, size as u32)
+            } else {
+                rdmaSyncWriteSignaled(p.conn, local, lkey, remote, rkey, size as u32)
+            };
+            assert_eq!(r, size as i32);
+            lat.push(us(t.elapsed()));
+        }
+        rdmaConnDeregMem(p.conn, mr);
+        median(&mut lat)
+    }
+}
+
+fn echo_lat(iters: usize, size: usize, port: u16) -> f64 {
+    let p = CPair::new(port, Some(echo_back));
+    let msg = vec![7u8; size];
+    let mut lat = Vec::with_capacity(iters);
+    for _ in 0..iters {
+        let before = RECEIVED.load(Ordering::Acquire);
+        let t = Instant::now();
+        // SAFETY: live connection, readable message.
+        assert_eq!(
+            unsafe { rdmaConnSend(p.conn, msg.as_ptr() as *mut _, size) },
+            size
+        );
+        let deadline = t + Duration::from_secs(10);
+        while RECEIVED.load(Ordering::Acquire) == before {
+            assert!(Instant::now() < deadline, "the echo was lost");
+            std::hint::spin_loop();
+        }
+        lat.push(us(t.elapsed()) / 2.0);
+    }
+    median(&mut lat)
+}
+
+/// Streams `iters` messages of `size` bytes to a server that only counts;
+/// returns (MiB/s, Mpps) from the first send until the last byte arrived.
+fn stream(iters: usize, size: usize, port: u16) -> (f64, f64) {
+    unsafe extern "C" fn sink(_c: *mut RdmaConnFwd, _d: *mut c_void, len: usize) {
+        RECEIVED.fetch_add(1, Ordering::Release);
+        RECEIVED_BYTES.fetch_add(len as u64, Ordering::Release);
+    }
+    let p = CPair::new(port, Some(sink));
+    let msg = vec![1u8; size];
+    RECEIVED.store(0, Ordering::Release);
+    let t = Instant::now();
+    let mut sent = 0;
+    while sent < iters {
+        // SAFETY: live connection, readable message.
+        match unsafe { rdmaConnSend(p.conn, msg.as_ptr() as *mut _, size) } {
+            0 => std::hint::spin_loop(),
+            n if n == size => sent += 1,
+            n => panic!("rdmaConnSend returned {n}"),
+        }
+    }
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while RECEIVED.load(Ordering::Acquire) < iters as u64 {
+        assert!(Instant::now() < deadline, "messages were lost");
+        std::hint::spin_loop();
+    }
+    let secs = t.elapsed().as_secs_f64();
+    (
+        (iters * size) as f64 / secs / (1 << 20) as f64,
+        iters as f64 / secs / 1e6,
+    )
+}
+
+fn run(case: Case, iters: usize, size: usize, port: u16) -> f64 {
+    match case {
+        Case::VerbsWriteLat => verbs_write_lat(iters, size),
+        Case::VerbsReadLat | Case::VerbsCasLat | Case::VerbsWriteSignaled => {
+            verbs_op_lat(case, iters, size)
+        }
+        Case::SyncRead => sync_lat(true, iters, size, port),
+        Case::SyncWrite => sync_lat(false, iters, size, port),
+        Case::EchoLat => echo_lat(iters, size, port),
+        Case::StreamBw => stream(iters, size, port).0,
+        Case::MsgRate => stream(iters, size, port).1,
+    }
+}
+
+/// One row of the report: what is compared with what, and which way is better.
+struct Row {
+    case: &'static str,
+    what: &'static str,
+    reference: &'static str,
+    unit: &'static str,
+    higher_is_better: bool,
+    target: &'static str,
+}
+
+const ROWS: &[Row] = &[
+    Row {
+        case: "write_lat",
+        what: "verbs RDMA WRITE 64 B, half RTT",
+        reference: "ib_write_lat",
+        unit: "us",
+        higher_is_better: false,
+        target: "<= 1.05",
+    },
+    Row {
+        case: "read_lat",
+        what: "verbs RDMA READ 64 B",
+        reference: "ib_read_lat",
+        unit: "us",
+        higher_is_better: false,
+        target: "<= 1.05",
+    },
+    Row {
+        case: "cas_lat",
+        what: "verbs atomic CAS",
+        reference: "ib_atomic_lat",
+        unit: "us",
+        higher_is_better: false,
+        target: "<= 1.05",
+    },
+    Row {
+        case: "sync_read",
+        what: "rdmaSyncReadSignaled 64 B",
+        reference: "ib_read_lat",
+        unit: "us",
+        higher_is_better: false,
+        target: "<= 1.10",
+    },
+    Row {
+        case: "sync_write",
+        what: "rdmaSyncWriteSignaled 64 B",
+        reference: "verbs signaled WRITE",
+        unit: "us",
+        higher_is_better: false,
+        target: "<= 1.10",
+    },
+    Row {
+        case: "echo_lat",
+        what: "rdmaConnSend echo 64 B, half RTT",
+        reference: "ib_send_lat",
+        unit: "us",
+        higher_is_better: false,
+        target: "<= 1.30",
+    },
+    Row {
+        case: "stream_bw",
+        what: "rdmaConnSend stream 64 KiB",
+        reference: "ib_write_bw",
+        unit: "MiB/s",
+        higher_is_better: true,
+        target: ">= 0.90",
+    },
+    Row {
+        case: "msg_rate",
+        what: "rdmaConnSend 64 B message rate",
+        reference: "ib_write_bw -s 64",
+        unit: "Mpps",
+        higher_is_better: true,
+        target: ">= 0.80",
+    },
+];
+
+fn stats(v: &mut [f64]) -> (f64, f64, f64) {
+    v.sort_by(f64::total_cmp);
+    (v[v.len() / 2], v[0], v[v.len() - 1])
+}
+
+fn report(results: &PathBuf, json: &PathBuf) -> std::io::Result<()> {
+    let text = std::fs::read_to_string(results)?;
+    let mut data: BTreeMap<(String, String), Vec<f64>> = BTreeMap::new();
+    for line in text.lines().filter(|l| !l.trim().is_empty()) {
+        let f: Vec<&str> = line.split_whitespace().collect();
+        if let [case, side, value] = f[..] {
+            if let Ok(v) = value.parse::<f64>() {
+                data.entry((case.to_string(), side.to_string()))
+                    .or_default()
+                    .push(v);
+            }
+        }
+    }
+    println!(
+        "{:<34} {:<22} {:>22} {:>22} {:>7}  {:>7}",
+        "case", "reference", "reference med [min-max]", "snowrdma med [min-max]", "ratio", "target"
+    );
+    let mut out = Vec::new();
+    for row in ROWS {
+        let mut r = data
+            .get(&(row.case.into(), "reference".into()))
+            .cloned()
+            .unwrap_or_default();
+        let mut o = data
+            .get(&(row.case.into(), "snowrdma".into()))
+            .cloned()
+            .unwrap_or_default();
+        if r.is_empty() || o.is_empty() {
+            println!(
+                "{:<34} {:<22} (missing: a run failed, see the log)",
+                row.what, row.reference
+            );
+            continue;
+        }
+        let (rm, rmin, rmax) = stats(&mut r);
+        let (om, omin, omax) = stats(&mut o);
+        let ratio = om / rm;
+        println!(
+            "{:<34} {:<22} {:>8.2} [{:.2}-{:.2}] {:>8.2} [{:.2}-{:.2}] {:>7.2}  {:>7} {}",
+            row.what, row.reference, rm, rmin, rmax, om, omin, omax, ratio, row.target, row.unit
+        );
+        out.push(format!(
+            "{{\"case\":\"{}\",\"what\":\"{}\",\"reference\":\"{}\",\"unit\":\"{}\",\"higher_is_better\":{},\"target\":\"{}\",\
+             \"reference_median\":{rm},\"reference_min\":{rmin},\"reference_max\":{rmax},\"reference_runs\":{},\
+             \"snowrdma_median\":{om},\"snowrdma_min\":{omin},\"snowrdma_max\":{omax},\"snowrdma_runs\":{},\"ratio\":{ratio}}}",
+            row.case, row.what, row.reference, row.unit, row.higher_is_better, row.target, r.len(), o.len()
+        ));
+    }
+    if let Some(dir) = json.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    std::fs::write(json, format!("[\n  {}\n]\n", out.join(",\n  ")))?;
+    println!(
+        "ratio = snowrdma / reference (medians of interleaved runs); JSON: {}",
+        json.display()
+    );
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    env_logger::Builder::from_env(env_logger::Env::new().filter("SNOWRDMA_LOG")).init();
+    match Args::parse().cmd {
+        Cmd::Addr => {
+            let ctx = match Context::open(None) {
+                Ok(c) => c,
+                Err(e) => {
+                    eprintln!("{e}");
+                    return ExitCode::FAILURE;
+                }
+            };
+            let ip = ctx.ipv4_address(1).ok().flatten().map(IpAddr::V4);
+            println!(
+                "{} {}",
+                ctx.name(),
+                ip.map_or("-".into(), |i| SocketAddr::new(i, 0).ip().to_string())
+            );
+        }
+        Cmd::Run {
+            case,
+            iters,
+            size,
+            port,
+        } => println!("{:.4}", run(case, iters, size, port)),
+        Cmd::Report { results, json } => {
+            if let Err(e) = report(&results, &json) {
+                eprintln!("report: {e}");
+                return ExitCode::FAILURE;
+            }
+        }
+    }
+    ExitCode::SUCCESS
+}

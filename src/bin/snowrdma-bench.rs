@@ -428,6 +428,12 @@ const ROWS: &[Row] = &[
     },
 ];
 
+/// "median [min-max]" with enough digits for small figures (Mpps).
+fn spread(med: f64, min: f64, max: f64) -> String {
+    let digits = if med < 1.0 { 4 } else { 2 };
+    format!("{med:.digits$} [{min:.digits$}-{max:.digits$}]")
+}
+
 fn stats(v: &mut [f64]) -> (f64, f64, f64) {
     v.sort_by(f64::total_cmp);
     (v[v.len() / 2], v[0], v[v.len() - 1])
@@ -471,8 +477,14 @@ fn report(results: &PathBuf, json: &PathBuf) -> std::io::Result<()> {
         let (om, omin, omax) = stats(&mut o);
         let ratio = om / rm;
         println!(
-            "{:<34} {:<22} {:>8.2} [{:.2}-{:.2}] {:>8.2} [{:.2}-{:.2}] {:>7.2}  {:>7} {}",
-            row.what, row.reference, rm, rmin, rmax, om, omin, omax, ratio, row.target, row.unit
+            "{:<34} {:<22} {:>22} {:>22} {:>7.2}  {:>7} {}",
+            row.what,
+            row.reference,
+            spread(rm, rmin, rmax),
+            spread(om, omin, omax),
+            ratio,
+            row.target,
+            row.unit
         );
         out.push(format!(
             "{{\"case\":\"{}\",\"what\":\"{}\",\"reference\":\"{}\",\"unit\":\"{}\",\"higher_is_better\":{},\"target\":\"{}\",\

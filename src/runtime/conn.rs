@@ -542,8 +542,9 @@ impl Connection {
 
     /// Sends a message: the peer's `recv` callback gets exactly these bytes,
     /// whole, in order, once. Returns the bytes accepted, or 0 when the
-    /// peer's ring has no room now (non-blocking mode, or inside a callback
-    /// after waiting up to the timeout).
+    /// peer's ring has no room now: at once in non-blocking mode, after up to
+    /// the timeout in blocking mode. Inside a callback, blocking mode queues
+    /// the message (sent in order as room returns) instead of waiting.
     pub fn send(&self, data: &[u8]) -> Result<usize> {
         self.send_message(data, None)
     }

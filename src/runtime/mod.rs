@@ -16,7 +16,7 @@ pub mod proto;
 pub mod ring;
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 pub use conn::{ConnHandler, ConnKind, ConnState, Connection, WeakConnection};
@@ -121,11 +121,8 @@ pub fn stop() {
     for c in conns {
         c.close();
     }
-    let weak: Weak<Runtime> = Arc::downgrade(&rt);
+    // The threads end when the last connection using this runtime is gone.
     drop(rt);
-    if weak.upgrade().is_some() {
-        log::debug!("runtime stopped; its threads end when the last connection is closed");
-    }
 }
 
 impl Runtime {

@@ -467,8 +467,8 @@ impl FfiConn {
             (*p).cm_id = conn.cm_id().as_raw();
             (*p).cm_channel = (*conn.cm_id().as_raw()).channel;
             (*p).pd = conn.pd().as_raw();
-            (*p).cq = conn.cq().as_raw();
-            (*p).comp_channel = (*conn.cq().as_raw()).channel;
+            (*p).cq = conn.recv_cq().as_raw();
+            (*p).comp_channel = (*conn.recv_cq().as_raw()).channel;
             (*p).recv_buf = ring.addr() as *mut c_char;
             (*p).recv_length = ring.len() as c_uint;
             (*p).recv_mr = ring.as_raw();

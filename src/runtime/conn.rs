@@ -107,11 +107,18 @@ pub trait ConnHandler: Send + Sync {
 struct NoHandler;
 impl ConnHandler for NoHandler {}
 
-/// A message deferred while a callback drives the CQ itself.
+/// A message to hand to the `recv` callback.
 struct Delivery {
     offset: usize,
     len: usize,
     extended: bool,
+}
+
+/// A callback to run on the completion thread.
+enum Deferred {
+    Message(Delivery),
+    WriteDone(usize),
+    ReadDone(usize),
 }
 
 struct State {
@@ -129,7 +136,9 @@ struct State {
     cmd_free: Vec<u16>,
     sync_ops: HashMap<u64, Option<std::result::Result<(), String>>>,
     next_op: u64,
-    deferred: VecDeque<Delivery>,
+    /// Callbacks owed, in order: messages that arrived while a callback
+    /// drove the CQ itself, and completions another thread polled.
+    deferred: VecDeque<Deferred>,
     /// Messages sent from inside callbacks while the ring was full.
     queued: VecDeque<(Vec<u8>, Option<ExtKind>)>,
     queued_bytes: usize,
@@ -143,7 +152,11 @@ pub(crate) struct ConnInner {
     rt: Arc<Runtime>,
     id: CmId,
     qp: QueuePair,
-    cq: CompletionQueue,
+    send_cq: CompletionQueue,
+    recv_cq: CompletionQueue,
+    /// Serialises polling of the send CQ, which a thread waiting for its
+    /// sync operation may do itself instead of waiting for a wakeup.
+    send_poll: Mutex<()>,
     pd: ProtectionDomain,
     recv_ring: MemoryRegion,
     staging: MemoryRegion,
@@ -157,6 +170,8 @@ pub(crate) struct ConnInner {
     cond: Condvar,
     /// Bumped at every wake, so spinning waiters see changes without the lock.
     wakeups: AtomicU64,
+    /// Another thread queued callbacks for the completion thread.
+    owed: AtomicBool,
     user_mrs: Mutex<HashMap<usize, MemoryRegion>>,
     disconnect_fired: AtomicBool,
     closed_locally: AtomicBool,
@@ -211,7 +226,8 @@ impl Connection {
         let pd = ctx.alloc_pd()?;
         let channel = ctx.create_comp_channel()?;
         let recv_depth = opts.recv_depth.max(2 * PEER_CMD_RESERVE as u32);
-        let cq = ctx.create_cq(MAX_SEND_WR + recv_depth + 16, Some(&channel))?;
+        let send_cq = ctx.create_cq(MAX_SEND_WR + 16, Some(&channel))?;
+        let recv_cq = ctx.create_cq(recv_depth + 16, Some(&channel))?;
         let caps = QpCaps {
             max_send_wr: MAX_SEND_WR,
             max_recv_wr: recv_depth,
@@ -219,7 +235,7 @@ impl Connection {
             max_recv_sge: 1,
             max_inline_data: opts.max_inline_data,
         };
-        let qp = id.create_qp(&pd, &cq, &cq, &caps)?;
+        let qp = id.create_qp(&pd, &send_cq, &recv_cq, &caps)?;
         let remote =
             AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_READ;
         let recv_ring = pd.allocate(opts.recv_buf_len, remote)?;
@@ -240,7 +256,9 @@ impl Connection {
                 peer: id.peer_addr(),
                 id,
                 qp,
-                cq,
+                send_cq,
+                recv_cq,
+                send_poll: Mutex::new(()),
                 pd,
                 recv_ring,
                 staging,
@@ -273,6 +291,7 @@ impl Connection {
                 }),
                 cond: Condvar::new(),
                 wakeups: AtomicU64::new(0),
+                owed: AtomicBool::new(false),
                 user_mrs: Mutex::new(HashMap::new()),
                 disconnect_fired: AtomicBool::new(false),
                 closed_locally: AtomicBool::new(false),
@@ -379,7 +398,7 @@ impl Connection {
         drop(st);
         let spin_until = Instant::now() + self.inner.opts.spin;
         while Instant::now() < spin_until.min(deadline) {
-            if self.inner.wakeups.load(Ordering::Acquire) != seen {
+            if self.inner.wakeups.load(Ordering::Acquire) != seen || self.poll_send_here() {
                 return self.lock();
             }
             std::hint::spin_loop();
@@ -427,8 +446,9 @@ impl Connection {
         &self.inner.pd
     }
 
-    pub fn cq(&self) -> &CompletionQueue {
-        &self.inner.cq
+    /// The receive CQ (messages and commands arrive here).
+    pub fn recv_cq(&self) -> &CompletionQueue {
+        &self.inner.recv_cq
     }
 
     /// Our receive ring (peers write messages into it).
@@ -922,34 +942,65 @@ impl Connection {
         }
     }
 
+    /// Polls one CQ once and dispatches what it got; the send CQ under its
+    /// lock. Returns how many completions there were.
+    fn poll_cq(&self, send: bool, wcs: &mut [Completion], inline: bool) -> usize {
+        let _guard = send.then(|| self.inner.send_poll.lock().expect("poll lock"));
+        let cq = if send {
+            &self.inner.send_cq
+        } else {
+            &self.inner.recv_cq
+        };
+        let n = match cq.poll(wcs) {
+            Ok(n) => n,
+            Err(e) => {
+                log::error!("polling the CQ failed: {e}");
+                return 0;
+            }
+        };
+        for wc in &wcs[..n] {
+            self.dispatch(wc, inline);
+        }
+        n
+    }
+
+    /// A waiting thread (not the completion thread) takes its own send
+    /// completions when nobody else is polling; callbacks they owe are left
+    /// to the completion thread.
+    fn poll_send_here(&self) -> bool {
+        let Ok(_guard) = self.inner.send_poll.try_lock() else {
+            return false;
+        };
+        let mut wcs: [Completion; 16] = Default::default();
+        let n = match self.inner.send_cq.poll(&mut wcs) {
+            Ok(n) => n,
+            Err(_) => return false,
+        };
+        for wc in &wcs[..n] {
+            self.dispatch(wc, false);
+        }
+        n > 0
+    }
+
     /// Handles this connection's pending completions from inside a callback;
-    /// messages are queued for delivery after the callback returns.
+    /// callbacks are queued to run after the current one returns.
     fn drive_inline(&self) -> usize {
         let mut wcs: [Completion; 16] = Default::default();
         let mut handled = 0;
         loop {
-            let n = match self.inner.cq.poll(&mut wcs) {
-                Ok(n) => n,
-                Err(e) => {
-                    log::error!("polling the CQ failed: {e}");
-                    return handled;
-                }
-            };
+            let n = self.poll_cq(false, &mut wcs, true) + self.poll_cq(true, &mut wcs, true);
             if n == 0 {
                 return handled;
-            }
-            for wc in &wcs[..n] {
-                self.dispatch(wc, true);
             }
             handled += n;
         }
     }
 
-    /// Handles everything on the CQ (completion thread, top level).
+    /// Handles everything on both CQs (completion thread, top level).
     pub(crate) fn process_completions(&self) {
         let channel = self
             .inner
-            .cq
+            .recv_cq
             .channel()
             .expect("connections have a completion channel");
         if let Err(e) = channel.get_event(Duration::ZERO) {
@@ -960,38 +1011,23 @@ impl Connection {
         let take = (self.inner.opts.max_concurrent_work_requests as usize).clamp(1, MAX_POLL_BATCH);
         let wcs = &mut batch[..take];
         loop {
-            let n = match self.inner.cq.poll(wcs) {
-                Ok(n) => n,
-                Err(e) => {
-                    log::error!("polling the CQ failed: {e}");
-                    return;
-                }
-            };
+            let mut n = self.poll_cq(false, wcs, false) + self.poll_cq(true, wcs, false);
             if n == 0 {
                 // Arm, then poll once more: a completion that arrived before
                 // arming would otherwise wait for the next one.
-                if self.inner.cq.arm(false).is_err() {
+                if self.inner.recv_cq.arm(false).is_err() || self.inner.send_cq.arm(false).is_err()
+                {
                     return;
                 }
-                match self.inner.cq.poll(&mut wcs[..1]) {
-                    Ok(0) | Err(_) => break,
-                    Ok(_) => {
-                        let wc = wcs[0].clone();
-                        self.dispatch(&wc, false);
-                        continue;
-                    }
-                }
-            }
-            for wc in &wcs[..n] {
-                self.dispatch(wc, false);
+                n = self.poll_cq(false, wcs, false) + self.poll_cq(true, wcs, false);
             }
             self.deliver_deferred();
             self.maybe_send_credit(false);
             self.flush_queued();
+            if n == 0 {
+                return;
+            }
         }
-        self.deliver_deferred();
-        self.maybe_send_credit(false);
-        self.flush_queued();
     }
 
     fn dispatch(&self, wc: &Completion, inline: bool) {
@@ -1044,12 +1080,12 @@ impl Connection {
             K_WRITE | K_READ => {
                 self.lock().sq_used -= 1;
                 self.wake();
-                let h = self.handler();
-                if kind == K_WRITE {
-                    h.write_done(self, low as usize);
+                let done = if kind == K_WRITE {
+                    Deferred::WriteDone(low as usize)
                 } else {
-                    h.read_done(self, low as usize);
-                }
+                    Deferred::ReadDone(low as usize)
+                };
+                self.callback(done, inline);
             }
             K_SYNC => {
                 let mut st = self.lock();
@@ -1136,21 +1172,43 @@ impl Connection {
                 delivery.offset
             ));
         }
-        let mut st = self.lock();
-        if inline || !st.deferred.is_empty() {
-            st.deferred.push_back(delivery);
-            return;
+        self.callback(Deferred::Message(delivery), inline);
+    }
+
+    /// Runs a callback now when this is the completion thread at top level
+    /// and nothing is owed before it; queues it otherwise (in order), and
+    /// wakes the completion thread when another thread queued it.
+    fn callback(&self, cb: Deferred, inline: bool) {
+        let on_cq_thread = self.inner.rt.cq.is_current();
+        {
+            let mut st = self.lock();
+            if inline || !on_cq_thread || !st.deferred.is_empty() {
+                st.deferred.push_back(cb);
+                drop(st);
+                if !on_cq_thread {
+                    self.inner.owed.store(true, Ordering::Release);
+                    self.inner.rt.cq.wake();
+                }
+                return;
+            }
         }
-        drop(st);
-        self.deliver(delivery);
+        self.run_callback(cb);
+    }
+
+    fn run_callback(&self, cb: Deferred) {
+        match cb {
+            Deferred::Message(d) => self.deliver(d),
+            Deferred::WriteDone(len) => self.handler().write_done(self, len),
+            Deferred::ReadDone(len) => self.handler().read_done(self, len),
+        }
     }
 
     fn deliver_deferred(&self) {
         loop {
-            let Some(d) = self.lock().deferred.pop_front() else {
+            let Some(cb) = self.lock().deferred.pop_front() else {
                 return;
             };
-            self.deliver(d);
+            self.run_callback(cb);
         }
     }
 
@@ -1215,17 +1273,10 @@ impl Connection {
     /// whether there was anything.
     pub(crate) fn poll_round(&self) -> bool {
         let mut wcs: [Completion; 32] = Default::default();
-        let n = match self.inner.cq.poll(&mut wcs) {
-            Ok(n) => n,
-            Err(e) => {
-                log::error!("polling the CQ failed: {e}");
-                return false;
-            }
-        };
-        for wc in &wcs[..n] {
-            self.dispatch(wc, false);
-        }
-        if n > 0 {
+        let n = self.poll_cq(false, &mut wcs, false) + self.poll_cq(true, &mut wcs, false);
+        // Checked without the state lock: this runs in the spin loop.
+        let owed = self.inner.owed.swap(false, Ordering::AcqRel);
+        if n > 0 || owed {
             self.deliver_deferred();
             self.maybe_send_credit(false);
             self.flush_queued();
@@ -1383,7 +1434,7 @@ pub(crate) struct CqSource(pub(crate) Connection);
 
 impl super::poller::Source for CqSource {
     fn fd(&self) -> std::os::fd::RawFd {
-        self.0.inner.cq.channel().map_or(-1, |c| c.fd())
+        self.0.inner.recv_cq.channel().map_or(-1, |c| c.fd())
     }
 
     fn ready(&self) {

@@ -98,7 +98,8 @@ impl Poller {
         self.wake();
     }
 
-    fn wake(&self) {
+    /// Makes the thread run a round now.
+    pub fn wake(&self) {
         let one: u64 = 1;
         // SAFETY: writes 8 bytes to our eventfd; EAGAIN (counter full) is fine.
         unsafe { libc::write(self.shared.wake, (&one as *const u64).cast(), 8) };
@@ -172,7 +173,13 @@ fn run(shared: &Shared, tick: Duration, spin: Duration) {
                 worked = true;
             }
         }
-        if worked && !changed && !spin.is_zero() {
+        if changed {
+            // A wake may carry work queued by another thread.
+            for source in &snapshot {
+                worked |= source.poll_once();
+            }
+        }
+        if worked && !spin.is_zero() {
             let mut until = Instant::now() + spin;
             while Instant::now() < until && !shared.stop.load(Ordering::Relaxed) {
                 let mut any = false;

@@ -640,10 +640,6 @@ fn resolve(ip: &str, port: c_int) -> Option<SocketAddr> {
     (ip, port).to_socket_addrs().ok()?.next()
 }
 
-fn start_runtime_with(opts: &Options) {
-    runtime::configure(opts);
-}
-
 /// Creates a server listening on `ip`:`port` (an address of an RDMA device;
 /// port 0 picks a free one) and stores it in `*listener`. `opt` may be NULL;
 /// its zero fields take the globals' values, and it is copied. Connections
@@ -671,7 +667,7 @@ pub unsafe extern "C" fn rdmaServer(
             return RDMA_ERR;
         };
         let opts = resolve_options(opt);
-        start_runtime_with(&opts);
+        runtime::configure(&opts);
         // SAFETY: all-zero is a valid RdmaListener.
         let raw: Box<UnsafeCell<RdmaListener>> = Box::new(UnsafeCell::new(std::mem::zeroed()));
         let raw_addr = raw.get() as usize;
@@ -808,7 +804,7 @@ pub unsafe extern "C" fn rdmaServerSetAcceptCallback(
 pub unsafe extern "C" fn rdmaConn(opt: *const RdmaConnOptions) -> *mut RdmaConn {
     guard("rdmaConn", std::ptr::null_mut(), || {
         let opts = resolve_options(opt);
-        start_runtime_with(&opts);
+        runtime::configure(&opts);
         let ffi = FfiConn::new(opts, opt, ConnectionType::CONNECTED_CONN);
         let p = ffi.ptr();
         CONNS.lock().expect("table lock").insert(p as usize, ffi);
@@ -884,17 +880,13 @@ pub unsafe extern "C" fn rdmaConnClose(conn: *mut RdmaConn) {
     })
 }
 
-/// Stores a callback in the connection's struct, where the runtime reads it.
-fn set_callback(
-    func: &'static str,
-    conn: *mut RdmaConn,
-    store: impl FnOnce(*mut RdmaConn),
-) -> c_int {
+/// Stores a callback where the connection's handler reads it.
+fn set_callback(func: &'static str, conn: *mut RdmaConn, store: impl FnOnce(&FfiConn)) -> c_int {
     guard(func, RDMA_ERR, || {
         let Some(ffi) = lookup(conn, func) else {
             return RDMA_ERR;
         };
-        store(ffi.ptr());
+        store(&ffi);
         RDMA_OK
     })
 }
@@ -909,8 +901,8 @@ pub unsafe extern "C" fn rdmaConnSetRecvCallback(
     func: RdmaRecvCallbackFunc,
 ) -> c_int {
     // SAFETY: the struct is alive while in the table.
-    set_callback("rdmaConnSetRecvCallback", conn, |p| unsafe {
-        std::ptr::write_volatile(addr_of_mut!((*p).recv_callback), func)
+    set_callback("rdmaConnSetRecvCallback", conn, |f| unsafe {
+        std::ptr::write_volatile(addr_of_mut!((*f.ptr()).recv_callback), func)
     })
 }
 
@@ -924,8 +916,8 @@ pub unsafe extern "C" fn rdmaConnSetWriteCallback(
     func: RdmaWriteCallbackFunc,
 ) -> c_int {
     // SAFETY: the struct is alive while in the table.
-    set_callback("rdmaConnSetWriteCallback", conn, |p| unsafe {
-        std::ptr::write_volatile(addr_of_mut!((*p).write_callback), func)
+    set_callback("rdmaConnSetWriteCallback", conn, |f| unsafe {
+        std::ptr::write_volatile(addr_of_mut!((*f.ptr()).write_callback), func)
     })
 }
 
@@ -939,8 +931,8 @@ pub unsafe extern "C" fn rdmaConnSetReadCallback(
     func: RdmaReadCallbackFunc,
 ) -> c_int {
     // SAFETY: the struct is alive while in the table.
-    set_callback("rdmaConnSetReadCallback", conn, |p| unsafe {
-        std::ptr::write_volatile(addr_of_mut!((*p).read_callback), func)
+    set_callback("rdmaConnSetReadCallback", conn, |f| unsafe {
+        std::ptr::write_volatile(addr_of_mut!((*f.ptr()).read_callback), func)
     })
 }
 
@@ -954,8 +946,8 @@ pub unsafe extern "C" fn rdmaConnSetConnectedCallback(
     func: RdmaConnectedCallbackFunc,
 ) -> c_int {
     // SAFETY: the struct is alive while in the table.
-    set_callback("rdmaConnSetConnectedCallback", conn, |p| unsafe {
-        std::ptr::write_volatile(addr_of_mut!((*p).connected_callback), func)
+    set_callback("rdmaConnSetConnectedCallback", conn, |f| unsafe {
+        std::ptr::write_volatile(addr_of_mut!((*f.ptr()).connected_callback), func)
     })
 }
 
@@ -969,8 +961,8 @@ pub unsafe extern "C" fn rdmaConnSetDisconnectCallback(
     func: RdmaDisconnectCallbackFunc,
 ) -> c_int {
     // SAFETY: the struct is alive while in the table.
-    set_callback("rdmaConnSetDisconnectCallback", conn, |p| unsafe {
-        std::ptr::write_volatile(addr_of_mut!((*p).disconnect_callback), func)
+    set_callback("rdmaConnSetDisconnectCallback", conn, |f| unsafe {
+        std::ptr::write_volatile(addr_of_mut!((*f.ptr()).disconnect_callback), func)
     })
 }
 
@@ -985,12 +977,8 @@ pub unsafe extern "C" fn rdmaConnSetRecvImmCallback(
     conn: *mut RdmaConn,
     func: RdmaRecvImmCallbackFunc,
 ) -> c_int {
-    guard("rdmaConnSetRecvImmCallback", RDMA_ERR, || {
-        let Some(ffi) = lookup(conn, "rdmaConnSetRecvImmCallback") else {
-            return RDMA_ERR;
-        };
-        *ffi.imm_callback.lock().expect("ffi lock") = func;
-        RDMA_OK
+    set_callback("rdmaConnSetRecvImmCallback", conn, |f| {
+        *f.imm_callback.lock().expect("ffi lock") = func;
     })
 }
 

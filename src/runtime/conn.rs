@@ -837,9 +837,7 @@ impl Connection {
         remote: RemoteAddr,
         len: u32,
     ) -> Result<usize> {
-        let sge = self.check_local(local_addr, lkey, len)?;
-        self.post_one_sided(true, sge, remote, false)
-            .map(|_| len as usize)
+        self.one_sided_async(true, local_addr, lkey, remote, len)
     }
 
     /// Starts an RDMA WRITE; `write_done` fires on completion.
@@ -853,8 +851,19 @@ impl Connection {
         remote: RemoteAddr,
         len: u32,
     ) -> Result<usize> {
+        self.one_sided_async(false, local_addr, lkey, remote, len)
+    }
+
+    fn one_sided_async(
+        &self,
+        read: bool,
+        local_addr: u64,
+        lkey: u32,
+        remote: RemoteAddr,
+        len: u32,
+    ) -> Result<usize> {
         let sge = self.check_local(local_addr, lkey, len)?;
-        self.post_one_sided(false, sge, remote, false)
+        self.post_one_sided(read, sge, remote, false)
             .map(|_| len as usize)
     }
 
@@ -1021,9 +1030,7 @@ impl Connection {
                 }
                 n = self.poll_cq(false, wcs, false) + self.poll_cq(true, wcs, false);
             }
-            self.deliver_deferred();
-            self.maybe_send_credit(false);
-            self.flush_queued();
+            self.after_round();
             if n == 0 {
                 return;
             }
@@ -1271,15 +1278,21 @@ impl Connection {
 
     /// One non-blocking round (the completion thread spinning): returns
     /// whether there was anything.
+    /// After completions were handled: owed callbacks, then credit, then
+    /// messages that waited for room.
+    fn after_round(&self) {
+        self.deliver_deferred();
+        self.maybe_send_credit(false);
+        self.flush_queued();
+    }
+
     pub(crate) fn poll_round(&self) -> bool {
         let mut wcs: [Completion; 32] = Default::default();
         let n = self.poll_cq(false, &mut wcs, false) + self.poll_cq(true, &mut wcs, false);
         // Checked without the state lock: this runs in the spin loop.
         let owed = self.inner.owed.swap(false, Ordering::AcqRel);
         if n > 0 || owed {
-            self.deliver_deferred();
-            self.maybe_send_credit(false);
-            self.flush_queued();
+            self.after_round();
         }
         n > 0
     }

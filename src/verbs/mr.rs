@@ -23,13 +23,6 @@ bitflags! {
     }
 }
 
-impl AccessFlags {
-    /// Everything: local write and remote read, write and atomic.
-    pub fn all_remote() -> AccessFlags {
-        AccessFlags::all()
-    }
-}
-
 const PAGE: usize = 4096;
 
 /// Page-aligned, zeroed memory owned by a region.

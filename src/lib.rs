@@ -3,8 +3,11 @@
 //!
 //! Layers, each depending only on those below it:
 //! - [`verbs`]: a safe layer over libibverbs and librdmacm;
+//! - [`runtime`]: the SnowRDMA runtime (connections, CM and completion threads);
+//! - [`kv`]: the key-value store engine, server and client;
 //! - [`ffi`]: the C ABI (thin: pointer checks, the panic boundary, error codes).
 
 pub mod ffi;
+pub mod kv;
 pub mod runtime;
 pub mod verbs;

@@ -79,6 +79,10 @@ pub enum ConnKind {
     Connected = 1,
 }
 
+/// Gives the protection domain connections on a device are built in, so a
+/// server can share memory registered once among all its connections.
+pub type PdProvider = dyn Fn(&verbs::Context) -> Result<ProtectionDomain> + Send + Sync;
+
 /// What a connection tells its owner. Every method has a default that does
 /// nothing. Data callbacks (`recv`, `write_done`, `read_done`) and
 /// `connected` run on the completion thread; `disconnected` runs on whichever
@@ -213,17 +217,22 @@ impl PartialEq for Connection {
 }
 
 impl Connection {
-    /// Builds the QP, buffers and posted receives on `id`'s device.
+    /// Builds the QP, buffers and posted receives on `id`'s device, in the
+    /// protection domain `pds` gives for that device (a fresh one without).
     pub(crate) fn build(
         rt: Arc<Runtime>,
         id: CmId,
         opts: &Options,
         kind: ConnKind,
+        pds: Option<&PdProvider>,
     ) -> Result<Connection> {
         let ctx = id
             .context()
             .ok_or_else(|| Error::InvalidArgument("the RDMA CM id has no device".into()))?;
-        let pd = ctx.alloc_pd()?;
+        let pd = match pds {
+            Some(provide) => provide(&ctx)?,
+            None => ctx.alloc_pd()?,
+        };
         let channel = ctx.create_comp_channel()?;
         let recv_depth = opts.recv_depth.max(2 * PEER_CMD_RESERVE as u32);
         let send_cq = ctx.create_cq(MAX_SEND_WR + 16, Some(&channel))?;
@@ -315,7 +324,7 @@ impl Connection {
     ) -> Result<Connection> {
         let rt = runtime()?;
         let id = CmId::resolve(addr, None, opts.timeout)?;
-        let conn = Connection::build(rt.clone(), id.clone(), opts, ConnKind::Connected)?;
+        let conn = Connection::build(rt.clone(), id.clone(), opts, ConnKind::Connected, None)?;
         conn.set_handler(handler);
         conn.notify_state(ConnState::Connecting);
         id.connect(&conn.conn_param())?;
@@ -360,6 +369,11 @@ impl Connection {
     pub(crate) fn start_completions(&self) {
         let key = self.inner.rt.cq.add(Arc::new(CqSource(self.clone())));
         self.inner.cq_source.store(key, Ordering::SeqCst);
+    }
+
+    /// A number that identifies this connection while it lives.
+    pub fn id(&self) -> usize {
+        Arc::as_ptr(&self.inner) as usize
     }
 
     pub fn downgrade(&self) -> WeakConnection {

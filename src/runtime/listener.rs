@@ -7,7 +7,7 @@ use std::sync::{Arc, Condvar, Mutex};
 
 use crate::verbs::{CmEvent, CmEventKind, CmId};
 
-use super::conn::{CmSource, ConnHandler, ConnKind, Connection};
+use super::conn::{CmSource, ConnHandler, ConnKind, Connection, PdProvider};
 use super::options::Options;
 use super::{runtime, Result, Runtime};
 
@@ -20,6 +20,7 @@ pub(crate) struct ListenerInner {
     id: CmId,
     opts: Options,
     on_accept: Box<AcceptHook>,
+    pds: Option<Box<PdProvider>>,
     serving: Mutex<bool>,
     cond: Condvar,
     released: AtomicBool,
@@ -36,6 +37,17 @@ impl Listener {
     /// Listens on `addr` (an address of an RDMA device; port 0 picks one).
     /// Nothing is accepted before [`Listener::start`].
     pub fn bind(addr: SocketAddr, opts: &Options, on_accept: Box<AcceptHook>) -> Result<Listener> {
+        Listener::bind_shared(addr, opts, on_accept, None)
+    }
+
+    /// As [`Listener::bind`], with accepted connections built in the
+    /// protection domain `pds` gives for their device.
+    pub fn bind_shared(
+        addr: SocketAddr,
+        opts: &Options,
+        on_accept: Box<AcceptHook>,
+        pds: Option<Box<PdProvider>>,
+    ) -> Result<Listener> {
         let rt = runtime()?;
         let id = CmId::listen_on(addr, opts.listen_backlog)?;
         if opts.enable_phys_addr_access {
@@ -47,6 +59,7 @@ impl Listener {
                 id,
                 opts: opts.clone(),
                 on_accept,
+                pds,
                 serving: Mutex::new(false),
                 cond: Condvar::new(),
                 released: AtomicBool::new(false),
@@ -131,6 +144,7 @@ impl Listener {
             id.clone(),
             &self.inner.opts,
             ConnKind::Accepted,
+            self.inner.pds.as_deref(),
         ) {
             Ok(c) => c,
             Err(e) => {

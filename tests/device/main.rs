@@ -6,6 +6,7 @@
 //! hanging it.
 
 mod c_programs;
+mod kv;
 mod runtime;
 mod verbs;
 

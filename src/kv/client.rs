@@ -1,0 +1,650 @@
+//! The key-value client: requests as runtime messages, values under 4 KiB
+//! inside them, larger ones by RDMA WRITE into the client's request buffer
+//! on the server (one round trip) or into a target the server allocates,
+//! and by RDMA READ of the stored block. GETs can also be served without the
+//! server's CPU ([`Client::get_one_sided`]).
+//!
+//! A client may be used from several threads; each call waits for its own
+//! reply. Calls moving large values take turns (they share one registered
+//! bounce buffer).
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use crate::runtime::{CommMode, ConnHandler, Connection, Options};
+use crate::verbs::RemoteAddr;
+
+use super::pool::SLAB_PAGE;
+use super::proto::{
+    block_len, decode_bucket, key_hash, value_checksum, verify_block, Op, Reply, Request,
+    ServerInfo, Source, BLOCK_HEADER_LEN, BUCKET_LEN, INLINE_MAX,
+};
+use super::{check_key, ConnMode, KvError, Result, TIMEOUT_ENV};
+
+/// Largest single RDMA READ or WRITE: keeps every one well inside the
+/// runtime's per-operation time bound even on a slow link.
+const MAX_TRANSFER: usize = 16 << 20;
+/// Bounce buffer kept between calls; larger ones are freed after use.
+const KEEP_BOUNCE: usize = 64 << 20;
+/// One-sided lookups retried this often (a torn read) before asking the
+/// server.
+const ONE_SIDED_TRIES: usize = 8;
+/// Requests of a batch in flight at once.
+const BATCH_WINDOW: usize = 64;
+/// The assumed slowest link, for the time allowed to move a large value.
+const SLOWEST_BYTES_PER_SEC: u64 = 4 << 20;
+
+/// How a client connects.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClientOptions {
+    pub mode: ConnMode,
+    /// Device name (socket mode); `None`: the first device.
+    pub device: Option<String>,
+    /// How long to wait for a reply (`SNOWRDMA_KV_TIMEOUT_MS`, default
+    /// 10 s), plus time in proportion to the bytes a call moves.
+    pub timeout: Duration,
+}
+
+impl Default for ClientOptions {
+    fn default() -> Self {
+        let ms = std::env::var(TIMEOUT_ENV)
+            .ok()
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(10_000);
+        ClientOptions {
+            mode: ConnMode::Cm,
+            device: None,
+            timeout: Duration::from_millis(ms),
+        }
+    }
+}
+
+/// Replies by request id, filled on the runtime's completion thread.
+#[derive(Default)]
+struct Replies {
+    ready: Mutex<HashMap<u64, (Reply, Vec<u8>)>>,
+    cond: Condvar,
+    arrived: AtomicU64,
+    dead: AtomicBool,
+}
+
+struct ReplyHandler(Arc<Replies>);
+
+impl ConnHandler for ReplyHandler {
+    fn recv(&self, _conn: &Connection, data: &[u8], _imm: Option<u32>) {
+        let Ok((reply, payload)) = Reply::decode(data) else {
+            log::warn!("ignoring a malformed reply from the server");
+            return;
+        };
+        self.0
+            .ready
+            .lock()
+            .expect("reply lock")
+            .insert(reply.req_id, (reply, payload.to_vec()));
+        self.0.arrived.fetch_add(1, Ordering::Release);
+        self.0.cond.notify_all();
+    }
+
+    fn disconnected(&self, _conn: &Connection) {
+        self.0.dead.store(true, Ordering::Release);
+        self.0.cond.notify_all();
+    }
+}
+
+/// Registered memory large values pass through.
+struct Bounce {
+    raw: *mut rdma_sys::ibv_mr,
+    addr: u64,
+    len: usize,
+    lkey: u32,
+}
+
+// SAFETY: the registration is only used under the client's bounce lock.
+unsafe impl Send for Bounce {}
+
+impl Bounce {
+    fn bytes(&mut self, len: usize) -> &mut [u8] {
+        // SAFETY: registered memory of `self.len` bytes owned by the
+        // connection; the bounce lock makes us its only user.
+        unsafe { std::slice::from_raw_parts_mut(self.addr as *mut u8, len.min(self.len)) }
+    }
+}
+
+/// A connection to a key-value server.
+pub struct Client {
+    conn: Connection,
+    replies: Arc<Replies>,
+    info: ServerInfo,
+    next_id: AtomicU64,
+    bounce: Mutex<Option<Bounce>>,
+    timeout: Duration,
+    spin: Duration,
+}
+
+/// A GET's answer before its value is fetched.
+enum Found {
+    Inline(Vec<u8>, u64),
+    Remote(Reply),
+}
+
+impl Client {
+    /// Connects over RDMA CM.
+    pub fn connect(addr: SocketAddr) -> Result<Client> {
+        Client::connect_with(addr, &ClientOptions::default())
+    }
+
+    pub fn connect_with(addr: SocketAddr, opts: &ClientOptions) -> Result<Client> {
+        if opts.mode == ConnMode::Socket {
+            return Err(KvError::InvalidArgument(
+                "socket mode is not available yet".into(),
+            ));
+        }
+        let replies = Arc::new(Replies::default());
+        let rt_opts = Options {
+            comm_mode: CommMode::Blocking,
+            ..Options::default()
+        };
+        let conn = Connection::connect(addr, &rt_opts, Arc::new(ReplyHandler(replies.clone())))
+            .map_err(|e| KvError::Disconnected(format!("connecting to {addr}: {e}")))?;
+        let mut client = Client {
+            conn,
+            replies,
+            info: ServerInfo {
+                request_buf: 0,
+                request_buf_len: 0,
+                request_buf_rkey: 0,
+                index_addr: 0,
+                index_rkey: 0,
+                buckets: 0,
+                pool_rkey: 0,
+                max_key: 0,
+                max_value: 0,
+            },
+            next_id: AtomicU64::new(1),
+            bounce: Mutex::new(None),
+            timeout: opts.timeout,
+            spin: rt_opts.spin,
+        };
+        let (_, payload) = client.call(Request::new(Op::Hello, 0), &[], &[], 0)?;
+        client.info = ServerInfo::decode(&payload)
+            .ok_or_else(|| KvError::Internal("the server's HELLO reply is malformed".into()))?;
+        Ok(client)
+    }
+
+    /// What the server said about itself at connect time.
+    pub fn server_info(&self) -> &ServerInfo {
+        &self.info
+    }
+
+    /// Time allowed for a call that moves `bytes`.
+    fn allowance(&self, bytes: usize) -> Duration {
+        self.timeout + Duration::from_secs(bytes as u64 / SLOWEST_BYTES_PER_SEC)
+    }
+
+    fn send(&self, mut req: Request, key: &[u8], inline: &[u8]) -> Result<u64> {
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        req.req_id = id;
+        let msg = req.encode(key, inline);
+        match self.conn.send(&msg)? {
+            0 => Err(KvError::Timeout(self.conn.options().timeout)),
+            _ => Ok(id),
+        }
+    }
+
+    /// Waits for the reply to request `id`.
+    fn wait(&self, id: u64, allowed: Duration) -> Result<(Reply, Vec<u8>)> {
+        let deadline = Instant::now() + allowed;
+        let spin_until = Instant::now() + self.spin;
+        let mut seen = u64::MAX;
+        loop {
+            // Spin on the arrival counter first: a reply usually comes
+            // sooner than a sleeping thread can be woken.
+            let arrived = self.replies.arrived.load(Ordering::Acquire);
+            if arrived != seen {
+                seen = arrived;
+                if let Some(r) = self.replies.ready.lock().expect("reply lock").remove(&id) {
+                    return Ok(r);
+                }
+            }
+            if self.replies.dead.load(Ordering::Acquire) {
+                return Err(KvError::Disconnected("the server went away".into()));
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(KvError::Timeout(allowed));
+            }
+            if now < spin_until {
+                std::hint::spin_loop();
+                continue;
+            }
+            let ready = self.replies.ready.lock().expect("reply lock");
+            if self.replies.arrived.load(Ordering::Acquire) == seen {
+                let wait = deadline
+                    .saturating_duration_since(now)
+                    .min(Duration::from_millis(10));
+                drop(
+                    self.replies
+                        .cond
+                        .wait_timeout(ready, wait)
+                        .expect("reply lock"),
+                );
+            }
+        }
+    }
+
+    /// Sends a request and waits for its reply; a reply with an error
+    /// status becomes that error.
+    fn call(
+        &self,
+        req: Request,
+        key: &[u8],
+        inline: &[u8],
+        moves: usize,
+    ) -> Result<(Reply, Vec<u8>)> {
+        let id = self.send(req, key, inline)?;
+        let (reply, payload) = self.wait(id, self.allowance(moves))?;
+        status(&reply)?;
+        Ok((reply, payload))
+    }
+
+    /// Runs `f` with the bounce buffer grown to at least `len` bytes.
+    fn with_bounce<T>(&self, len: usize, f: impl FnOnce(&mut Bounce) -> Result<T>) -> Result<T> {
+        let mut slot = self.bounce.lock().expect("bounce lock");
+        if slot.as_ref().is_none_or(|b| b.len < len) {
+            if let Some(old) = slot.take() {
+                self.conn.deregister(old.raw);
+            }
+            let size = len.next_power_of_two().max(1 << 20);
+            let raw = self.conn.register(size).map_err(|_| KvError::NoMemory)?;
+            // SAFETY: `register` returned a live registration.
+            let (addr, lkey) = unsafe { ((*raw).addr as u64, (*raw).lkey) };
+            *slot = Some(Bounce {
+                raw,
+                addr,
+                len: size,
+                lkey,
+            });
+        }
+        let bounce = slot.as_mut().expect("bounce buffer");
+        let result = f(bounce);
+        if bounce.len > KEEP_BOUNCE {
+            if let Some(big) = slot.take() {
+                self.conn.deregister(big.raw);
+            }
+        }
+        result
+    }
+
+    /// Moves `len` bytes between the bounce buffer (from `local`) and the
+    /// server, in pieces, waiting for each.
+    fn transfer(
+        &self,
+        read: bool,
+        bounce: &Bounce,
+        local: usize,
+        remote: RemoteAddr,
+        len: usize,
+    ) -> Result<()> {
+        let mut done = 0;
+        while done < len {
+            let n = (len - done).min(MAX_TRANSFER);
+            let at = RemoteAddr {
+                addr: remote.addr + done as u64,
+                rkey: remote.rkey,
+            };
+            let laddr = bounce.addr + (local + done) as u64;
+            if read {
+                self.conn.read_sync(laddr, bounce.lkey, at, n as u32)?;
+            } else {
+                self.conn.write_sync(laddr, bounce.lkey, at, n as u32)?;
+            }
+            done += n;
+        }
+        Ok(())
+    }
+
+    fn check_value(&self, value: &[u8]) -> Result<()> {
+        if value.len() as u64 > self.info.max_value {
+            return Err(KvError::ValueTooLong {
+                max: self.info.max_value,
+            });
+        }
+        Ok(())
+    }
+
+    /// Asks the server for `key`.
+    fn lookup(&self, key: &[u8]) -> Result<Found> {
+        check_key(key)?;
+        let (reply, payload) = self.call(Request::new(Op::Get, 0), key, &[], 0)?;
+        Ok(if reply.remote {
+            Found::Remote(reply)
+        } else {
+            Found::Inline(payload, reply.version)
+        })
+    }
+
+    /// READs a block the server leased us, verifies it, hands the value to
+    /// `take`, and ends the lease.
+    fn fetch<T>(
+        &self,
+        key: &[u8],
+        reply: &Reply,
+        take: impl FnOnce(&[u8]) -> T,
+    ) -> Result<(T, u64)> {
+        let total = block_len(key.len(), reply.value_len as usize);
+        let result = self.with_bounce(total, |b| {
+            self.transfer(
+                true,
+                b,
+                0,
+                RemoteAddr {
+                    addr: reply.addr,
+                    rkey: reply.rkey,
+                },
+                total,
+            )?;
+            let block = b.bytes(total);
+            let (version, value) = verify_block(block, key).ok_or_else(|| {
+                KvError::Internal("the value read from the server failed verification".into())
+            })?;
+            Ok((take(value), version))
+        });
+        self.release(reply.lease);
+        result
+    }
+
+    fn release(&self, lease: u64) {
+        let mut r = Request::new(Op::Release, 0);
+        r.lease = lease;
+        // Without a reply: losing it only keeps the value a little longer
+        // (until we disconnect).
+        let _ = self.send(r, &[], &[]);
+    }
+
+    /// The value and version of `key`.
+    pub fn get(&self, key: &[u8]) -> Result<(Vec<u8>, u64)> {
+        match self.lookup(key)? {
+            Found::Inline(v, version) => Ok((v, version)),
+            Found::Remote(reply) => self.fetch(key, &reply, <[u8]>::to_vec),
+        }
+    }
+
+    /// Copies the value of `key` into `buf`; returns its length and version.
+    /// A value longer than `buf` is not copied at all:
+    /// [`KvError::BufferTooSmall`] reports its length.
+    pub fn get_into(&self, key: &[u8], buf: &mut [u8]) -> Result<(usize, u64)> {
+        match self.lookup(key)? {
+            Found::Inline(v, version) => {
+                let dst = buf.get_mut(..v.len()).ok_or(KvError::BufferTooSmall {
+                    needed: v.len() as u64,
+                })?;
+                dst.copy_from_slice(&v);
+                Ok((v.len(), version))
+            }
+            Found::Remote(reply) => {
+                if reply.value_len > buf.len() as u64 {
+                    self.release(reply.lease);
+                    return Err(KvError::BufferTooSmall {
+                        needed: reply.value_len,
+                    });
+                }
+                let n = reply.value_len as usize;
+                self.fetch(key, &reply, |v| buf[..n].copy_from_slice(v))
+                    .map(|((), version)| (n, version))
+            }
+        }
+    }
+
+    /// A GET without the server's CPU: READs the key's index bucket, then
+    /// the block it points at, and verifies what it read (key, length,
+    /// checksum). A torn or recycled read is retried; a key in the bucket's
+    /// overflow, or a value outside the slab pool, is asked of the server.
+    pub fn get_one_sided(&self, key: &[u8]) -> Result<(Vec<u8>, u64)> {
+        check_key(key)?;
+        let hash = key_hash(key);
+        let bucket = hash % self.info.buckets.max(1);
+        let index = RemoteAddr {
+            addr: self.info.index_addr + bucket * BUCKET_LEN as u64,
+            rkey: self.info.index_rkey,
+        };
+        for _ in 0..ONE_SIDED_TRIES {
+            // Room for the bucket and for any block of the pool.
+            let step = self.with_bounce(SLAB_PAGE, |b| {
+                self.transfer(true, b, 0, index, BUCKET_LEN)?;
+                let (overflow, slots) = decode_bucket(b.bytes(BUCKET_LEN));
+                let mut torn = false;
+                for slot in slots.iter().filter(|s| s.tag == hash) {
+                    if slot.rkey != self.info.pool_rkey {
+                        return Ok(OneSided::AskServer);
+                    }
+                    let len = slot.len as usize;
+                    if !(BLOCK_HEADER_LEN + key.len()..=SLAB_PAGE).contains(&len) {
+                        torn = true;
+                        continue;
+                    }
+                    self.transfer(
+                        true,
+                        b,
+                        0,
+                        RemoteAddr {
+                            addr: slot.addr,
+                            rkey: slot.rkey,
+                        },
+                        len,
+                    )?;
+                    match verify_block(b.bytes(len), key) {
+                        Some((version, value)) => {
+                            return Ok(OneSided::Found(value.to_vec(), version))
+                        }
+                        None => torn = true,
+                    }
+                }
+                Ok(if torn {
+                    OneSided::Retry
+                } else if overflow > 0 {
+                    OneSided::AskServer
+                } else {
+                    OneSided::Missing
+                })
+            })?;
+            match step {
+                OneSided::Found(v, version) => return Ok((v, version)),
+                OneSided::Missing => return Err(KvError::NotFound),
+                OneSided::AskServer => break,
+                OneSided::Retry => continue,
+            }
+        }
+        self.get(key)
+    }
+
+    /// Stores `value` under `key`; returns the new version.
+    pub fn put(&self, key: &[u8], value: &[u8]) -> Result<u64> {
+        self.write(key, value, None)
+    }
+
+    /// Stores `value` only if the key's version is `expected` (0: only if the
+    /// key is absent). Fails with [`KvError::CasFailed`] carrying the current
+    /// version otherwise.
+    pub fn cas(&self, key: &[u8], expected: u64, value: &[u8]) -> Result<u64> {
+        self.write(key, value, Some(expected))
+    }
+
+    fn write(&self, key: &[u8], value: &[u8], cas: Option<u64>) -> Result<u64> {
+        check_key(key)?;
+        self.check_value(value)?;
+        let mut req = Request::new(Op::Write, 0);
+        req.value_len = value.len() as u64;
+        req.cas = cas;
+        if value.len() <= INLINE_MAX {
+            return self.call(req, key, value, 0).map(|(r, _)| r.version);
+        }
+        if value.len() as u64 <= self.info.request_buf_len {
+            // One round trip: the value goes by RDMA WRITE into our request
+            // buffer, the request right behind it on the same QP (so the
+            // value has landed when the server reads the request).
+            return self.with_bounce(value.len(), |b| {
+                b.bytes(value.len()).copy_from_slice(value);
+                let remote = RemoteAddr {
+                    addr: self.info.request_buf,
+                    rkey: self.info.request_buf_rkey,
+                };
+                // SAFETY: the bounce buffer stays untouched (we hold its
+                // lock) until the reply, which comes after the write landed.
+                unsafe {
+                    self.conn
+                        .write(b.addr, b.lkey, remote, value.len() as u32)?
+                };
+                req.source = Source::Staged {
+                    offset: 0,
+                    checksum: value_checksum(value),
+                };
+                self.call(req, key, &[], value.len())
+                    .map(|(r, _)| r.version)
+            });
+        }
+        // Larger than the request buffer: the server makes a target first.
+        let mut alloc = Request::new(Op::Alloc, 0);
+        alloc.value_len = value.len() as u64;
+        let (target, _) = self.call(alloc, key, &[], 0)?;
+        self.with_bounce(value.len(), |b| {
+            b.bytes(value.len()).copy_from_slice(value);
+            let remote = RemoteAddr {
+                addr: target.addr,
+                rkey: target.rkey,
+            };
+            self.transfer(false, b, 0, remote, value.len())?;
+            req.source = Source::Allocated {
+                token: target.lease,
+            };
+            self.call(req, key, &[], value.len())
+                .map(|(r, _)| r.version)
+        })
+    }
+
+    /// Deletes `key`.
+    pub fn delete(&self, key: &[u8]) -> Result<()> {
+        check_key(key)?;
+        self.call(Request::new(Op::Delete, 0), key, &[], 0)
+            .map(|_| ())
+    }
+
+    /// GETs several keys with up to 64 requests in flight; one result per
+    /// key, in order.
+    pub fn batch_get(&self, keys: &[&[u8]]) -> Vec<Result<(Vec<u8>, u64)>> {
+        self.pipelined(
+            keys.len(),
+            |i| {
+                check_key(keys[i])?;
+                self.send(Request::new(Op::Get, 0), keys[i], &[])
+            },
+            |i, reply, payload| {
+                if reply.remote {
+                    self.fetch(keys[i], &reply, <[u8]>::to_vec)
+                } else {
+                    Ok((payload, reply.version))
+                }
+            },
+        )
+    }
+
+    /// PUTs several pairs, small values with up to 64 requests in flight;
+    /// one result (the new version) per pair, in order.
+    pub fn batch_put(&self, pairs: &[(&[u8], &[u8])]) -> Vec<Result<u64>> {
+        let mut large = Vec::new();
+        let mut results = self.pipelined(
+            pairs.len(),
+            |i| {
+                let (key, value) = pairs[i];
+                check_key(key)?;
+                self.check_value(value)?;
+                if value.len() > INLINE_MAX {
+                    large.push(i);
+                    return Ok(0);
+                }
+                let mut req = Request::new(Op::Write, 0);
+                req.value_len = value.len() as u64;
+                self.send(req, key, value)
+            },
+            |_, reply, _| Ok(reply.version),
+        );
+        for i in large {
+            results[i] = self.put(pairs[i].0, pairs[i].1);
+        }
+        results
+    }
+
+    /// Sends `count` requests with `start` (which returns the request id,
+    /// or 0 for one it did not send), keeping a window in flight, and turns
+    /// each reply into a result with `finish`.
+    fn pipelined<T>(
+        &self,
+        count: usize,
+        mut start: impl FnMut(usize) -> Result<u64>,
+        mut finish: impl FnMut(usize, Reply, Vec<u8>) -> Result<T>,
+    ) -> Vec<Result<T>> {
+        let mut ids: Vec<Result<u64>> = Vec::with_capacity(count);
+        let mut results: Vec<Result<T>> = Vec::with_capacity(count);
+        for i in 0..count {
+            ids.push(start(i));
+            if ids.len() - results.len() >= BATCH_WINDOW {
+                let j = results.len();
+                results.push(self.collect(j, &ids[j], &mut finish));
+            }
+        }
+        while results.len() < count {
+            let j = results.len();
+            results.push(self.collect(j, &ids[j], &mut finish));
+        }
+        results
+    }
+
+    fn collect<T>(
+        &self,
+        i: usize,
+        id: &Result<u64>,
+        finish: &mut impl FnMut(usize, Reply, Vec<u8>) -> Result<T>,
+    ) -> Result<T> {
+        match id {
+            Err(e) => Err(e.clone()),
+            Ok(0) => Err(KvError::Internal("not sent".into())),
+            Ok(id) => {
+                let (reply, payload) = self.wait(*id, self.timeout)?;
+                status(&reply)?;
+                finish(i, reply, payload)
+            }
+        }
+    }
+
+    /// Disconnects (also done on drop).
+    pub fn close(&self) {
+        self.conn.close();
+    }
+}
+
+impl Drop for Client {
+    fn drop(&mut self) {
+        self.conn.close();
+    }
+}
+
+enum OneSided {
+    Found(Vec<u8>, u64),
+    Missing,
+    AskServer,
+    Retry,
+}
+
+/// The error a reply reports, if any.
+fn status(reply: &Reply) -> Result<()> {
+    if reply.status == 0 {
+        return Ok(());
+    }
+    let detail = match reply.status {
+        -3 => reply.version,
+        _ => reply.value_len,
+    };
+    Err(KvError::from_code(reply.status, detail))
+}

@@ -1,0 +1,133 @@
+//! The key-value store over RDMA: one engine ([`Server`]) with a slab pool,
+//! a hash index clients may read one-sidedly, versions and CAS, and a
+//! [`Client`]. Requests and replies are runtime messages; large values move
+//! by one-sided RDMA (a PUT writes into the client's request buffer on the
+//! server, a GET reads the stored block).
+//!
+//! Both legacy C APIs (`kv_client_*` / `kv_server_*` and `kv_open` ...) are
+//! served by this engine; see `crate::ffi::kv`.
+
+mod client;
+mod index;
+mod pool;
+pub mod proto;
+mod server;
+mod store;
+
+use std::time::Duration;
+
+pub use client::{Client, ClientOptions};
+pub use server::{Server, ServerConfig, Stats};
+
+/// Longest key accepted.
+pub const MAX_KEY_LEN: usize = 1024;
+/// Default largest value (inclusive).
+pub const DEFAULT_MAX_VALUE: u64 = 1 << 30;
+/// Environment variable overriding the largest value a server accepts, in
+/// bytes.
+pub const MAX_VALUE_ENV: &str = "SNOWRDMA_KV_MAX_VALUE";
+/// Environment variable overriding how long a client waits for one reply,
+/// in milliseconds (large transfers get more, in proportion to their size).
+pub const TIMEOUT_ENV: &str = "SNOWRDMA_KV_TIMEOUT_MS";
+
+/// How clients reach the server.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ConnMode {
+    /// RDMA CM (the default).
+    #[default]
+    Cm,
+    /// A TCP connection exchanges QP information; QP states are set by hand.
+    Socket,
+}
+
+/// Why a key-value operation failed. [`KvError::code`] gives the legacy
+/// `KV_ERR_*` number.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum KvError {
+    #[error("no such key")]
+    NotFound,
+    #[error("the key exists")]
+    Exists,
+    #[error("the version did not match; the current version is {current}")]
+    CasFailed { current: u64 },
+    #[error("the key is longer than {MAX_KEY_LEN} bytes")]
+    KeyTooLong,
+    #[error("the value is longer than the server's maximum of {max} bytes")]
+    ValueTooLong { max: u64 },
+    #[error("the server has no memory for the value")]
+    NoMemory,
+    #[error("internal error: {0}")]
+    Internal(String),
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+    #[error("not connected to the server: {0}")]
+    Disconnected(String),
+    #[error("the server did not answer within {0:?}")]
+    Timeout(Duration),
+    #[error("the value has {needed} bytes, more than the buffer holds")]
+    BufferTooSmall { needed: u64 },
+}
+
+pub type Result<T, E = KvError> = std::result::Result<T, E>;
+
+impl KvError {
+    /// The C code (`KV_ERR_*`).
+    pub fn code(&self) -> i32 {
+        match self {
+            KvError::NotFound => -1,
+            KvError::Exists => -2,
+            KvError::CasFailed { .. } => -3,
+            KvError::KeyTooLong => -4,
+            KvError::ValueTooLong { .. } => -5,
+            KvError::NoMemory => -6,
+            KvError::Internal(_) => -7,
+            KvError::InvalidArgument(_) => -8,
+            KvError::Disconnected(_) => -9,
+            KvError::Timeout(_) => -10,
+            KvError::BufferTooSmall { .. } => -11,
+        }
+    }
+
+    /// Rebuilds an error a server reported by its code; `detail` is the
+    /// version (CAS), the length (buffer) or the maximum (value too long).
+    pub(crate) fn from_code(code: i32, detail: u64) -> KvError {
+        match code {
+            -1 => KvError::NotFound,
+            -2 => KvError::Exists,
+            -3 => KvError::CasFailed { current: detail },
+            -4 => KvError::KeyTooLong,
+            -5 => KvError::ValueTooLong { max: detail },
+            -6 => KvError::NoMemory,
+            -8 => KvError::InvalidArgument("the server refused the request".into()),
+            other => KvError::Internal(format!("the server answered code {other}")),
+        }
+    }
+}
+
+impl From<crate::runtime::Error> for KvError {
+    fn from(e: crate::runtime::Error) -> KvError {
+        use crate::runtime::Error as E;
+        match e {
+            E::Disconnected | E::NotConnected => KvError::Disconnected(e.to_string()),
+            E::InvalidArgument(s) => KvError::InvalidArgument(s),
+            other => KvError::Internal(other.to_string()),
+        }
+    }
+}
+
+impl From<crate::verbs::Error> for KvError {
+    fn from(e: crate::verbs::Error) -> KvError {
+        KvError::Internal(e.to_string())
+    }
+}
+
+/// Checks a key against the limits.
+pub(crate) fn check_key(key: &[u8]) -> Result<()> {
+    if key.is_empty() {
+        return Err(KvError::InvalidArgument("the key is empty".into()));
+    }
+    if key.len() > MAX_KEY_LEN {
+        return Err(KvError::KeyTooLong);
+    }
+    Ok(())
+}

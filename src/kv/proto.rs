@@ -1,0 +1,466 @@
+//! The key-value wire protocol, carried as runtime messages (RDMA WRITE WITH
+//! IMM into the peer's ring), and the layouts clients read one-sidedly: the
+//! value block and the hash index bucket. All integers little-endian.
+//!
+//! A request is a [`Request`] header, the key, then (inline writes) the
+//! value. A reply is a [`Reply`] header, then (inline GETs, HELLO) a payload.
+
+use xxhash_rust::xxh3::{xxh3_64, Xxh3};
+
+use super::KvError;
+
+pub const REQUEST_MAGIC: u32 = 0x3152_564b; // "KVR1"
+pub const REPLY_MAGIC: u32 = 0x3141_564b; // "KVA1"
+pub const REQUEST_LEN: usize = 56;
+pub const REPLY_LEN: usize = 56;
+
+/// Values up to this size travel inside request and reply messages.
+pub const INLINE_MAX: usize = 4096;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Op {
+    /// First request of a connection; the reply carries [`ServerInfo`].
+    Hello = 1,
+    Get = 2,
+    /// PUT, or CAS with [`Request::cas`]; the value's place is in `source`.
+    Write = 3,
+    /// Asks for a write target of `value_len` bytes (values larger than the
+    /// request buffer); the reply gives its address, rkey and a token.
+    Alloc = 4,
+    Delete = 5,
+    /// Ends the lease of a value read remotely; no reply.
+    Release = 6,
+}
+
+impl Op {
+    fn from_u8(v: u8) -> Option<Op> {
+        Some(match v {
+            1 => Op::Hello,
+            2 => Op::Get,
+            3 => Op::Write,
+            4 => Op::Alloc,
+            5 => Op::Delete,
+            6 => Op::Release,
+            _ => return None,
+        })
+    }
+}
+
+/// Where the value of a write is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Source {
+    /// After the key in the message.
+    Inline,
+    /// In the client's request buffer at this offset (RDMA WRITE before the
+    /// request, so it has landed when the request arrives).
+    Staged { offset: u64, checksum: u64 },
+    /// In the target an [`Op::Alloc`] granted.
+    Allocated { token: u64 },
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Request {
+    pub op: Op,
+    pub req_id: u64,
+    pub key_len: u32,
+    pub value_len: u64,
+    /// `Some(expected version)`: a CAS (0 expects the key to be absent).
+    pub cas: Option<u64>,
+    pub source: Source,
+    /// Release: the lease.
+    pub lease: u64,
+}
+
+const FLAG_CAS: u8 = 1;
+const SRC_INLINE: u8 = 0;
+const SRC_STAGED: u8 = 1;
+const SRC_ALLOCATED: u8 = 2;
+
+impl Request {
+    pub fn new(op: Op, req_id: u64) -> Request {
+        Request {
+            op,
+            req_id,
+            key_len: 0,
+            value_len: 0,
+            cas: None,
+            source: Source::Inline,
+            lease: 0,
+        }
+    }
+
+    /// The header followed by `key` and `inline_value`.
+    pub fn encode(&self, key: &[u8], inline_value: &[u8]) -> Vec<u8> {
+        let mut b = Vec::with_capacity(REQUEST_LEN + key.len() + inline_value.len());
+        let (src, a, c) = match self.source {
+            Source::Inline => (SRC_INLINE, 0, 0),
+            Source::Staged { offset, checksum } => (SRC_STAGED, offset, checksum),
+            Source::Allocated { token } => (SRC_ALLOCATED, token, 0),
+        };
+        b.extend_from_slice(&REQUEST_MAGIC.to_le_bytes());
+        b.push(self.op as u8);
+        b.push(if self.cas.is_some() { FLAG_CAS } else { 0 });
+        b.push(src);
+        b.push(0);
+        b.extend_from_slice(&self.req_id.to_le_bytes());
+        b.extend_from_slice(&(key.len() as u32).to_le_bytes());
+        b.extend_from_slice(&[0; 4]);
+        b.extend_from_slice(&self.value_len.to_le_bytes());
+        b.extend_from_slice(&self.cas.unwrap_or(self.lease).to_le_bytes());
+        b.extend_from_slice(&a.to_le_bytes());
+        b.extend_from_slice(&c.to_le_bytes());
+        debug_assert_eq!(b.len(), REQUEST_LEN);
+        b.extend_from_slice(key);
+        b.extend_from_slice(inline_value);
+        b
+    }
+
+    /// Parses a request; returns it with its key and inline value. Anything
+    /// malformed is an error, never a panic.
+    pub fn decode(msg: &[u8]) -> Result<(Request, &[u8], &[u8]), &'static str> {
+        if msg.len() < REQUEST_LEN {
+            return Err("request shorter than its header");
+        }
+        if u32_at(msg, 0) != REQUEST_MAGIC {
+            return Err("bad request magic");
+        }
+        let op = Op::from_u8(msg[4]).ok_or("unknown request opcode")?;
+        let key_len = u32_at(msg, 16);
+        let value_len = u64_at(msg, 24);
+        let arg = u64_at(msg, 32);
+        let a = u64_at(msg, 40);
+        let c = u64_at(msg, 48);
+        let source = match msg[6] {
+            SRC_INLINE => Source::Inline,
+            SRC_STAGED => Source::Staged {
+                offset: a,
+                checksum: c,
+            },
+            SRC_ALLOCATED => Source::Allocated { token: a },
+            _ => return Err("unknown value source"),
+        };
+        let key_end = REQUEST_LEN
+            .checked_add(key_len as usize)
+            .filter(|&e| e <= msg.len())
+            .ok_or("key runs past the message")?;
+        let key = &msg[REQUEST_LEN..key_end];
+        let rest = &msg[key_end..];
+        let inline = if op == Op::Write && source == Source::Inline {
+            if rest.len() as u64 != value_len {
+                return Err("inline value length does not match");
+            }
+            rest
+        } else {
+            &rest[..0]
+        };
+        let req = Request {
+            op,
+            req_id: u64_at(msg, 8),
+            key_len,
+            value_len,
+            cas: (msg[5] & FLAG_CAS != 0).then_some(arg),
+            source,
+            lease: arg,
+        };
+        Ok((req, key, inline))
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Reply {
+    pub status: i32,
+    pub req_id: u64,
+    pub version: u64,
+    pub value_len: u64,
+    /// A GET served remotely, or an ALLOC: where to READ or WRITE.
+    pub addr: u64,
+    pub rkey: u32,
+    pub remote: bool,
+    /// Remote GET: the lease to release; ALLOC: the token to commit with.
+    pub lease: u64,
+}
+
+impl Reply {
+    pub fn error(req_id: u64, e: KvError) -> Reply {
+        Reply {
+            status: e.code(),
+            req_id,
+            ..Reply::default()
+        }
+    }
+
+    pub fn encode(&self, payload: &[u8]) -> Vec<u8> {
+        let mut b = Vec::with_capacity(REPLY_LEN + payload.len());
+        b.extend_from_slice(&REPLY_MAGIC.to_le_bytes());
+        b.extend_from_slice(&self.status.to_le_bytes());
+        b.extend_from_slice(&self.req_id.to_le_bytes());
+        b.extend_from_slice(&self.version.to_le_bytes());
+        b.extend_from_slice(&self.value_len.to_le_bytes());
+        b.extend_from_slice(&self.addr.to_le_bytes());
+        b.extend_from_slice(&self.rkey.to_le_bytes());
+        b.extend_from_slice(&u32::from(self.remote).to_le_bytes());
+        b.extend_from_slice(&self.lease.to_le_bytes());
+        b.extend_from_slice(payload);
+        b
+    }
+
+    pub fn decode(msg: &[u8]) -> Result<(Reply, &[u8]), &'static str> {
+        if msg.len() < REPLY_LEN || u32_at(msg, 0) != REPLY_MAGIC {
+            return Err("malformed reply");
+        }
+        let reply = Reply {
+            status: u32_at(msg, 4) as i32,
+            req_id: u64_at(msg, 8),
+            version: u64_at(msg, 16),
+            value_len: u64_at(msg, 24),
+            addr: u64_at(msg, 32),
+            rkey: u32_at(msg, 40),
+            remote: u32_at(msg, 44) != 0,
+            lease: u64_at(msg, 48),
+        };
+        Ok((reply, &msg[REPLY_LEN..]))
+    }
+}
+
+/// What a client learns at HELLO.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ServerInfo {
+    /// The client's own request buffer (it may only WRITE here).
+    pub request_buf: u64,
+    pub request_buf_len: u64,
+    pub request_buf_rkey: u32,
+    /// The hash index (READ only).
+    pub index_addr: u64,
+    pub index_rkey: u32,
+    pub buckets: u64,
+    /// The slab pool (READ only); only values here may be read one-sidedly.
+    pub pool_rkey: u32,
+    pub max_key: u32,
+    pub max_value: u64,
+}
+
+pub const SERVER_INFO_LEN: usize = 56;
+
+impl ServerInfo {
+    pub fn encode(&self) -> Vec<u8> {
+        let mut b = Vec::with_capacity(SERVER_INFO_LEN);
+        b.extend_from_slice(&self.request_buf.to_le_bytes());
+        b.extend_from_slice(&self.request_buf_len.to_le_bytes());
+        b.extend_from_slice(&self.request_buf_rkey.to_le_bytes());
+        b.extend_from_slice(&self.index_rkey.to_le_bytes());
+        b.extend_from_slice(&self.index_addr.to_le_bytes());
+        b.extend_from_slice(&self.buckets.to_le_bytes());
+        b.extend_from_slice(&self.pool_rkey.to_le_bytes());
+        b.extend_from_slice(&self.max_key.to_le_bytes());
+        b.extend_from_slice(&self.max_value.to_le_bytes());
+        b
+    }
+
+    pub fn decode(b: &[u8]) -> Option<ServerInfo> {
+        (b.len() >= SERVER_INFO_LEN).then(|| ServerInfo {
+            request_buf: u64_at(b, 0),
+            request_buf_len: u64_at(b, 8),
+            request_buf_rkey: u32_at(b, 16),
+            index_rkey: u32_at(b, 20),
+            index_addr: u64_at(b, 24),
+            buckets: u64_at(b, 32),
+            pool_rkey: u32_at(b, 40),
+            max_key: u32_at(b, 44),
+            max_value: u64_at(b, 48),
+        })
+    }
+}
+
+// ---- The value block: what a one-sided reader verifies ----
+
+pub const BLOCK_MAGIC: u32 = 0x4b42_564b; // "KVBK"
+pub const BLOCK_HEADER_LEN: usize = 32;
+
+/// A stored value as it sits in server memory: magic, key length, value
+/// length, version, then a checksum over all of that plus key and value, so a
+/// reader racing with an update or with reuse of the memory sees a mismatch
+/// instead of a torn value.
+pub fn block_len(key_len: usize, value_len: usize) -> usize {
+    BLOCK_HEADER_LEN + key_len + value_len
+}
+
+/// The checksum in a block header: over the header's first 24 bytes, the
+/// key, and the value's own hash (so the value can be hashed before the
+/// version is known, outside any lock).
+fn block_checksum(head: &[u8], key: &[u8], value_hash: u64) -> u64 {
+    let mut h = Xxh3::new();
+    h.update(head);
+    h.update(key);
+    h.update(&value_hash.to_le_bytes());
+    h.digest()
+}
+
+fn block_head(key_len: usize, value_len: usize, version: u64) -> [u8; 24] {
+    let mut head = [0u8; 24];
+    head[..4].copy_from_slice(&BLOCK_MAGIC.to_le_bytes());
+    head[4..8].copy_from_slice(&(key_len as u32).to_le_bytes());
+    head[8..16].copy_from_slice(&(value_len as u64).to_le_bytes());
+    head[16..24].copy_from_slice(&version.to_le_bytes());
+    head
+}
+
+/// Writes a whole block into `out` (`block_len` bytes).
+#[cfg(test)]
+pub fn write_block(out: &mut [u8], key: &[u8], value: &[u8], version: u64) {
+    let k = BLOCK_HEADER_LEN + key.len();
+    out[BLOCK_HEADER_LEN..k].copy_from_slice(key);
+    out[k..k + value.len()].copy_from_slice(value);
+    seal_block(out, key.len(), value_checksum(value), version);
+}
+
+/// Writes the header of a block whose key and value are already in place
+/// after it, given the value's hash ([`value_checksum`]).
+pub fn seal_block(block: &mut [u8], key_len: usize, value_hash: u64, version: u64) {
+    let value_len = block.len() - BLOCK_HEADER_LEN - key_len;
+    let head = block_head(key_len, value_len, version);
+    let key = &block[BLOCK_HEADER_LEN..BLOCK_HEADER_LEN + key_len];
+    let sum = block_checksum(&head, key, value_hash);
+    block[24..32].copy_from_slice(&sum.to_le_bytes());
+    block[..24].copy_from_slice(&head);
+}
+
+/// Checks a block read from the server: it must hold `key`, be complete and
+/// match its checksum. Returns the version and the value.
+pub fn verify_block<'a>(block: &'a [u8], key: &[u8]) -> Option<(u64, &'a [u8])> {
+    let split = BLOCK_HEADER_LEN + key.len();
+    if block.len() < split {
+        return None;
+    }
+    let (head, value) = block.split_at(split);
+    verify_block_parts(head, value, key).map(|(version, _)| (version, value))
+}
+
+/// As [`verify_block`], for a block read in two pieces: `head` (header and
+/// key) and `value`. Returns the version and the value length.
+pub fn verify_block_parts(head: &[u8], value: &[u8], key: &[u8]) -> Option<(u64, usize)> {
+    if head.len() != BLOCK_HEADER_LEN + key.len() || u32_at(head, 0) != BLOCK_MAGIC {
+        return None;
+    }
+    let key_len = u32_at(head, 4) as usize;
+    let value_len = usize::try_from(u64_at(head, 8)).ok()?;
+    let stored_key = &head[BLOCK_HEADER_LEN..];
+    if key_len != key.len() || value_len != value.len() || stored_key != key {
+        return None;
+    }
+    if block_checksum(&head[..24], stored_key, value_checksum(value)) != u64_at(head, 24) {
+        return None;
+    }
+    Some((u64_at(head, 16), value_len))
+}
+
+/// Checksum of a staged value, so the server can tell it arrived whole.
+pub fn value_checksum(value: &[u8]) -> u64 {
+    xxh3_64(value)
+}
+
+// ---- The hash index: buckets a client may READ ----
+
+/// One bucket: a 32-byte header (overflow count) and [`SLOTS`] slots.
+pub const BUCKET_LEN: usize = 256;
+pub const SLOT_LEN: usize = 32;
+pub const SLOTS: usize = 7;
+pub const BUCKET_HEADER_LEN: usize = BUCKET_LEN - SLOTS * SLOT_LEN;
+
+/// The hash of a key, which picks its bucket and (never 0) tags its slot.
+pub fn key_hash(key: &[u8]) -> u64 {
+    xxh3_64(key).max(1)
+}
+
+/// One index slot: tag 0 is empty. The server writes the other fields
+/// before the tag when filling a slot and clears the tag first when emptying
+/// it; a reader that still sees a torn slot is caught by [`verify_block`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Slot {
+    pub tag: u64,
+    pub addr: u64,
+    pub len: u64,
+    pub rkey: u32,
+}
+
+impl Slot {
+    pub fn decode(b: &[u8]) -> Slot {
+        Slot {
+            tag: u64_at(b, 0),
+            addr: u64_at(b, 8),
+            len: u64_at(b, 16),
+            rkey: u32_at(b, 24),
+        }
+    }
+}
+
+/// A bucket as read by a client: its overflow count (entries that did not
+/// fit, found only by asking the server) and its slots.
+pub fn decode_bucket(b: &[u8]) -> (u64, Vec<Slot>) {
+    let overflow = u64_at(b, 0);
+    let slots = (0..SLOTS)
+        .map(|i| Slot::decode(&b[BUCKET_HEADER_LEN + i * SLOT_LEN..]))
+        .collect();
+    (overflow, slots)
+}
+
+pub fn u32_at(b: &[u8], at: usize) -> u32 {
+    u32::from_le_bytes(b[at..at + 4].try_into().expect("4 bytes"))
+}
+
+pub fn u64_at(b: &[u8], at: usize) -> u64 {
+    u64::from_le_bytes(b[at..at + 8].try_into().expect("8 bytes"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn request_round_trip() {
+        let mut r = Request::new(Op::Write, 7);
+        r.value_len = 3;
+        r.cas = Some(5);
+        let msg = r.encode(b"key", b"abc");
+        let (d, key, value) = Request::decode(&msg).unwrap();
+        assert_eq!(
+            (d.op, d.req_id, d.cas, key, value),
+            (Op::Write, 7, Some(5), &b"key"[..], &b"abc"[..])
+        );
+        let mut s = Request::new(Op::Write, 8);
+        s.value_len = 10_000;
+        s.source = Source::Staged {
+            offset: 64,
+            checksum: 99,
+        };
+        let msg = s.encode(b"k", &[]);
+        assert_eq!(Request::decode(&msg).unwrap().0.source, s.source);
+    }
+
+    #[test]
+    fn malformed_requests_are_errors() {
+        assert!(Request::decode(&[]).is_err());
+        let mut msg = Request::new(Op::Get, 1).encode(b"key", &[]);
+        msg[16] = 200; // key length beyond the message
+        assert!(Request::decode(&msg).is_err());
+        let mut msg = Request::new(Op::Get, 1).encode(b"key", &[]);
+        msg[4] = 99;
+        assert!(Request::decode(&msg).is_err());
+        let mut w = Request::new(Op::Write, 1);
+        w.value_len = 100; // says 100, carries 3
+        assert!(Request::decode(&w.encode(b"k", b"abc")).is_err());
+    }
+
+    #[test]
+    fn blocks_detect_tearing() {
+        let (key, value) = (b"hello", vec![7u8; 300]);
+        let mut block = vec![0u8; block_len(key.len(), value.len())];
+        write_block(&mut block, key, &value, 3);
+        assert_eq!(verify_block(&block, key), Some((3, &value[..])));
+        assert_eq!(verify_block(&block, b"hellp"), None);
+        let mut torn = block.clone();
+        torn[200] ^= 1;
+        assert_eq!(verify_block(&torn, key), None);
+        assert_eq!(verify_block(&block[..block.len() - 1], key), None);
+    }
+}

@@ -1,0 +1,402 @@
+//! The authoritative key-value map: items in shards (each owning a fixed set
+//! of index buckets), their blocks in the slab pool or in their own
+//! registered mappings, versions and CAS.
+//!
+//! A block is reference counted: the map holds one reference, and a client
+//! reading it remotely holds another (its lease) until it says it is done or
+//! goes away, so memory a server-path reader is reading is never reused.
+
+use std::collections::HashMap;
+use std::sync::atomic::{fence, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+
+use crate::verbs::{AccessFlags, Context, MemoryRegion, ProtectionDomain};
+
+use super::index::{Index, Place};
+use super::pool::{Chunk, Mapping, Pool, SLAB_PAGE};
+use super::proto::{block_len, key_hash, seal_block, value_checksum, Slot, BLOCK_HEADER_LEN};
+use super::{KvError, Result};
+
+const SHARDS: usize = 64;
+
+/// The registrations of the pool and the index on the server's device.
+pub struct DeviceMem {
+    pub pd: ProtectionDomain,
+    pub pool_mr: MemoryRegion,
+    pub index_mr: MemoryRegion,
+}
+
+enum Memory {
+    Pool(Chunk),
+    /// A value larger than the largest class, or one written into a target;
+    /// held for their drops (deregistration, then unmapping).
+    Own {
+        _mr: MemoryRegion,
+        _map: Mapping,
+    },
+}
+
+/// A stored block (header, key, value) somewhere a client may READ it.
+pub struct Block {
+    mem: Memory,
+    len: usize,
+    pool: Arc<Pool>,
+    own_bytes: Arc<AtomicU64>,
+    addr: u64,
+    rkey: u32,
+}
+
+impl Block {
+    pub fn addr(&self) -> u64 {
+        self.addr
+    }
+
+    pub fn rkey(&self) -> u32 {
+        self.rkey
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// The block's bytes (read only; nobody writes a published block).
+    pub fn bytes(&self) -> &[u8] {
+        // SAFETY: a published block is never written again until freed,
+        // which needs this reference gone.
+        unsafe { std::slice::from_raw_parts(self.addr as *const u8, self.len) }
+    }
+
+    pub fn value(&self, key_len: usize) -> &[u8] {
+        &self.bytes()[BLOCK_HEADER_LEN + key_len..]
+    }
+
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        // SAFETY: not published yet: only we can reach it.
+        unsafe { std::slice::from_raw_parts_mut(self.addr as *mut u8, self.len) }
+    }
+}
+
+impl Drop for Block {
+    fn drop(&mut self) {
+        match self.mem {
+            Memory::Pool(chunk) => self.pool.free(chunk),
+            // Deregistered, then unmapped (field order).
+            Memory::Own { .. } => {
+                self.own_bytes.fetch_sub(self.len as u64, Ordering::Relaxed);
+            }
+        }
+    }
+}
+
+/// A write target handed to one client (values larger than its request
+/// buffer): the value part is registered writable for that client only
+/// until the commit.
+pub struct Target {
+    map: Mapping,
+    write_mr: MemoryRegion,
+    key_len: usize,
+    value_len: usize,
+}
+
+impl Target {
+    pub fn value_addr(&self) -> u64 {
+        self.write_mr.addr()
+    }
+
+    pub fn rkey(&self) -> u32 {
+        self.write_mr.rkey()
+    }
+
+    pub fn value_len(&self) -> usize {
+        self.value_len
+    }
+}
+
+struct Item {
+    block: Arc<Block>,
+    version: u64,
+    place: Place,
+}
+
+#[derive(Default)]
+struct Shard {
+    items: HashMap<Box<[u8]>, Item>,
+}
+
+/// Fields drop in order: the registrations (`device`) go before the pool
+/// and index mappings they cover.
+pub struct Store {
+    device: OnceLock<DeviceMem>,
+    shards: Vec<Mutex<Shard>>,
+    index: Index,
+    pool: Arc<Pool>,
+    pub max_value: u64,
+    items: AtomicU64,
+    own_bytes: Arc<AtomicU64>,
+}
+
+impl Store {
+    pub fn new(pool_bytes: usize, huge: bool, buckets: usize, max_value: u64) -> Result<Store> {
+        let nomem = |what: &str, e: std::io::Error| KvError::Internal(format!("{what}: {e}"));
+        Ok(Store {
+            device: OnceLock::new(),
+            shards: (0..SHARDS).map(|_| Mutex::default()).collect(),
+            index: Index::new(buckets).map_err(|e| nomem("mapping the index", e))?,
+            pool: Arc::new(Pool::new(pool_bytes, huge).map_err(|e| nomem("mapping the pool", e))?),
+            max_value,
+            items: AtomicU64::new(0),
+            own_bytes: Arc::new(AtomicU64::new(0)),
+        })
+    }
+
+    /// The protection domain of `ctx`, with the pool and index registered
+    /// in it (once: the store serves one device).
+    pub fn attach(&self, ctx: &Context) -> Result<ProtectionDomain> {
+        if let Some(dev) = self.device.get() {
+            if dev.pd.context().as_raw() == ctx.as_raw() {
+                return Ok(dev.pd.clone());
+            }
+            return Err(KvError::Internal(format!(
+                "this server serves device {}; a client came through {}",
+                dev.pd.context().name(),
+                ctx.name()
+            )));
+        }
+        let pd = ctx.alloc_pd()?;
+        let read = AccessFlags::REMOTE_READ;
+        let pool = self.pool.mapping();
+        let ix = self.index.mapping();
+        // SAFETY: pool and index live as long as the store, which owns the
+        // registrations too.
+        let pool_mr = unsafe { pd.register_raw(pool.as_ptr(), pool.len(), read)? };
+        let index_mr = unsafe { pd.register_raw(ix.as_ptr(), ix.len(), read)? };
+        let dev = DeviceMem {
+            pd,
+            pool_mr,
+            index_mr,
+        };
+        let _ = self.device.set(dev);
+        self.attach(ctx)
+    }
+
+    pub fn device(&self) -> Option<&DeviceMem> {
+        self.device.get()
+    }
+
+    pub fn pool(&self) -> &Pool {
+        &self.pool
+    }
+
+    pub fn index(&self) -> &Index {
+        &self.index
+    }
+
+    pub fn items(&self) -> u64 {
+        self.items.load(Ordering::Relaxed)
+    }
+
+    /// Bytes in values stored outside the pool.
+    pub fn own_bytes(&self) -> u64 {
+        self.own_bytes.load(Ordering::Relaxed)
+    }
+
+    fn device_or_err(&self) -> Result<&DeviceMem> {
+        self.device
+            .get()
+            .ok_or_else(|| KvError::Internal("no device attached".into()))
+    }
+
+    fn shard(&self, bucket: usize) -> std::sync::MutexGuard<'_, Shard> {
+        self.shards[bucket % SHARDS].lock().expect("shard lock")
+    }
+
+    pub fn check_value_len(&self, len: u64) -> Result<()> {
+        if len > self.max_value {
+            return Err(KvError::ValueTooLong {
+                max: self.max_value,
+            });
+        }
+        Ok(())
+    }
+
+    /// The block and version of `key`.
+    pub fn get(&self, key: &[u8]) -> Result<(Arc<Block>, u64)> {
+        let bucket = self.index.bucket_of(key_hash(key));
+        let shard = self.shard(bucket);
+        let item = shard.items.get(key).ok_or(KvError::NotFound)?;
+        Ok((item.block.clone(), item.version))
+    }
+
+    /// Memory for a block of `len` bytes: a pool chunk when it fits the
+    /// largest class, its own mapping otherwise.
+    fn new_block(&self, len: usize) -> Result<Block> {
+        let dev = self.device_or_err()?;
+        if len <= SLAB_PAGE {
+            let chunk = self.pool.alloc(len).ok_or(KvError::NoMemory)?;
+            return Ok(Block {
+                mem: Memory::Pool(chunk),
+                len,
+                pool: self.pool.clone(),
+                own_bytes: self.own_bytes.clone(),
+                addr: self.pool.mapping().as_ptr() as u64 + chunk.offset as u64,
+                rkey: dev.pool_mr.rkey(),
+            });
+        }
+        let map = Mapping::new(len, false).map_err(|_| KvError::NoMemory)?;
+        self.own_block(map, len)
+    }
+
+    fn own_block(&self, map: Mapping, len: usize) -> Result<Block> {
+        let dev = self.device_or_err()?;
+        // SAFETY: the registration is dropped before the mapping (Memory::Own
+        // field order).
+        let mr = unsafe {
+            dev.pd
+                .register_raw(map.as_ptr(), len, AccessFlags::REMOTE_READ)
+                .map_err(|e| {
+                    log::warn!("registering a {len}-byte value: {e}");
+                    KvError::NoMemory
+                })?
+        };
+        self.own_bytes.fetch_add(len as u64, Ordering::Relaxed);
+        Ok(Block {
+            addr: map.as_ptr() as u64,
+            rkey: mr.rkey(),
+            len,
+            mem: Memory::Own { _mr: mr, _map: map },
+            pool: self.pool.clone(),
+            own_bytes: self.own_bytes.clone(),
+        })
+    }
+
+    /// Stores `value` under `key` (copying it); `cas` makes it conditional
+    /// on the current version (0: the key must be absent). Returns the new
+    /// version.
+    pub fn put(&self, key: &[u8], value: &[u8], cas: Option<u64>) -> Result<u64> {
+        self.check_value_len(value.len() as u64)?;
+        let mut block = self.new_block(block_len(key.len(), value.len()))?;
+        let bytes = block.bytes_mut();
+        bytes[BLOCK_HEADER_LEN..BLOCK_HEADER_LEN + key.len()].copy_from_slice(key);
+        bytes[BLOCK_HEADER_LEN + key.len()..].copy_from_slice(value);
+        self.publish(key, block, value_checksum(value), cas)
+    }
+
+    /// A write target for a value of `value_len` bytes under a key of
+    /// `key_len` bytes.
+    pub fn target(&self, key_len: usize, value_len: u64) -> Result<Target> {
+        self.check_value_len(value_len)?;
+        let value_len = usize::try_from(value_len).map_err(|_| KvError::NoMemory)?;
+        let dev = self.device_or_err()?;
+        let map =
+            Mapping::new(block_len(key_len, value_len), false).map_err(|_| KvError::NoMemory)?;
+        let access = AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE;
+        // SAFETY: the registration lives in the Target beside the mapping and
+        // is dropped (or consumed by `commit`) before it.
+        let write_mr = unsafe {
+            dev.pd
+                .register_raw(
+                    map.as_ptr().add(BLOCK_HEADER_LEN + key_len),
+                    value_len.max(1),
+                    access,
+                )
+                .map_err(|e| {
+                    log::warn!("registering a {value_len}-byte write target: {e}");
+                    KvError::NoMemory
+                })?
+        };
+        Ok(Target {
+            map,
+            write_mr,
+            key_len,
+            value_len,
+        })
+    }
+
+    /// Stores what the client wrote into `target`: its write access ends
+    /// first, so the value cannot change after the checksum is taken.
+    pub fn commit(&self, key: &[u8], target: Target, cas: Option<u64>) -> Result<u64> {
+        if key.len() != target.key_len {
+            return Err(KvError::InvalidArgument(
+                "the key differs from the one the target was made for".into(),
+            ));
+        }
+        let Target {
+            map,
+            write_mr,
+            value_len,
+            ..
+        } = target;
+        drop(write_mr);
+        let len = block_len(key.len(), value_len);
+        let mut block = self.own_block(map, len)?;
+        let bytes = block.bytes_mut();
+        bytes[BLOCK_HEADER_LEN..BLOCK_HEADER_LEN + key.len()].copy_from_slice(key);
+        let hash = value_checksum(&bytes[BLOCK_HEADER_LEN + key.len()..]);
+        self.publish(key, block, hash, cas)
+    }
+
+    /// Seals `block` with the next version and makes it the key's value.
+    fn publish(
+        &self,
+        key: &[u8],
+        mut block: Block,
+        value_hash: u64,
+        cas: Option<u64>,
+    ) -> Result<u64> {
+        let hash = key_hash(key);
+        let bucket = self.index.bucket_of(hash);
+        let mut shard = self.shard(bucket);
+        let current = shard.items.get(key).map_or(0, |item| item.version);
+        if let Some(expected) = cas {
+            if expected != current {
+                return Err(KvError::CasFailed { current });
+            }
+        }
+        let version = current + 1;
+        seal_block(block.bytes_mut(), key.len(), value_hash, version);
+        // The block is complete before any index slot points at it.
+        fence(Ordering::Release);
+        let slot = Slot {
+            tag: hash,
+            addr: block.addr,
+            len: block.len as u64,
+            rkey: block.rkey,
+        };
+        let block = Arc::new(block);
+        match shard.items.get_mut(key) {
+            Some(item) => {
+                self.index.update(bucket, item.place, slot);
+                let old = std::mem::replace(&mut item.block, block);
+                item.version = version;
+                drop(shard);
+                // Freed here unless a lease still holds it.
+                drop(old);
+            }
+            None => {
+                let place = self.index.insert(bucket, slot);
+                shard.items.insert(
+                    key.into(),
+                    Item {
+                        block,
+                        version,
+                        place,
+                    },
+                );
+                self.items.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        Ok(version)
+    }
+
+    /// Deletes `key`.
+    pub fn delete(&self, key: &[u8]) -> Result<()> {
+        let bucket = self.index.bucket_of(key_hash(key));
+        let mut shard = self.shard(bucket);
+        let item = shard.items.remove(key).ok_or(KvError::NotFound)?;
+        self.index.remove(bucket, item.place);
+        drop(shard);
+        self.items.fetch_sub(1, Ordering::Relaxed);
+        drop(item);
+        Ok(())
+    }
+}

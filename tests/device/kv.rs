@@ -1,0 +1,302 @@
+//! The key-value store (Rust API) on a real device.
+
+use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
+use std::thread;
+
+use snowrdma::kv::{Client, KvError, Server, ServerConfig};
+use snowrdma::runtime::{ConnHandler, Connection, Options};
+use snowrdma::verbs::selftest::fill_pattern;
+
+use crate::device_ip;
+
+pub fn kv_server(huge: bool) -> (Server, SocketAddr) {
+    let server = Server::new(ServerConfig {
+        addr: SocketAddr::new(IpAddr::V4(device_ip()), 0),
+        memory_size: 64 << 20,
+        huge_pages: huge,
+        table_size: 4096,
+        workers: 2,
+        max_value: 128 << 20,
+        ..ServerConfig::default()
+    })
+    .unwrap();
+    server.start().unwrap();
+    let addr = server.local_addr().unwrap();
+    (server, addr)
+}
+
+fn pattern(len: usize, seed: u8) -> Vec<u8> {
+    let mut v = vec![0u8; len];
+    fill_pattern(&mut v, u64::from(seed));
+    v
+}
+
+fn all_ops_at_all_sizes(huge: bool) {
+    let (server, addr) = kv_server(huge);
+    assert_eq!(
+        server.stats().huge_pages,
+        huge,
+        "huge pages as asked (the VM reserves some)"
+    );
+    let c = Client::connect(addr).unwrap();
+    // Inline, just above inline, staged in the request buffer (up to 2 MiB),
+    // server-allocated target above it.
+    for (i, len) in [
+        0usize,
+        1,
+        64,
+        4096,
+        4097,
+        100 << 10,
+        2 << 20,
+        3 << 20,
+        64 << 20,
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let key = format!("key-{len}");
+        let value = pattern(len, i as u8);
+        assert_eq!(
+            c.put(key.as_bytes(), &value).unwrap(),
+            1,
+            "{len}: new key has version 1"
+        );
+        let (got, version) = c.get(key.as_bytes()).unwrap();
+        assert!(got == value && version == 1, "{len}: get returns the bytes");
+        let (got, _) = c.get_one_sided(key.as_bytes()).unwrap();
+        assert!(got == value, "{len}: one-sided get returns the bytes");
+        let mut small = vec![0u8; len.saturating_sub(1)];
+        if len > 0 {
+            assert_eq!(
+                c.get_into(key.as_bytes(), &mut small),
+                Err(KvError::BufferTooSmall { needed: len as u64 }),
+                "{len}: a short buffer reports the length"
+            );
+        }
+        let newer = pattern(len, i as u8 + 100);
+        assert_eq!(c.put(key.as_bytes(), &newer).unwrap(), 2);
+        assert_eq!(
+            c.cas(key.as_bytes(), 1, &value),
+            Err(KvError::CasFailed { current: 2 }),
+            "{len}: stale CAS fails with the current version"
+        );
+        assert_eq!(c.cas(key.as_bytes(), 2, &value).unwrap(), 3);
+        let mut buf = vec![0u8; len];
+        assert_eq!(c.get_into(key.as_bytes(), &mut buf).unwrap(), (len, 3));
+        assert!(buf == value, "{len}: CAS stored the bytes");
+        c.delete(key.as_bytes()).unwrap();
+        assert_eq!(c.get(key.as_bytes()), Err(KvError::NotFound));
+        assert_eq!(c.get_one_sided(key.as_bytes()), Err(KvError::NotFound));
+        assert_eq!(c.delete(key.as_bytes()), Err(KvError::NotFound));
+    }
+    assert_eq!(c.put(&[b'k'; 1025], b"v"), Err(KvError::KeyTooLong));
+    assert_eq!(c.put(&[b'k'; 1024], b"v").unwrap(), 1, "1 KiB keys work");
+    assert!(matches!(
+        c.put(b"huge", &vec![0u8; (128 << 20) + 1]),
+        Err(KvError::ValueTooLong { .. })
+    ));
+    assert_eq!(c.cas(b"fresh", 0, b"x").unwrap(), 1, "CAS 0 creates");
+    assert_eq!(
+        c.cas(b"absent", 5, b"x"),
+        Err(KvError::CasFailed { current: 0 })
+    );
+    let keys: Vec<String> = (0..200).map(|i| format!("batch-{i}")).collect();
+    let values: Vec<Vec<u8>> = (0..200).map(|i| pattern(i * 37 % 9000, i as u8)).collect();
+    let pairs: Vec<(&[u8], &[u8])> = keys
+        .iter()
+        .zip(&values)
+        .map(|(k, v)| (k.as_bytes(), v.as_slice()))
+        .collect();
+    assert!(c.batch_put(&pairs).iter().all(|r| *r == Ok(1)));
+    let key_refs: Vec<&[u8]> = keys.iter().map(|k| k.as_bytes()).collect();
+    for (r, v) in c.batch_get(&key_refs).into_iter().zip(&values) {
+        assert_eq!(&r.unwrap().0, v);
+    }
+    drop(c);
+    server.stop();
+}
+
+#[test]
+#[ignore]
+fn kv_all_ops_all_sizes_normal_pages() {
+    all_ops_at_all_sizes(false);
+}
+
+#[test]
+#[ignore]
+fn kv_all_ops_all_sizes_huge_pages() {
+    all_ops_at_all_sizes(true);
+}
+
+#[test]
+#[ignore]
+fn kv_cas_counter_ends_at_total_increments() {
+    let (server, addr) = kv_server(false);
+    const CLIENTS: usize = 4;
+    const EACH: usize = 200;
+    Client::connect(addr)
+        .unwrap()
+        .put(b"counter", b"0")
+        .unwrap();
+    let workers: Vec<_> = (0..CLIENTS)
+        .map(|_| {
+            thread::spawn(move || {
+                let c = Client::connect(addr).unwrap();
+                for _ in 0..EACH {
+                    loop {
+                        let (v, version) = c.get(b"counter").unwrap();
+                        let n: u64 = std::str::from_utf8(&v).unwrap().parse().unwrap();
+                        match c.cas(b"counter", version, (n + 1).to_string().as_bytes()) {
+                            Ok(_) => break,
+                            Err(KvError::CasFailed { .. }) => continue,
+                            Err(e) => panic!("cas: {e}"),
+                        }
+                    }
+                }
+            })
+        })
+        .collect();
+    workers.into_iter().for_each(|w| w.join().unwrap());
+    let (v, version) = Client::connect(addr).unwrap().get(b"counter").unwrap();
+    assert_eq!(
+        std::str::from_utf8(&v).unwrap(),
+        (CLIENTS * EACH).to_string()
+    );
+    assert_eq!(version, 1 + (CLIENTS * EACH) as u64);
+    server.stop();
+}
+
+#[test]
+#[ignore]
+fn kv_eight_clients_match_a_sequential_model() {
+    let (server, addr) = kv_server(false);
+    let workers: Vec<_> = (0..8u64)
+        .map(|id| {
+            thread::spawn(move || {
+                let c = Client::connect(addr).unwrap();
+                let mut model = std::collections::HashMap::new();
+                let mut rng = id * 7919 + 1;
+                for op in 0..10_000u64 {
+                    rng ^= rng << 13;
+                    rng ^= rng >> 7;
+                    rng ^= rng << 17;
+                    // Keys are shared among clients by name but each client
+                    // writes only its own, so its model is the truth.
+                    let key = format!("c{id}-k{}", rng % 64);
+                    match rng % 10 {
+                        0..=4 => {
+                            let want = model.get(&key).cloned();
+                            match c.get(key.as_bytes()) {
+                                Ok((v, _)) => assert_eq!(Some(v), want, "op {op}"),
+                                Err(KvError::NotFound) => assert_eq!(want, None, "op {op}"),
+                                Err(e) => panic!("get: {e}"),
+                            }
+                        }
+                        5..=8 => {
+                            let v = pattern((rng % 6000) as usize, op as u8);
+                            c.put(key.as_bytes(), &v).unwrap();
+                            model.insert(key, v);
+                        }
+                        _ => {
+                            let r = c.delete(key.as_bytes());
+                            assert_eq!(r.is_ok(), model.remove(&key).is_some(), "op {op}");
+                        }
+                    }
+                }
+                for (k, v) in &model {
+                    assert_eq!(&c.get_one_sided(k.as_bytes()).unwrap().0, v);
+                }
+                model.len()
+            })
+        })
+        .collect();
+    let live: usize = workers.into_iter().map(|w| w.join().unwrap()).sum();
+    assert_eq!(server.stats().items, live as u64);
+    server.stop();
+}
+
+#[test]
+#[ignore]
+fn kv_one_sided_gets_never_see_torn_values() {
+    let (server, addr) = kv_server(false);
+    let writer = thread::spawn(move || {
+        let c = Client::connect(addr).unwrap();
+        for round in 0..250u32 {
+            // Every byte of a value is its round number, with a length that
+            // changes too, so a torn read would show mixed bytes or lengths.
+            let len = 1000 + (round as usize % 7) * 900;
+            c.put(b"hot", &vec![round as u8; len]).unwrap();
+        }
+    });
+    let c = Client::connect(addr).unwrap();
+    let mut seen = 0;
+    while !writer.is_finished() {
+        match c.get_one_sided(b"hot") {
+            Ok((v, _)) => {
+                let round = v[0];
+                assert!(v.iter().all(|&b| b == round), "a torn value");
+                assert_eq!(v.len(), 1000 + (round as usize % 7) * 900, "a torn length");
+                seen += 1;
+            }
+            Err(KvError::NotFound) => {}
+            Err(e) => panic!("one-sided get: {e}"),
+        }
+    }
+    writer.join().unwrap();
+    assert!(
+        seen > 10,
+        "the reader ran alongside the writer ({seen} reads)"
+    );
+    server.stop();
+}
+
+/// A client speaking garbage, and one writing where it may not.
+#[test]
+#[ignore]
+fn kv_rogue_client_cannot_crash_or_corrupt() {
+    let (server, addr) = kv_server(false);
+    let good = Client::connect(addr).unwrap();
+    good.put(b"precious", b"original").unwrap();
+    let info = *good.server_info();
+
+    struct Quiet;
+    impl ConnHandler for Quiet {}
+    let opts = Options::default();
+    // Malformed requests: the server drops this client and nothing else.
+    let rogue = Connection::connect(addr, &opts, Arc::new(Quiet)).unwrap();
+    for junk in [&b"x"[..], &[0u8; 56], &[0xffu8; 300]] {
+        let _ = rogue.send(junk);
+    }
+    // Writes into the index and beyond this connection's request buffer.
+    let rogue2 = Connection::connect(addr, &opts, Arc::new(Quiet)).unwrap();
+    let mr = rogue2.register(4096).unwrap();
+    let (laddr, lkey) = unsafe { ((*mr).addr as u64, (*mr).lkey) };
+    let index = snowrdma::verbs::RemoteAddr {
+        addr: info.index_addr,
+        rkey: info.index_rkey,
+    };
+    assert!(
+        rogue2.write_sync(laddr, lkey, index, 64).is_err(),
+        "writing the index is refused"
+    );
+    let rogue3 = Connection::connect(addr, &opts, Arc::new(Quiet)).unwrap();
+    let mr = rogue3.register(4096).unwrap();
+    let (laddr, lkey) = unsafe { ((*mr).addr as u64, (*mr).lkey) };
+    let beyond = snowrdma::verbs::RemoteAddr {
+        addr: info.request_buf + info.request_buf_len,
+        rkey: info.request_buf_rkey,
+    };
+    assert!(
+        rogue3.write_sync(laddr, lkey, beyond, 64).is_err(),
+        "writing past the buffer is refused"
+    );
+    assert_eq!(good.get(b"precious").unwrap().0, b"original");
+    assert_eq!(good.get_one_sided(b"precious").unwrap().0, b"original");
+    assert_eq!(
+        Client::connect(addr).unwrap().get(b"precious").unwrap().0,
+        b"original"
+    );
+    server.stop();
+}

@@ -24,15 +24,15 @@ lib:
 	$(CARGO) build $(CARGO_FLAGS)
 
 header:
-	cbindgen -q --config cbindgen.toml --crate snowrdma --output include/rdma.h
+	scripts/headers.sh include
 
-# The committed header must be what the source generates.
+# The committed headers must be what the source generates.
 check-header:
-	@mkdir -p target
-	cbindgen -q --config cbindgen.toml --crate snowrdma --output target/rdma.h.check
-	diff -u include/rdma.h target/rdma.h.check
+	scripts/headers.sh target/header-check
+	diff -u include/rdma.h target/header-check/rdma.h
+	diff -u include/kv_store.h target/header-check/kv_store.h
 
-C_PROGRAMS := devices layout echo_server client misuse
+C_PROGRAMS := devices layout echo_server client misuse kv_check
 
 c-examples: lib
 	@mkdir -p $(EXAMPLEDIR)
@@ -51,8 +51,9 @@ c-examples: lib
 deps:
 	scripts/install-deps.sh
 
+# The main job: a kv_server and a short kv_client benchmark against it.
 run: deps all
-	scripts/rdma-run.sh $(LIBDIR)/snowrdma-probe
+	scripts/rdma-run.sh scripts/kv-demo.sh $(LIBDIR)
 
 lint:
 	$(CARGO) fmt --check
@@ -63,7 +64,7 @@ host-test:
 	$(EXAMPLEDIR)/layout
 	$(EXAMPLEDIR)/devices
 	$(EXAMPLEDIR)/devices-static
-	scripts/check-symbols.sh $(LIBDIR)/libsnowrdma.so include/rdma.h
+	scripts/check-symbols.sh $(LIBDIR)/libsnowrdma.so include/rdma.h include/kv_store.h
 	$(MAKE) install PREFIX=$(abspath target/install-check)
 	$(CC) -Wall -Wextra -Werror c-examples/layout.c -o target/install-check/layout \
 	    $$(PKG_CONFIG_PATH=$(abspath target/install-check)/lib/pkgconfig pkg-config --cflags --libs snowrdma) \
@@ -92,7 +93,7 @@ install: lib header
 	install -d $(DESTDIR)$(PREFIX)/lib/pkgconfig $(DESTDIR)$(PREFIX)/include/snowrdma
 	install -m 755 $(LIBDIR)/libsnowrdma.so $(DESTDIR)$(PREFIX)/lib/
 	install -m 644 $(LIBDIR)/libsnowrdma.a $(DESTDIR)$(PREFIX)/lib/
-	install -m 644 include/rdma.h $(DESTDIR)$(PREFIX)/include/
+	install -m 644 include/rdma.h include/kv_store.h $(DESTDIR)$(PREFIX)/include/
 	install -m 644 include/snowrdma/rdma.h $(DESTDIR)$(PREFIX)/include/snowrdma/
 	sed -e 's|@PREFIX@|$(PREFIX)|' -e 's|@VERSION@|$(shell sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -1)|' \
 	    snowrdma.pc.in > $(DESTDIR)$(PREFIX)/lib/pkgconfig/snowrdma.pc

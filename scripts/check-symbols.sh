@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
 # The shared library exports the public API and the globals, nothing else:
-# every dynamic symbol it defines is declared in the header, and every
-# function and global the header declares is exported. (The legacy library
+# every dynamic symbol it defines is declared in one of the headers, and
+# every function and global the headers declare is exported. (The legacy library
 # leaked strdup, gettid, get_current_cpu and rdma_* helpers.)
 #
-#   scripts/check-symbols.sh <libsnowrdma.so> <rdma.h>
+#   scripts/check-symbols.sh <libsnowrdma.so> <header>...
 set -euo pipefail
-lib=$1 header=$2
+lib=$1
+shift
+header="$*"
 exported=$(nm -D --defined-only "$lib" | awk '{print $3}' | sort -u)
-declared=$(grep -oE '^(extern [A-Za-z_ ]+[ *]|[A-Za-z_][A-Za-z_0-9 ]*[ *]+)(rdma[A-Z][A-Za-z0-9]*|snowrdma_[a-z_]+)(\(|;)' "$header" \
-    | grep -oE '(rdma[A-Z][A-Za-z0-9]*|snowrdma_[a-z_]+)(\(|;)$' | tr -d '(;' | sort -u)
+names='rdma[A-Z][A-Za-z0-9]*|snowrdma_[a-z_]+|kv_[a-z_]+'
+declared=$(cat "$@" | grep -v '^typedef' | grep -oE "^(extern [A-Za-z_ ]+[ *]|[A-Za-z_][A-Za-z_0-9 ]*[ *]+)($names)(\(|;)" \
+    | grep -oE "($names)(\(|;)\$" | tr -d '(;' | sort -u)
 extra=$(comm -23 <(echo "$exported") <(echo "$declared"))
 missing=$(comm -13 <(echo "$exported") <(echo "$declared"))
 status=0

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The device suite, run where an RDMA device is (scripts/rdma-run.sh puts it
-# in the Soft-RoCE VM): the Rust device tests, the probe and the C example.
+# in the Soft-RoCE VM): the Rust device tests, the probe, the key-value
+# demo and the C example.
 # Every step runs; the exit code says whether all passed.
 #
 #   scripts/device-suite.sh <device-test-binary> <lib profile dir>
@@ -14,6 +15,8 @@ step() {
 }
 step "$test_bin" --ignored --test-threads=1
 step "$profile_dir/snowrdma-probe"
+# The main job (`make run`), short.
+step scripts/kv-demo.sh "$profile_dir" 300
 step target/c-examples/devices --require-device
 if [ ${#failed[@]} -gt 0 ]; then
     printf 'device suite: FAILED: %s\n' "${failed[@]}"

@@ -17,6 +17,7 @@ use std::time::{Duration, Instant};
 
 use clap::{Parser, Subcommand, ValueEnum};
 use snowrdma::ffi::rdma::*;
+use snowrdma::kv;
 use snowrdma::verbs::selftest::{ConnectMode, LoopbackPair};
 use snowrdma::verbs::{Completion, Context, SendOp, SendRequest};
 
@@ -72,6 +73,18 @@ enum Case {
     StreamBw,
     /// C API: rdmaConnSend message rate, Mpps (ib_write_bw).
     MsgRate,
+    /// Key-value GET, 16 B key, 64 B value, request and reply (ib_send_lat).
+    KvGetLat,
+    /// Key-value PUT, 16 B key, 64 B value (ib_send_lat).
+    KvPutLat,
+    /// Key-value one-sided GET: index bucket READ, then value READ (ib_read_lat).
+    KvOneSidedLat,
+    /// Key-value GET of large values, MiB/s (ib_read_bw).
+    KvGetBw,
+    /// Key-value PUT of large values, MiB/s (ib_write_bw).
+    KvPutBw,
+    /// Key-value 95/5 GET/PUT mix of 64 B values, 4 clients, Mops/s.
+    KvMix,
 }
 
 fn median(v: &mut [f64]) -> f64 {
@@ -348,7 +361,104 @@ fn run(case: Case, iters: usize, size: usize, port: u16) -> f64 {
         Case::EchoLat => echo_lat(iters, size, port),
         Case::StreamBw => stream(iters, size, port).0,
         Case::MsgRate => stream(iters, size, port).1,
+        Case::KvGetLat | Case::KvPutLat | Case::KvOneSidedLat => kv_lat(case, iters, size, port),
+        Case::KvGetBw | Case::KvPutBw => kv_bw(case == Case::KvGetBw, iters, size, port),
+        Case::KvMix => kv_mix(iters, size, port),
     }
+}
+
+/// A key-value server on the device, for the kv cases.
+fn kv_server(port: u16) -> kv::Server {
+    let ip = Context::open(None)
+        .and_then(|c| c.ipv4_address(1))
+        .expect("an RDMA device")
+        .expect("an IPv4 address on the device");
+    let server = kv::Server::new(kv::ServerConfig {
+        addr: SocketAddr::new(IpAddr::V4(ip), port),
+        memory_size: 256 << 20,
+        table_size: 65536,
+        ..kv::ServerConfig::default()
+    })
+    .expect("kv server");
+    server.start().expect("kv server start");
+    server
+}
+
+/// Median microseconds of one GET, PUT or one-sided GET (16 B key).
+fn kv_lat(case: Case, iters: usize, size: usize, port: u16) -> f64 {
+    let server = kv_server(port);
+    let client = kv::Client::connect(server.local_addr().expect("bound")).expect("kv connect");
+    let key = b"bench-key-16byte";
+    let value = vec![7u8; size];
+    client.put(key, &value).expect("put");
+    let op = |c: &kv::Client| match case {
+        Case::KvGetLat => c.get(key).map(drop),
+        Case::KvPutLat => c.put(key, &value).map(drop),
+        _ => c.get_one_sided(key).map(drop),
+    };
+    for _ in 0..iters / 10 {
+        op(&client).expect("warm-up");
+    }
+    let mut lat: Vec<f64> = (0..iters)
+        .map(|_| {
+            let t = Instant::now();
+            op(&client).expect("kv op");
+            us(t.elapsed())
+        })
+        .collect();
+    median(&mut lat)
+}
+
+/// MiB/s of back-to-back GETs or PUTs of `size`-byte values.
+fn kv_bw(get: bool, iters: usize, size: usize, port: u16) -> f64 {
+    let server = kv_server(port);
+    let client = kv::Client::connect(server.local_addr().expect("bound")).expect("kv connect");
+    let value = vec![7u8; size];
+    let mut buf = vec![0u8; size];
+    let keys: Vec<String> = (0..16).map(|i| format!("bw-{i}")).collect();
+    for k in &keys {
+        client.put(k.as_bytes(), &value).expect("put");
+    }
+    let start = Instant::now();
+    for i in 0..iters {
+        let k = keys[i % keys.len()].as_bytes();
+        if get {
+            client.get_into(k, &mut buf).expect("get");
+        } else {
+            client.put(k, &value).expect("put");
+        }
+    }
+    (iters * size) as f64 / start.elapsed().as_secs_f64() / 1048576.0
+}
+
+/// Million operations per second of 4 clients doing 95% GETs, 5% PUTs.
+fn kv_mix(iters: usize, size: usize, port: u16) -> f64 {
+    let server = kv_server(port);
+    let addr = server.local_addr().expect("bound");
+    let value = vec![7u8; size];
+    let seed = kv::Client::connect(addr).expect("kv connect");
+    for i in 0..1000 {
+        seed.put(format!("mix-{i}").as_bytes(), &value)
+            .expect("put");
+    }
+    let start = Instant::now();
+    std::thread::scope(|s| {
+        for t in 0..4usize {
+            let value = &value;
+            s.spawn(move || {
+                let c = kv::Client::connect(addr).expect("kv connect");
+                for i in 0..iters / 4 {
+                    let key = format!("mix-{}", (i * 7 + t * 251) % 1000);
+                    if i % 20 == 0 {
+                        c.put(key.as_bytes(), value).expect("put");
+                    } else {
+                        c.get(key.as_bytes()).expect("get");
+                    }
+                }
+            });
+        }
+    });
+    iters as f64 / start.elapsed().as_secs_f64() / 1e6
 }
 
 /// One row of the report: what is compared with what, and which way is better.
@@ -425,6 +535,54 @@ const ROWS: &[Row] = &[
         unit: "Mpps",
         higher_is_better: true,
         target: ">= 0.80",
+    },
+    Row {
+        case: "kv_get_lat",
+        what: "kv GET 16 B key, 64 B value (full RTT)",
+        reference: "ib_send_lat (half RTT)",
+        unit: "us",
+        higher_is_better: false,
+        target: "<= 2.30",
+    },
+    Row {
+        case: "kv_put_lat",
+        what: "kv PUT 16 B key, 64 B value (full RTT)",
+        reference: "ib_send_lat (half RTT)",
+        unit: "us",
+        higher_is_better: false,
+        target: "<= 2.30",
+    },
+    Row {
+        case: "kv_onesided_lat",
+        what: "kv one-sided GET 64 B (2 READs)",
+        reference: "ib_read_lat",
+        unit: "us",
+        higher_is_better: false,
+        target: "<= 2.20",
+    },
+    Row {
+        case: "kv_get_bw",
+        what: "kv GET 64 KiB",
+        reference: "ib_read_bw",
+        unit: "MiB/s",
+        higher_is_better: true,
+        target: ">= 0.80",
+    },
+    Row {
+        case: "kv_put_bw",
+        what: "kv PUT 64 KiB",
+        reference: "ib_write_bw",
+        unit: "MiB/s",
+        higher_is_better: true,
+        target: ">= 0.80",
+    },
+    Row {
+        case: "kv_mix",
+        what: "kv 95/5 GET/PUT 64 B, 4 clients",
+        reference: "ib_send_bw -s 64 (Mpps)",
+        unit: "Mops",
+        higher_is_better: true,
+        target: "reported",
     },
 ];
 

@@ -5,6 +5,7 @@
 //! The header `include/snowrdma.h` is generated from this module by cbindgen.
 
 mod boundary;
+pub mod kv;
 pub mod rdma;
 
 use std::ffi::{c_char, c_int, CStr};

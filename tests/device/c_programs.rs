@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use crate::device_ip;
 
-fn program(name: &str) -> PathBuf {
+pub fn program(name: &str) -> PathBuf {
     let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join("target/c-examples")
         .join(name);
@@ -24,15 +24,22 @@ fn program(name: &str) -> PathBuf {
 }
 
 /// A child process killed on drop, with its stdout lines on a channel.
-struct Proc {
-    child: Child,
+pub struct Proc {
+    pub child: Child,
     lines: mpsc::Receiver<String>,
 }
 
 impl Proc {
     fn spawn(name: &str, args: &[String]) -> Proc {
-        let mut child = Command::new(program(name))
-            .args(args)
+        let mut cmd = Command::new(program(name));
+        cmd.args(args);
+        Proc::start(cmd)
+    }
+
+    /// Starts `cmd` with its stdout captured (stdin as the command has it).
+    pub fn start(mut cmd: Command) -> Proc {
+        let name = format!("{:?}", cmd.get_program());
+        let mut child = cmd
             .stdout(Stdio::piped())
             .spawn()
             .unwrap_or_else(|e| panic!("starting {name}: {e}"));
@@ -50,7 +57,7 @@ impl Proc {
     }
 
     /// Waits for a line containing `needle`.
-    fn expect_line(&self, needle: &str, timeout: Duration) -> String {
+    pub fn expect_line(&self, needle: &str, timeout: Duration) -> String {
         let deadline = Instant::now() + timeout;
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
@@ -62,7 +69,7 @@ impl Proc {
         }
     }
 
-    fn wait(&mut self, timeout: Duration) -> ExitStatus {
+    pub fn wait(&mut self, timeout: Duration) -> ExitStatus {
         let deadline = Instant::now() + timeout;
         loop {
             if let Some(status) = self.child.try_wait().unwrap() {
@@ -73,7 +80,7 @@ impl Proc {
         }
     }
 
-    fn kill(&mut self) {
+    pub fn kill(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }

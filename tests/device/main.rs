@@ -7,6 +7,7 @@
 
 mod c_programs;
 mod kv;
+mod kv_programs;
 mod runtime;
 mod verbs;
 

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Generates the C headers from src/ffi with the pinned cbindgen:
+#   include/rdma.h      <- src/ffi/mod.rs, src/ffi/rdma.rs (cbindgen.toml)
+#   include/kv_store.h  <- src/ffi/kv.rs                   (cbindgen-kv.toml)
+# cbindgen sees the whole crate, so each header's config excludes the items
+# the other header declares and the constants of the Rust layers (its
+# "@FOREIGN@" entry is replaced by their names).
+#
+#   scripts/headers.sh <output dir>
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out=${1:-include}
+mkdir -p "$out" target/headers
+items() {
+    grep -hoE 'pub (unsafe )?extern "C" fn [A-Za-z0-9_]+|^pub (static mut|struct|enum|type|const|static) [A-Za-z0-9_]+' "$@" \
+        | awk '{print "\"" $NF "\""}' | sort -u | paste -sd, -
+}
+internal=$(grep -rhoE '^ *pub (const|static) [A-Za-z0-9_]+' src/kv src/runtime src/verbs \
+    | awk '{print "\"" $NF "\""}' | sort -u | paste -sd, -)
+kv_items=$(items src/ffi/kv.rs),$internal
+rdma_items=$(items src/ffi/mod.rs src/ffi/rdma.rs),$internal
+sed "s/\"@FOREIGN@\"/$kv_items/" cbindgen.toml >target/headers/rdma.toml
+sed "s/\"@FOREIGN@\"/$rdma_items/" cbindgen-kv.toml >target/headers/kv.toml
+cbindgen -q --config target/headers/rdma.toml --crate snowrdma --output "$out/rdma.h"
+cbindgen -q --config target/headers/kv.toml --crate snowrdma --output "$out/kv_store.h"

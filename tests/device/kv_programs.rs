@@ -1,0 +1,162 @@
+//! The key-value programs and C API on a real device: kv_server, kv_client,
+//! the C check program, and faults (processes killed mid-stream).
+
+use std::io::Write;
+use std::net::{IpAddr, SocketAddr};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use snowrdma::kv::{Client, KvError};
+
+use crate::c_programs::{program, Proc};
+use crate::device_ip;
+
+fn kv_server(port: u16, extra: &[&str]) -> Proc {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_kv_server"));
+    cmd.args([
+        "-a",
+        &device_ip().to_string(),
+        "-p",
+        &port.to_string(),
+        "-m",
+        "64",
+        "-t",
+        "4096",
+    ])
+    .args(["--stats-interval", "1"])
+    .args(extra);
+    let server = Proc::start(cmd);
+    server.expect_line("listening on", Duration::from_secs(20));
+    server
+}
+
+fn addr(port: u16) -> SocketAddr {
+    SocketAddr::new(IpAddr::V4(device_ip()), port)
+}
+
+#[test]
+#[ignore = "needs an RDMA device: run `make test`"]
+fn kv_c_api_embedded_server() {
+    let mut p = Proc::start({
+        let mut c = Command::new(program("kv_check"));
+        c.arg(device_ip().to_string());
+        c
+    });
+    p.expect_line("all checks passed", Duration::from_secs(300));
+    assert!(p.wait(Duration::from_secs(30)).success());
+}
+
+#[test]
+#[ignore = "needs an RDMA device: run `make test`"]
+fn kv_programs_c_client_and_kv_client_against_kv_server() {
+    let server = kv_server(7701, &["-H"]);
+    server.expect_line("clients 0", Duration::from_secs(10));
+    let mut check = Proc::start({
+        let mut c = Command::new(program("kv_check"));
+        c.args([device_ip().to_string(), "7701".into()]);
+        c
+    });
+    check.expect_line("all checks passed", Duration::from_secs(300));
+    assert!(check.wait(Duration::from_secs(30)).success());
+
+    // Commands as arguments.
+    let ip = device_ip().to_string();
+    let out = Command::new(env!("CARGO_BIN_EXE_kv_client"))
+        .args([
+            "-a",
+            &ip,
+            "-p",
+            "7701",
+            "put greeting hello world",
+            "get greeting",
+            "cas greeting 1 bye",
+        ])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}");
+    assert!(
+        text.contains("hello world (version 1)") && text.contains("OK (version 2)"),
+        "{text}"
+    );
+    // Commands on stdin, including a failing one and a short bench.
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kv_client"))
+        .args(["-a", &ip, "-p", "7701"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(b"get greeting\ndel greeting\nget greeting\nbench 200\nquit\n")
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("bye (version 2)"), "{text}");
+    assert!(text.contains("error: no such key"), "{text}");
+    assert!(
+        text.contains("get one-sided") && text.contains("p99 us"),
+        "{text}"
+    );
+    assert!(
+        !out.status.success(),
+        "a failed command makes the exit code nonzero"
+    );
+}
+
+#[test]
+#[ignore = "needs an RDMA device: run `make test`"]
+fn kv_server_killed_under_load_fails_clients_in_bounded_time() {
+    let mut server = kv_server(7702, &[]);
+    let worker = std::thread::spawn(|| {
+        let c = Client::connect(addr(7702)).unwrap();
+        let mut i = 0u64;
+        loop {
+            match c.put(format!("k{}", i % 100).as_bytes(), &[7u8; 2000]) {
+                Ok(_) => i += 1,
+                Err(e) => return (i, e, Instant::now()),
+            }
+        }
+    });
+    std::thread::sleep(Duration::from_secs(2));
+    let killed = Instant::now();
+    server.kill();
+    let (done, err, failed_at) = worker.join().unwrap();
+    assert!(
+        done > 10,
+        "the client was busy before the kill ({done} puts)"
+    );
+    assert!(
+        matches!(err, KvError::Disconnected(_) | KvError::Timeout(_)),
+        "{err}"
+    );
+    let took = failed_at.saturating_duration_since(killed);
+    assert!(
+        took < Duration::from_secs(15),
+        "the client noticed after {took:?}"
+    );
+}
+
+#[test]
+#[ignore = "needs an RDMA device: run `make test`"]
+fn kv_client_killed_mid_request_leaves_the_server_serving() {
+    let server = kv_server(7703, &[]);
+    let ip = device_ip().to_string();
+    for _ in 0..2 {
+        // A bench of 1 MiB values, killed while it moves them.
+        let mut bench = Proc::start({
+            let mut c = Command::new(env!("CARGO_BIN_EXE_kv_client"));
+            c.args(["-a", &ip, "-p", "7703", "bench 100000 1048576"]);
+            c
+        });
+        std::thread::sleep(Duration::from_secs(3));
+        bench.kill();
+    }
+    let c = Client::connect(addr(7703)).unwrap();
+    c.put(b"after", &vec![1u8; 1 << 20]).unwrap();
+    assert_eq!(c.get(b"after").unwrap().0, vec![1u8; 1 << 20]);
+    // The killed clients' state is gone: only this one is counted.
+    server.expect_line("clients 1 (total 3)", Duration::from_secs(20));
+}

@@ -80,7 +80,8 @@ fn kv_programs_c_client_and_kv_client_against_kv_server() {
         "{text}"
     );
     // Commands on stdin, including a failing one and a short bench.
-    let mut child = Command::new(env!("CARGO_BIN_EXE_kv_client"))
+    let mut child = Command::new("timeout")
+        .args(["120", env!("CARGO_BIN_EXE_kv_client")])
         .args(["-a", &ip, "-p", "7701"])
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())

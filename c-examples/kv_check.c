@@ -1,8 +1,9 @@
 /* kv_check: the kv_client_* / kv_server_* API from C, as a legacy program
  * uses it, with checks that fail loudly.
  *
- *   kv_check <ip>           embeds a server on <ip> (port chosen), checks it
- *   kv_check <ip> <port>    checks the server at <ip>:<port>
+ *   kv_check <ip>                  embeds a server on <ip> (port chosen), checks it
+ *   kv_check <ip> <port>           checks the server at <ip>:<port> (RDMA CM)
+ *   kv_check <ip> <port> socket    the same in socket mode (first device)
  *
  * Exit 0 and "kv_check: all checks passed" when everything held. */
 #include <kv_store.h>
@@ -12,6 +13,7 @@
 #include <string.h>
 
 static int failures;
+static conn_mode_t mode = CONN_MODE_CM;
 
 #define CHECK(cond, ...)                                      \
     do {                                                      \
@@ -29,10 +31,13 @@ static void fill(unsigned char *p, size_t n, unsigned seed) {
 }
 
 static void check_client(const char *ip, int port) {
-    kv_client_t *c = kv_client_create(CONN_MODE_CM);
+    kv_client_t *c = kv_client_create(mode);
     CHECK(c != NULL, "kv_client_create");
     CHECK(kv_client_put(c, "k", 1, "v", 1) == KV_ERR_DISCONNECTED, "put before connect");
-    CHECK(kv_client_connect(c, ip, port) == 0, "connect to %s:%d", ip, port);
+    if (mode == CONN_MODE_SOCKET)
+        CHECK(kv_client_connect_socket(c, ip, port, NULL) == 0, "socket-mode connect to %s:%d", ip, port);
+    else
+        CHECK(kv_client_connect(c, ip, port) == 0, "connect to %s:%d", ip, port);
 
     char buf[64];
     size_t len = sizeof buf;
@@ -106,13 +111,15 @@ static void check_client(const char *ip, int port) {
 }
 
 int main(int argc, char **argv) {
-    if (argc != 2 && argc != 3) {
-        fprintf(stderr, "usage: %s <ip> [port]\n", argv[0]);
+    if (argc < 2 || argc > 4 || (argc == 4 && strcmp(argv[3], "socket") != 0)) {
+        fprintf(stderr, "usage: %s <ip> [port [socket]]\n", argv[0]);
         return 2;
     }
+    if (argc == 4)
+        mode = CONN_MODE_SOCKET;
     kv_server_t *server = NULL;
     int port;
-    if (argc == 3) {
+    if (argc >= 3) {
         port = atoi(argv[2]);
     } else {
         kv_config_t cfg = {

@@ -622,13 +622,18 @@ pub unsafe extern "C" fn kv_client_batch_get(
 ) -> c_int {
     guard("kv_client_batch_get", -1, || {
         with_client(client, |c| {
-            if count <= 0 {
-                return if count == 0 { 0 } else { -1 };
-            }
-            if keys.is_null() || key_lens.is_null() || values.is_null() || value_lens.is_null() {
-                return -1;
-            }
-            let n = count as usize;
+            let n = match batch_len(
+                count,
+                &[
+                    keys.is_null(),
+                    key_lens.is_null(),
+                    values.is_null(),
+                    value_lens.is_null(),
+                ],
+            ) {
+                Ok(n) => n,
+                Err(early) => return early,
+            };
             let keys = std::slice::from_raw_parts(keys, n);
             let key_lens = std::slice::from_raw_parts(key_lens, n);
             let values = std::slice::from_raw_parts(values, n);
@@ -673,13 +678,18 @@ pub unsafe extern "C" fn kv_client_batch_put(
 ) -> c_int {
     guard("kv_client_batch_put", -1, || {
         with_client(client, |c| {
-            if count <= 0 {
-                return if count == 0 { 0 } else { -1 };
-            }
-            if keys.is_null() || key_lens.is_null() || values.is_null() || value_lens.is_null() {
-                return -1;
-            }
-            let n = count as usize;
+            let n = match batch_len(
+                count,
+                &[
+                    keys.is_null(),
+                    key_lens.is_null(),
+                    values.is_null(),
+                    value_lens.is_null(),
+                ],
+            ) {
+                Ok(n) => n,
+                Err(early) => return early,
+            };
             let parse = || -> Result<Vec<Pair>, KvError> {
                 (0..n)
                     .map(|i| {
@@ -694,6 +704,16 @@ pub unsafe extern "C" fn kv_client_batch_put(
             c.batch_put(&pairs).iter().filter(|r| r.is_ok()).count() as c_int
         })
     })
+}
+
+/// The entry count of a batch call, or what the call returns at once: 0
+/// for an empty batch, -1 for a negative count or a NULL array.
+fn batch_len(count: c_int, nulls: &[bool]) -> Result<usize, c_int> {
+    match count {
+        0 => Err(0),
+        n if n < 0 || nulls.iter().any(|&null| null) => Err(-1),
+        n => Ok(n as usize),
+    }
 }
 
 /// A static English description of a `KV_*` code. Do not free it.

@@ -464,8 +464,9 @@ impl FfiConn {
         let ip = peer.map(|a| CString::new(a.ip().to_string()).expect("no NUL in an address"));
         // SAFETY: p is ours; the pointers stored live as long as the connection.
         unsafe {
-            (*p).cm_id = conn.cm_id().as_raw();
-            (*p).cm_channel = (*conn.cm_id().as_raw()).channel;
+            let id = conn.cm_id().expect("C API connections use RDMA CM");
+            (*p).cm_id = id.as_raw();
+            (*p).cm_channel = (*id.as_raw()).channel;
             (*p).pd = conn.pd().as_raw();
             (*p).cq = conn.recv_cq().as_raw();
             (*p).comp_channel = (*conn.recv_cq().as_raw()).channel;
@@ -707,8 +708,9 @@ pub unsafe extern "C" fn rdmaServer(
                 return RDMA_ERR;
             }
         };
-        (*raw.get()).cm_id = l.cm_id().as_raw();
-        (*raw.get()).cm_channel = (*l.cm_id().as_raw()).channel;
+        let id = l.cm_id().expect("C API listeners use RDMA CM");
+        (*raw.get()).cm_id = id.as_raw();
+        (*raw.get()).cm_channel = (*id.as_raw()).channel;
         let ffi = Arc::new(FfiListener { raw, listener: l });
         let p = ffi.raw.get();
         LISTENERS

@@ -137,18 +137,19 @@ impl Client {
     }
 
     pub fn connect_with(addr: SocketAddr, opts: &ClientOptions) -> Result<Client> {
-        if opts.mode == ConnMode::Socket {
-            return Err(KvError::InvalidArgument(
-                "socket mode is not available yet".into(),
-            ));
-        }
         let replies = Arc::new(Replies::default());
         let rt_opts = Options {
             comm_mode: CommMode::Blocking,
             ..Options::default()
         };
-        let conn = Connection::connect(addr, &rt_opts, Arc::new(ReplyHandler(replies.clone())))
-            .map_err(|e| KvError::Disconnected(format!("connecting to {addr}: {e}")))?;
+        let handler = Arc::new(ReplyHandler(replies.clone()));
+        let conn = match opts.mode {
+            ConnMode::Cm => Connection::connect(addr, &rt_opts, handler),
+            ConnMode::Socket => {
+                Connection::connect_socket(addr, opts.device.as_deref(), &rt_opts, handler)
+            }
+        }
+        .map_err(|e| KvError::Disconnected(format!("connecting to {addr}: {e}")))?;
         let mut client = Client {
             conn,
             replies,

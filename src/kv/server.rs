@@ -17,7 +17,9 @@ use std::thread::JoinHandle;
 
 use crossbeam_channel::{unbounded, Sender};
 
-use crate::runtime::{self, CommMode, ConnHandler, Connection, Listener, Options};
+use crate::runtime::{
+    self, AcceptHook, CommMode, ConnHandler, Connection, Listener, Options, PdProvider,
+};
 use crate::verbs::{AccessFlags, MemoryRegion};
 
 use super::pool::SLAB_PAGE;
@@ -206,28 +208,26 @@ impl Server {
             ));
         }
         self.start_workers()?;
-        if self.shared.cfg.conn_mode == ConnMode::Socket {
-            return Err(KvError::InvalidArgument(
-                "socket mode is not available yet".into(),
-            ));
-        }
         let opts = Options {
             comm_mode: CommMode::Blocking,
             ..Options::default()
         };
         let accept_shared = self.shared.clone();
         let pd_shared = self.shared.clone();
-        let listener = Listener::bind_shared(
-            self.shared.cfg.addr,
-            &opts,
-            Box::new(move |conn| Shared::accept(&accept_shared, conn)),
-            Some(Box::new(move |ctx| {
-                pd_shared.store.attach(ctx).map_err(|e| {
-                    runtime::Error::InvalidArgument(format!("cannot serve this client: {e}"))
-                })
-            })),
-        )
-        .map_err(|e| KvError::Internal(format!("listening on {}: {e}", self.shared.cfg.addr)))?;
+        let on_accept: Box<AcceptHook> = Box::new(move |conn| Shared::accept(&accept_shared, conn));
+        let pds: Box<PdProvider> = Box::new(move |ctx| {
+            pd_shared.store.attach(ctx).map_err(|e| {
+                runtime::Error::InvalidArgument(format!("cannot serve this client: {e}"))
+            })
+        });
+        let cfg = &self.shared.cfg;
+        let listener = match cfg.conn_mode {
+            ConnMode::Cm => Listener::bind_shared(cfg.addr, &opts, on_accept, Some(pds)),
+            ConnMode::Socket => {
+                Listener::bind_socket(cfg.addr, cfg.device.as_deref(), &opts, on_accept, Some(pds))
+            }
+        }
+        .map_err(|e| KvError::Internal(format!("listening on {}: {e}", cfg.addr)))?;
         listener.start();
         *slot = Some(listener);
         Ok(())

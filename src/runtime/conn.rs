@@ -11,14 +11,15 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, RwLock};
 use std::time::{Duration, Instant};
 
 use crate::verbs::{
-    self, AccessFlags, CmEvent, CmEventKind, CmId, Completion, CompletionQueue, ConnParam,
-    MemoryRegion, ProtectionDomain, QpCaps, QueuePair, RemoteAddr, RemoteRegion, SendOp,
-    SendRequest, Sge, WcOpcode, WcStatus,
+    self, AccessFlags, CmEvent, CmEventKind, CmId, Completion, CompletionQueue, ConnParam, Context,
+    MemoryRegion, PreparedQp, ProtectionDomain, QpCaps, QpOptions, QueuePair, RemoteAddr,
+    RemoteRegion, SendOp, SendRequest, Sge, WcOpcode, WcStatus,
 };
 
 use super::options::{CommMode, Options};
 use super::proto::{Cmd, ExtKind, Opcode, CMD_LEN, EXT_HEADER_LEN, IMM_EXTENDED};
 use super::ring::{RecvRing, SendRing};
+use super::socket::{handshake, SocketLink, SocketWatch};
 use super::{runtime, Error, Result, Runtime};
 
 /// Send-queue depth of every connection.
@@ -152,9 +153,18 @@ struct State {
     last_errno: i32,
 }
 
+/// How a connection was set up, and so how its end is noticed.
+pub(crate) enum Link {
+    /// RDMA CM: events arrive on the id's channel.
+    Cm(CmId),
+    /// Socket mode: QP information went over TCP; the TCP connection's end
+    /// is the connection's end.
+    Socket(SocketLink),
+}
+
 pub(crate) struct ConnInner {
     rt: Arc<Runtime>,
-    id: CmId,
+    link: Link,
     qp: QueuePair,
     send_cq: CompletionQueue,
     recv_cq: CompletionQueue,
@@ -217,18 +227,22 @@ impl PartialEq for Connection {
 }
 
 impl Connection {
-    /// Builds the QP, buffers and posted receives on `id`'s device, in the
-    /// protection domain `pds` gives for that device (a fresh one without).
+    /// Builds the QP, buffers and posted receives on the link's device, in
+    /// the protection domain `pds` gives for that device (a fresh one
+    /// without). A socket-mode QP comes back still to be connected.
     pub(crate) fn build(
         rt: Arc<Runtime>,
-        id: CmId,
+        link: Link,
         opts: &Options,
         kind: ConnKind,
         pds: Option<&PdProvider>,
-    ) -> Result<Connection> {
-        let ctx = id
-            .context()
-            .ok_or_else(|| Error::InvalidArgument("the RDMA CM id has no device".into()))?;
+    ) -> Result<(Connection, Option<PreparedQp>)> {
+        let ctx = match &link {
+            Link::Cm(id) => id
+                .context()
+                .ok_or_else(|| Error::InvalidArgument("the RDMA CM id has no device".into()))?,
+            Link::Socket(s) => s.ctx.clone(),
+        };
         let pd = match pds {
             Some(provide) => provide(&ctx)?,
             None => ctx.alloc_pd()?,
@@ -244,7 +258,22 @@ impl Connection {
             max_recv_sge: 1,
             max_inline_data: opts.max_inline_data,
         };
-        let qp = id.create_qp(&pd, &send_cq, &recv_cq, &caps)?;
+        let (qp, prepared) = match &link {
+            Link::Cm(id) => (id.create_qp(&pd, &send_cq, &recv_cq, &caps)?, None),
+            Link::Socket(_) => {
+                let qp_opts = QpOptions {
+                    caps,
+                    retry_cnt: opts.retry_count.min(7),
+                    ..QpOptions::default()
+                };
+                let prepared = pd.create_rc_qp(&send_cq, &recv_cq, &qp_opts)?;
+                (prepared.queue_pair().clone(), Some(prepared))
+            }
+        };
+        let peer = match &link {
+            Link::Cm(id) => id.peer_addr(),
+            Link::Socket(s) => Some(s.peer),
+        };
         let remote =
             AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_READ;
         let recv_ring = pd.allocate(opts.recv_buf_len, remote)?;
@@ -262,8 +291,8 @@ impl Connection {
         let conn = Connection {
             inner: Arc::new(ConnInner {
                 rt,
-                peer: id.peer_addr(),
-                id,
+                peer,
+                link,
                 qp,
                 send_cq,
                 recv_cq,
@@ -311,7 +340,7 @@ impl Connection {
         for slot in 0..recv_depth {
             conn.post_recv_slot(slot)?;
         }
-        Ok(conn)
+        Ok((conn, prepared))
     }
 
     /// Connects to a SnowRDMA server at `addr`; returns once data can flow.
@@ -324,19 +353,62 @@ impl Connection {
     ) -> Result<Connection> {
         let rt = runtime()?;
         let id = CmId::resolve(addr, None, opts.timeout)?;
-        let conn = Connection::build(rt.clone(), id.clone(), opts, ConnKind::Connected, None)?;
+        let (conn, _) =
+            Connection::build(rt, Link::Cm(id.clone()), opts, ConnKind::Connected, None)?;
         conn.set_handler(handler);
         conn.notify_state(ConnState::Connecting);
         id.connect(&conn.conn_param())?;
-        // Connection setup crosses the wire several times; allow each step
-        // the configured timeout, and at least a few seconds on the whole.
-        let setup = (opts.timeout * 4).max(Duration::from_secs(5));
+        let setup = setup_time(opts);
         if let Err(e) = id.expect_event(CmEventKind::ESTABLISHED, setup) {
             conn.set_state(ConnState::Error);
             return Err(e.into());
         }
+        conn.finish_connect(Arc::new(CmSource::Client(conn.clone())), setup)
+    }
+
+    /// Connects in socket mode: QP information goes over a TCP connection to
+    /// `addr` (a socket-mode listener); the QP is on `device` (a name, or the
+    /// first device, `SNOWRDMA_DEVICE`). Returns once data can flow.
+    pub fn connect_socket(
+        addr: SocketAddr,
+        device: Option<&str>,
+        opts: &Options,
+        handler: Arc<dyn ConnHandler>,
+    ) -> Result<Connection> {
+        let rt = runtime()?;
+        let setup = setup_time(opts);
+        let stream = std::net::TcpStream::connect_timeout(&addr, setup)
+            .map_err(|e| Error::Socket(format!("connecting to {addr}: {e}")))?;
+        let _ = stream.set_nodelay(true);
+        let link = SocketLink {
+            stream: stream
+                .try_clone()
+                .map_err(|e| Error::Socket(format!("duplicating the socket: {e}")))?,
+            peer: addr,
+            ctx: Context::open(device)?,
+        };
+        let (conn, prepared) =
+            Connection::build(rt, Link::Socket(link), opts, ConnKind::Connected, None)?;
+        conn.set_handler(handler);
+        conn.notify_state(ConnState::Connecting);
+        let prepared = prepared.expect("socket-mode connections come back prepared");
+        if let Err(e) = handshake(&stream, prepared, setup) {
+            conn.set_state(ConnState::Error);
+            return Err(e);
+        }
+        conn.finish_connect(Arc::new(SocketWatch(conn.clone())), setup)
+    }
+
+    /// The common end of connecting: watch the link for its end, take
+    /// completions, advertise our ring and wait for the peer's.
+    fn finish_connect(
+        &self,
+        watch: Arc<dyn super::poller::Source>,
+        setup: Duration,
+    ) -> Result<Connection> {
+        let conn = self;
         conn.set_state(ConnState::Connected);
-        let cm_key = rt.cm.add(Arc::new(CmSource::Client(conn.clone())));
+        let cm_key = conn.inner.rt.cm.add(watch);
         conn.inner.cm_source.store(cm_key, Ordering::SeqCst);
         conn.start_completions();
         conn.send_reg_local_addr()?;
@@ -349,7 +421,33 @@ impl Connection {
             conn.close();
             return Err(e);
         }
-        Ok(conn)
+        Ok(conn.clone())
+    }
+
+    /// An accepted socket-mode connection whose QP is connected: watch its
+    /// socket and start as RDMA CM's ESTABLISHED would (CM thread).
+    pub(crate) fn socket_accepted(&self) {
+        let key = self.inner.rt.cm.add(Arc::new(SocketWatch(self.clone())));
+        self.inner.cm_source.store(key, Ordering::SeqCst);
+        self.start_completions();
+        self.established();
+    }
+
+    pub(crate) fn socket_link(&self) -> Option<&SocketLink> {
+        match &self.inner.link {
+            Link::Socket(s) => Some(s),
+            Link::Cm(_) => None,
+        }
+    }
+
+    /// Tells the peer we are going (RDMA CM disconnect, or the socket shut).
+    fn disconnect_link(&self) {
+        match &self.inner.link {
+            Link::Cm(id) => {
+                let _ = id.disconnect();
+            }
+            Link::Socket(s) => s.shutdown(),
+        }
     }
 
     pub(crate) fn conn_param(&self) -> ConnParam {
@@ -452,8 +550,12 @@ impl Connection {
         &self.inner.opts
     }
 
-    pub fn cm_id(&self) -> &CmId {
-        &self.inner.id
+    /// The RDMA CM id (`None` in socket mode).
+    pub fn cm_id(&self) -> Option<&CmId> {
+        match &self.inner.link {
+            Link::Cm(id) => Some(id),
+            Link::Socket(_) => None,
+        }
     }
 
     pub fn pd(&self) -> &ProtectionDomain {
@@ -1327,7 +1429,7 @@ impl Connection {
             }
         }
         self.wake();
-        let _ = self.inner.id.disconnect();
+        self.disconnect_link();
         self.notify_state(ConnState::Error);
         self.fire_disconnected();
         if self.inner.kind == ConnKind::Accepted {
@@ -1343,48 +1445,55 @@ impl Connection {
         }
     }
 
+    /// The QPs are connected: an accepted connection moves on, and each
+    /// side advertises its ring.
+    fn established(&self) {
+        let upgraded = {
+            let mut st = self.lock();
+            let accepting = st.state == ConnState::Accepting;
+            if accepting {
+                st.state = ConnState::Connected;
+            }
+            accepting
+        };
+        if upgraded {
+            self.notify_state(ConnState::Connected);
+        }
+        if let Err(e) = self.send_reg_local_addr() {
+            self.fail(&format!("advertising the receive buffer: {e}"));
+        }
+    }
+
+    /// The peer disconnected (RDMA CM DISCONNECTED, or its socket closed).
+    pub(crate) fn peer_disconnected(&self) {
+        let was = {
+            let mut st = self.lock();
+            let was = st.state;
+            if !matches!(was, ConnState::Closed | ConnState::Error) {
+                st.state = ConnState::Closed;
+            }
+            for slot in st.sync_ops.values_mut() {
+                slot.get_or_insert_with(|| Err("the peer disconnected".into()));
+            }
+            was
+        };
+        self.wake();
+        // Answer, so the peer's own DISCONNECTED arrives.
+        self.disconnect_link();
+        if !matches!(was, ConnState::Closed | ConnState::Error) {
+            self.notify_state(ConnState::Closed);
+            self.fire_disconnected();
+        }
+        if self.inner.kind == ConnKind::Accepted {
+            self.retire();
+        }
+    }
+
     /// An RDMA CM event for this connection (CM thread).
     pub(crate) fn on_cm_event(&self, ev: &CmEvent) {
         match ev.kind {
-            CmEventKind::ESTABLISHED => {
-                let upgraded = {
-                    let mut st = self.lock();
-                    let accepting = st.state == ConnState::Accepting;
-                    if accepting {
-                        st.state = ConnState::Connected;
-                    }
-                    accepting
-                };
-                if upgraded {
-                    self.notify_state(ConnState::Connected);
-                }
-                if let Err(e) = self.send_reg_local_addr() {
-                    self.fail(&format!("advertising the receive buffer: {e}"));
-                }
-            }
-            CmEventKind::DISCONNECTED => {
-                let was = {
-                    let mut st = self.lock();
-                    let was = st.state;
-                    if !matches!(was, ConnState::Closed | ConnState::Error) {
-                        st.state = ConnState::Closed;
-                    }
-                    for slot in st.sync_ops.values_mut() {
-                        slot.get_or_insert_with(|| Err("the peer disconnected".into()));
-                    }
-                    was
-                };
-                self.wake();
-                // Answer, so the peer's own DISCONNECTED arrives.
-                let _ = self.inner.id.disconnect();
-                if !matches!(was, ConnState::Closed | ConnState::Error) {
-                    self.notify_state(ConnState::Closed);
-                    self.fire_disconnected();
-                }
-                if self.inner.kind == ConnKind::Accepted {
-                    self.retire();
-                }
-            }
+            CmEventKind::ESTABLISHED => self.established(),
+            CmEventKind::DISCONNECTED => self.peer_disconnected(),
             CmEventKind::REJECTED
             | CmEventKind::UNREACHABLE
             | CmEventKind::CONNECT_ERROR
@@ -1434,8 +1543,9 @@ impl Connection {
             was
         };
         self.wake();
-        if matches!(was, ConnState::Connected | ConnState::MrReady) {
-            let _ = self.inner.id.disconnect();
+        if matches!(was, ConnState::Connected | ConnState::MrReady) || self.socket_link().is_some()
+        {
+            self.disconnect_link();
         }
         self.notify_state(ConnState::Closed);
         self.unwatch();
@@ -1443,6 +1553,12 @@ impl Connection {
             self.inner.rt.forget_accepted(self);
         }
     }
+}
+
+/// Connection setup crosses the wire several times; each step gets the
+/// configured timeout, and the whole at least a few seconds.
+fn setup_time(opts: &Options) -> Duration {
+    (opts.timeout * 4).max(Duration::from_secs(5))
 }
 
 /// Logs once per process that physical-address access is unavailable.
@@ -1487,15 +1603,21 @@ pub(crate) enum CmSource {
 impl super::poller::Source for CmSource {
     fn fd(&self) -> std::os::fd::RawFd {
         match self {
-            CmSource::Client(c) => c.inner.id.channel().fd(),
-            CmSource::Listener(l) => l.cm_id().channel().fd(),
+            CmSource::Client(c) => c.cm_id().map_or(-1, |id| id.channel().fd()),
+            CmSource::Listener(l) => l.fd(),
         }
     }
 
     fn ready(&self) {
         let channel = match self {
-            CmSource::Client(c) => c.inner.id.channel().clone(),
-            CmSource::Listener(l) => l.cm_id().channel().clone(),
+            CmSource::Client(c) => match c.cm_id() {
+                Some(id) => id.channel().clone(),
+                None => return,
+            },
+            CmSource::Listener(l) => match l.cm_id() {
+                Some(id) => id.channel().clone(),
+                None => return l.accept_sockets(),
+            },
         };
         loop {
             let ev = match channel.get_event(Duration::ZERO) {

@@ -14,6 +14,7 @@ mod options;
 mod poller;
 pub mod proto;
 pub mod ring;
+mod socket;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -45,6 +46,8 @@ pub enum Error {
     Timeout(String),
     #[error("the operation failed: {0}")]
     OperationFailed(String),
+    #[error("socket mode: {0}")]
+    Socket(String),
     #[error("could not start a runtime thread: {0}")]
     Thread(#[from] std::io::Error),
 }
@@ -127,17 +130,19 @@ pub fn stop() {
 
 impl Runtime {
     pub(crate) fn remember_accepted(&self, listener: CmIdRef, conn: &Connection) {
-        self.accepted
-            .lock()
-            .expect("table lock")
-            .insert(conn.cm_id().id_ref(), (listener, conn.clone()));
+        self.accepted.lock().expect("table lock").insert(
+            conn.cm_id().expect("RDMA CM").id_ref(),
+            (listener, conn.clone()),
+        );
     }
 
     pub(crate) fn forget_accepted(&self, conn: &Connection) {
-        self.accepted
-            .lock()
-            .expect("table lock")
-            .remove(&conn.cm_id().id_ref());
+        if let Some(id) = conn.cm_id() {
+            self.accepted
+                .lock()
+                .expect("table lock")
+                .remove(&id.id_ref());
+        }
     }
 
     pub(crate) fn accepted_conn(&self, id: CmIdRef) -> Option<Connection> {

@@ -36,23 +36,29 @@ impl Proc {
         Proc::start(cmd)
     }
 
-    /// Starts `cmd` with its stdout captured (stdin as the command has it).
+    /// Starts `cmd` with its stdout and stderr captured, line by line, on
+    /// one channel (stdin as the command has it).
     pub fn start(mut cmd: Command) -> Proc {
         let name = format!("{:?}", cmd.get_program());
         let mut child = cmd
             .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
             .spawn()
             .unwrap_or_else(|e| panic!("starting {name}: {e}"));
-        let out = child.stdout.take().unwrap();
         let (tx, lines) = mpsc::channel();
-        thread::spawn(move || {
-            for line in BufReader::new(out).lines().map_while(Result::ok) {
-                println!("    | {line}");
-                if tx.send(line).is_err() {
-                    break;
+        let out: Box<dyn std::io::Read + Send> = Box::new(child.stdout.take().unwrap());
+        let err: Box<dyn std::io::Read + Send> = Box::new(child.stderr.take().unwrap());
+        for stream in [out, err] {
+            let tx = tx.clone();
+            thread::spawn(move || {
+                for line in BufReader::new(stream).lines().map_while(Result::ok) {
+                    println!("    | {line}");
+                    if tx.send(line).is_err() {
+                        break;
+                    }
                 }
-            }
-        });
+            });
+        }
         Proc { child, lines }
     }
 

@@ -4,17 +4,22 @@ use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::thread;
 
-use snowrdma::kv::{Client, KvError, Server, ServerConfig};
+use snowrdma::kv::{Client, ClientOptions, ConnMode, KvError, Server, ServerConfig};
 use snowrdma::runtime::{ConnHandler, Connection, Options};
 use snowrdma::verbs::selftest::fill_pattern;
 
 use crate::device_ip;
 
 pub fn kv_server(huge: bool) -> (Server, SocketAddr) {
+    kv_server_in(huge, ConnMode::Cm)
+}
+
+fn kv_server_in(huge: bool, conn_mode: ConnMode) -> (Server, SocketAddr) {
     let server = Server::new(ServerConfig {
         addr: SocketAddr::new(IpAddr::V4(device_ip()), 0),
         memory_size: 64 << 20,
         huge_pages: huge,
+        conn_mode,
         table_size: 4096,
         workers: 2,
         max_value: 128 << 20,
@@ -32,14 +37,18 @@ fn pattern(len: usize, seed: u8) -> Vec<u8> {
     v
 }
 
-fn all_ops_at_all_sizes(huge: bool) {
-    let (server, addr) = kv_server(huge);
+fn all_ops_at_all_sizes(huge: bool, mode: ConnMode) {
+    let (server, addr) = kv_server_in(huge, mode);
     assert_eq!(
         server.stats().huge_pages,
         huge,
         "huge pages as asked (the VM reserves some)"
     );
-    let c = Client::connect(addr).unwrap();
+    let opts = ClientOptions {
+        mode,
+        ..ClientOptions::default()
+    };
+    let c = Client::connect_with(addr, &opts).unwrap();
     // Inline, just above inline, staged in the request buffer (up to 2 MiB),
     // server-allocated target above it.
     for (i, len) in [
@@ -121,13 +130,19 @@ fn all_ops_at_all_sizes(huge: bool) {
 #[test]
 #[ignore]
 fn kv_all_ops_all_sizes_normal_pages() {
-    all_ops_at_all_sizes(false);
+    all_ops_at_all_sizes(false, ConnMode::Cm);
+}
+
+#[test]
+#[ignore]
+fn kv_all_ops_all_sizes_socket_mode() {
+    all_ops_at_all_sizes(false, ConnMode::Socket);
 }
 
 #[test]
 #[ignore]
 fn kv_all_ops_all_sizes_huge_pages() {
-    all_ops_at_all_sizes(true);
+    all_ops_at_all_sizes(true, ConnMode::Cm);
 }
 
 #[test]

@@ -1,6 +1,8 @@
-# snowrdma: `make` builds the library, the header and the C examples;
-# `make run` shows the device and verifies every operation on it (Soft-RoCE in
-# a VM where the host has no RDMA device); `make test` runs everything.
+# snowrdma: `make` builds the library, the headers and the C examples
+# (including the kv_open API's `application` and its `client` symlink);
+# `make run` starts a kv_server and runs a short kv_client benchmark against
+# it (Soft-RoCE in a VM where the host has no RDMA device); `make test` runs
+# everything.
 
 CARGO   ?= cargo
 PROFILE ?= release
@@ -47,6 +49,12 @@ c-examples: lib
 	    -L$(LIBDIR) -Wl,-rpath,$(abspath $(LIBDIR)) -lsnowrdma -lrdmacm -libverbs -lpthread
 	$(CC) $(CFLAGS) c-examples/legacy_style.c -o $(EXAMPLEDIR)/legacy_style-static -I include \
 	    -L$(LIBDIR) -Wl,-Bstatic -lsnowrdma -Wl,-Bdynamic -lrdmacm -libverbs -lpthread
+	# The kv_open API's legacy program: application, and client -> application.
+	@mkdir -p $(EXAMPLEDIR)/kv-app
+	$(CC) $(CFLAGS) c-examples/kv-app/application.c c-examples/kv-app/client.c \
+	    -o $(EXAMPLEDIR)/kv-app/application \
+	    -L$(LIBDIR) -Wl,-rpath,$(abspath $(LIBDIR)) -lsnowrdma -lpthread
+	ln -sf application $(EXAMPLEDIR)/kv-app/client
 
 deps:
 	scripts/install-deps.sh

@@ -77,6 +77,12 @@ typedef struct kv_config kv_config_t;
 #define KV_ERR_BUFFER_TOO_SMALL -11
 
 /**
+ * The legacy server's TCP port, where `kv_open` connects and `run_server`
+ * listens unless `SNOWRDMA_KV_PORT` says otherwise.
+ */
+#define KV_DEFAULT_PORT 4792
+
+/**
  * How a client reaches the server (`conn_mode_t`).
  */
 typedef int conn_mode_t;
@@ -309,8 +315,68 @@ int kv_client_batch_put(kv_client_t *client,
  */
 const char *kv_strerror(int code);
 
+/**
+ * Connects to the server `servername` ("host" or "host:port"; the port
+ * defaults to 4792, or `SNOWRDMA_KV_PORT`) and stores a handle in
+ * `*kv_handle`. Returns 0, or 1 when the server cannot be reached (within
+ * a few seconds) or an argument is NULL. Close with `kv_close`.
+ *
+ * # Safety
+ * `servername` a C string; `kv_handle` writable.
+ */
+int kv_open(char *servername, void **kv_handle);
+
+/**
+ * Stores the string `value` under the string `key` (both copied). 0 or 1.
+ *
+ * # Safety
+ * `key` and `value` C strings.
+ */
+int kv_set(void *kv_handle, const char *key, const char *value);
+
+/**
+ * Fetches the value of `key` into `*value`: a string the library
+ * malloc'd, which the caller frees with `kv_release`. A missing key gives
+ * an empty string (and 0). Returns 0, or 1 (and `*value` untouched).
+ *
+ * # Safety
+ * `key` a C string; `value` writable.
+ */
+int kv_get(void *kv_handle, const char *key, char **value);
+
+/**
+ * Frees a string `kv_get` returned (NULL is ignored).
+ *
+ * # Safety
+ * `value` came from `kv_get` and is freed once.
+ */
+void kv_release(char *value);
+
+/**
+ * Disconnects and frees the handle. 0, or 1 for a handle that is not open
+ * (NULL, or closed already).
+ */
+int kv_close(void *kv_handle);
+
+/**
+ * Serves key-value clients of both APIs on port 4792 (`SNOWRDMA_KV_PORT`)
+ * of every address, any number at once, until the process ends. Returns 1
+ * only when it cannot start.
+ */
+int run_server(void);
+
 #ifdef __cplusplus
 }  // extern "C"
 #endif  // __cplusplus
 
 #endif  /* SNOWRDMA_KV_STORE_H */
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+/** The legacy test client: defined by the program (its client.c), not by
+ * the library; declared here as the legacy header did. */
+int run_client(char *servername);
+#ifdef __cplusplus
+}
+#endif

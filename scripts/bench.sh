@@ -74,3 +74,22 @@ for rep in $(seq 1 "$reps"); do
     record kv_mix reference "$(perftest 5 ib_send_bw -s 64 -n 20000)"
     record kv_mix snowrdma "$(ours kv-mix -s 64 -n 4000)"
 done
+
+# The kv_open API's throughput (the legacy client's menu option 3: SET+GET
+# pairs, 1 B to 16 MiB), once, beside ib_write_bw and ib_read_bw at a few of
+# its sizes. Figures in MB/s, as perftest prints them.
+echo "--- kv_open throughput (menu option 3)"
+apps=target/c-examples/kv-app
+SNOWRDMA_KV_PORT=18599 $apps/application >/dev/null 2>&1 &
+app_server=$!
+sleep 3
+menu=$(echo 3 | timeout 1800 $apps/client "$ip:18599" 2>&1)
+kill $app_server 2>/dev/null
+echo "$menu" | grep -E '^(Eager|Rendezvous):'
+for size in 1024 65536 16777216; do
+    mbs=$(echo "$menu" | awk -v s="$size" '$2 == s { printf "%.3f", $3 * 1000 }')
+    record "kv_app_write_$size" reference "$(perftest 4 ib_write_bw -s $size -n 100)"
+    record "kv_app_write_$size" snowrdma "$mbs"
+    record "kv_app_read_$size" reference "$(perftest 4 ib_read_bw -s $size -n 100)"
+    record "kv_app_read_$size" snowrdma "$mbs"
+done

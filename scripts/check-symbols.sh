@@ -10,7 +10,7 @@ lib=$1
 shift
 header="$*"
 exported=$(nm -D --defined-only "$lib" | awk '{print $3}' | sort -u)
-names='rdma[A-Z][A-Za-z0-9]*|snowrdma_[a-z_]+|kv_[a-z_]+'
+names='rdma[A-Z][A-Za-z0-9]*|snowrdma_[a-z_]+|kv_[a-z_]+|run_server'
 declared=$(cat "$@" | grep -v '^typedef' | grep -oE "^(extern [A-Za-z_ ]+[ *]|[A-Za-z_][A-Za-z_0-9 ]*[ *]+)($names)(\(|;)" \
     | grep -oE "($names)(\(|;)\$" | tr -d '(;' | sort -u)
 extra=$(comm -23 <(echo "$exported") <(echo "$declared"))

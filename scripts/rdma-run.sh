@@ -8,7 +8,7 @@
 #
 # Environment:
 #   SNOWRDMA_FORCE_VM=1      use the VM even when the host has a device
-#   SNOWRDMA_VM_MEMORY=4G    VM memory (default 4G)
+#   SNOWRDMA_VM_MEMORY=8G    VM memory (default 8G: the 1 GiB value tests need room)
 #   SNOWRDMA_VM_CPUS=2       VM CPUs (default 2)
 #   SNOWRDMA_*, RUST_LOG, RUST_BACKTRACE are passed into the VM.
 set -euo pipefail
@@ -64,7 +64,7 @@ trap 'rm -f "$script"' EXIT
 
 set +e
 timeout --kill-after=30 "${SNOWRDMA_VM_TIMEOUT:-3600}" \
-    vng --run "$kernel" $kvm_flag --memory "${SNOWRDMA_VM_MEMORY:-4G}" --cpus "${SNOWRDMA_VM_CPUS:-2}" \
+    vng --run "$kernel" $kvm_flag --memory "${SNOWRDMA_VM_MEMORY:-8G}" --cpus "${SNOWRDMA_VM_CPUS:-2}" \
     --rwdir "$top/target" --exec "bash $script" </dev/null
 rc=$?
 set -e

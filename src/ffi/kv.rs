@@ -90,19 +90,19 @@ struct ClientSlot {
 }
 
 /// Live handles, by address: a handle is only ever used through this table.
-struct Handles<T> {
+pub(super) struct Handles<T> {
     map: Mutex<HashMap<usize, Arc<T>>>,
 }
 
 impl<T> Handles<T> {
-    fn new() -> Self {
+    pub(super) fn new() -> Self {
         Handles {
             map: Mutex::new(HashMap::new()),
         }
     }
 
     /// Registers `value` and returns a fresh opaque pointer for it.
-    fn insert<H>(&self, value: T) -> *mut H {
+    pub(super) fn insert<H>(&self, value: T) -> *mut H {
         let token = Box::into_raw(Box::new(0u8)).cast::<H>();
         self.map
             .lock()
@@ -111,7 +111,7 @@ impl<T> Handles<T> {
         token
     }
 
-    fn get<H>(&self, handle: *const H) -> Option<Arc<T>> {
+    pub(super) fn get<H>(&self, handle: *const H) -> Option<Arc<T>> {
         self.map
             .lock()
             .expect("handle table")
@@ -119,7 +119,7 @@ impl<T> Handles<T> {
             .cloned()
     }
 
-    fn remove<H>(&self, handle: *mut H) -> Option<Arc<T>> {
+    pub(super) fn remove<H>(&self, handle: *mut H) -> Option<Arc<T>> {
         let found = self
             .map
             .lock()

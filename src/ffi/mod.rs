@@ -6,6 +6,7 @@
 
 mod boundary;
 pub mod kv;
+pub mod kv_strings;
 pub mod rdma;
 
 use std::ffi::{c_char, c_int, CStr};

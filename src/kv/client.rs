@@ -367,9 +367,15 @@ impl Client {
 
     /// The value and version of `key`.
     pub fn get(&self, key: &[u8]) -> Result<(Vec<u8>, u64)> {
+        self.get_with(key, <[u8]>::to_vec)
+    }
+
+    /// Lends the value of `key` to `take` (for the call only; no copy is
+    /// made first) and returns what it made, with the version.
+    pub fn get_with<T>(&self, key: &[u8], take: impl FnOnce(&[u8]) -> T) -> Result<(T, u64)> {
         match self.lookup(key)? {
-            Found::Inline(v, version) => Ok((v, version)),
-            Found::Remote(reply) => self.fetch(key, &reply, <[u8]>::to_vec),
+            Found::Inline(v, version) => Ok((take(&v), version)),
+            Found::Remote(reply) => self.fetch(key, &reply, take),
         }
     }
 

@@ -8,6 +8,7 @@
 mod c_programs;
 mod kv;
 mod kv_programs;
+mod kv_strings;
 mod runtime;
 mod verbs;
 

@@ -8,45 +8,19 @@
 //! protocol); larger ones by RDMA WRITE and READ ("rendezvous").
 
 use std::ffi::{c_char, c_int, c_void, CStr};
-use std::net::{SocketAddr, ToSocketAddrs};
+use std::net::SocketAddr;
 
 use once_cell::sync::Lazy;
 
 use super::boundary::guard;
 use super::kv::Handles;
-use crate::kv::{Client, KvError, Server, ServerConfig};
+use crate::kv::{legacy_port, Client, KvError, Server, ServerConfig};
 
 /// The legacy server's TCP port, where `kv_open` connects and `run_server`
 /// listens unless `SNOWRDMA_KV_PORT` says otherwise.
-pub const KV_DEFAULT_PORT: u16 = 4792;
-/// Environment variable overriding [`KV_DEFAULT_PORT`].
-const PORT_ENV: &str = "SNOWRDMA_KV_PORT";
+pub const KV_DEFAULT_PORT: u16 = crate::kv::LEGACY_PORT;
 
 static HANDLES: Lazy<Handles<Client>> = Lazy::new(Handles::new);
-
-fn default_port() -> u16 {
-    std::env::var(PORT_ENV)
-        .ok()
-        .and_then(|v| v.trim().parse().ok())
-        .unwrap_or(KV_DEFAULT_PORT)
-}
-
-/// `host` or `host:port` to an IPv4 address.
-fn server_addr(name: &str) -> Result<SocketAddr, KvError> {
-    let (host, port) = match name.rsplit_once(':') {
-        Some((h, p)) => (
-            h,
-            p.parse()
-                .map_err(|_| KvError::InvalidArgument(format!("bad port in {name:?}")))?,
-        ),
-        None => (name, default_port()),
-    };
-    (host, port)
-        .to_socket_addrs()
-        .map_err(|e| KvError::InvalidArgument(format!("resolving {host}: {e}")))?
-        .find(SocketAddr::is_ipv4)
-        .ok_or_else(|| KvError::InvalidArgument(format!("{host} has no IPv4 address")))
-}
 
 /// A C string argument.
 ///
@@ -87,7 +61,7 @@ pub unsafe extern "C" fn kv_open(servername: *mut c_char, kv_handle: *mut *mut c
                 }
                 let name = std::str::from_utf8(text(servername, "servername")?)
                     .map_err(|_| KvError::InvalidArgument("servername is not UTF-8".into()))?;
-                let client = Client::connect(server_addr(name)?)?;
+                let client = Client::open(name)?;
                 *kv_handle = HANDLES.insert(client);
                 Ok(())
             })(),
@@ -193,7 +167,7 @@ pub extern "C" fn kv_close(kv_handle: *mut c_void) -> c_int {
 pub extern "C" fn run_server() -> c_int {
     guard("run_server", 1, || {
         let cfg = ServerConfig {
-            addr: SocketAddr::from(([0, 0, 0, 0], default_port())),
+            addr: SocketAddr::from(([0, 0, 0, 0], legacy_port())),
             // The legacy server kept large values in their own buffers too;
             // a smaller pool leaves memory for them.
             memory_size: 256 << 20,
@@ -207,7 +181,7 @@ pub extern "C" fn run_server() -> c_int {
                 return 1;
             }
         };
-        println!("run_server: serving on port {}", default_port());
+        println!("run_server: serving on port {}", legacy_port());
         loop {
             std::thread::park();
             // A spurious wakeup changes nothing: keep serving.
@@ -223,13 +197,6 @@ fn bad_handle() -> KvError {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn server_names_take_an_optional_port() {
-        assert_eq!(server_addr("127.0.0.1:99").unwrap().port(), 99);
-        assert_eq!(server_addr("127.0.0.1").unwrap().port(), default_port());
-        assert!(server_addr("127.0.0.1:x").is_err());
-    }
 
     #[test]
     fn bad_handles_and_null_arguments_fail_with_1() {

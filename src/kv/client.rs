@@ -175,6 +175,29 @@ impl Client {
         Ok(client)
     }
 
+    /// Connects as `kv_open` does: `name` is "host" or "host:port" (port
+    /// 4792, or `SNOWRDMA_KV_PORT`, by default).
+    pub fn open(name: &str) -> Result<Client> {
+        Client::connect(super::server_addr(name)?)
+    }
+
+    /// Stores a string (as `kv_set`); returns the new version.
+    pub fn set(&self, key: &str, value: &str) -> Result<u64> {
+        self.put(key.as_bytes(), value.as_bytes())
+    }
+
+    /// A string value (as `kv_get`): "" for a missing key; a value that is
+    /// not UTF-8 is an [`KvError::InvalidArgument`].
+    pub fn get_string(&self, key: &str) -> Result<String> {
+        match self.get(key.as_bytes()) {
+            Ok((v, _)) => String::from_utf8(v).map_err(|_| {
+                KvError::InvalidArgument(format!("the value of {key:?} is not UTF-8"))
+            }),
+            Err(KvError::NotFound) => Ok(String::new()),
+            Err(e) => Err(e),
+        }
+    }
+
     /// What the server said about itself at connect time.
     pub fn server_info(&self) -> &ServerInfo {
         &self.info

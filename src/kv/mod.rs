@@ -14,6 +14,7 @@ pub mod proto;
 mod server;
 mod store;
 
+use std::net::{SocketAddr, ToSocketAddrs};
 use std::time::Duration;
 
 pub use client::{Client, ClientOptions};
@@ -29,6 +30,38 @@ pub const MAX_VALUE_ENV: &str = "SNOWRDMA_KV_MAX_VALUE";
 /// Environment variable overriding how long a client waits for one reply,
 /// in milliseconds (large transfers get more, in proportion to their size).
 pub const TIMEOUT_ENV: &str = "SNOWRDMA_KV_TIMEOUT_MS";
+
+/// The port of the legacy string API (`kv_open`, `run_server`, and
+/// [`Client::open`]) unless [`PORT_ENV`] says otherwise.
+pub const LEGACY_PORT: u16 = 4792;
+/// Environment variable overriding [`LEGACY_PORT`].
+pub const PORT_ENV: &str = "SNOWRDMA_KV_PORT";
+
+/// [`LEGACY_PORT`], or `SNOWRDMA_KV_PORT`.
+pub fn legacy_port() -> u16 {
+    std::env::var(PORT_ENV)
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(LEGACY_PORT)
+}
+
+/// Resolves "host" or "host:port" (the port defaulting to
+/// [`legacy_port`]) to an IPv4 address.
+pub fn server_addr(name: &str) -> Result<SocketAddr> {
+    let (host, port) = match name.rsplit_once(':') {
+        Some((h, p)) => (
+            h,
+            p.parse()
+                .map_err(|_| KvError::InvalidArgument(format!("bad port in {name:?}")))?,
+        ),
+        None => (name, legacy_port()),
+    };
+    (host, port)
+        .to_socket_addrs()
+        .map_err(|e| KvError::InvalidArgument(format!("resolving {host}: {e}")))?
+        .find(SocketAddr::is_ipv4)
+        .ok_or_else(|| KvError::InvalidArgument(format!("{host} has no IPv4 address")))
+}
 
 /// How clients reach the server.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -130,4 +163,16 @@ pub(crate) fn check_key(key: &[u8]) -> Result<()> {
         return Err(KvError::KeyTooLong);
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn server_names_take_an_optional_port() {
+        assert_eq!(server_addr("127.0.0.1:99").unwrap().port(), 99);
+        assert_eq!(server_addr("127.0.0.1").unwrap().port(), legacy_port());
+        assert!(server_addr("127.0.0.1:x").is_err());
+    }
 }

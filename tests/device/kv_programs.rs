@@ -156,10 +156,11 @@ fn kv_client_killed_mid_request_leaves_the_server_serving() {
     let server = kv_server(7703, &[]);
     let ip = device_ip().to_string();
     for _ in 0..2 {
-        // A bench of 1 MiB values, killed while it moves them.
+        // A bench of 3 MB values (each in a target the server allocates
+        // for the client, outside the pool), killed while it moves them.
         let mut bench = Proc::start({
             let mut c = Command::new(env!("CARGO_BIN_EXE_kv_client"));
-            c.args(["-a", &ip, "-p", "7703", "bench 100000 1048576"]);
+            c.args(["-a", &ip, "-p", "7703", "bench 100000 3000000"]);
             c
         });
         std::thread::sleep(Duration::from_secs(3));

@@ -120,6 +120,12 @@ fn kv_open_api_refuses_bad_input() {
             1,
             "a closed handle"
         );
+        // The same from Rust.
+        let rust = snowrdma::kv::Client::open(&format!("{}:7802", device_ip())).unwrap();
+        assert_eq!(rust.get_string("k").unwrap(), "v", "what C stored");
+        rust.set("rust", "string").unwrap();
+        assert_eq!(rust.get_string("rust").unwrap(), "string");
+        assert_eq!(rust.get_string("absent").unwrap(), "");
         // Nobody there: fails, in bounded time.
         let nobody = CString::new(format!("{}:7899", device_ip())).unwrap();
         let start = Instant::now();

@@ -77,6 +77,12 @@ typedef struct kv_config kv_config_t;
 #define KV_ERR_BUFFER_TOO_SMALL -11
 
 /**
+ * The legacy server's TCP port, where `kv_open` connects and `run_server`
+ * listens unless `SNOWRDMA_KV_PORT` says otherwise.
+ */
+#define KV_DEFAULT_PORT 4792
+
+/**
  * How a client reaches the server (`conn_mode_t`).
  */
 typedef int conn_mode_t;

@@ -90,7 +90,7 @@ test: deps
 
 # Every case against perftest on the same device, interleaved, 5 repetitions
 # (SNOWRDMA_BENCH_REPS); prints the table and writes it to $(BENCH_JSON).
-bench: deps
+bench: deps c-examples
 	$(CARGO) build --release
 	scripts/rdma-run.sh scripts/bench.sh target/bench/results.txt
 	target/release/snowrdma-bench report target/bench/results.txt --json $(BENCH_JSON)

@@ -4,8 +4,9 @@
 //! [`crate::kv::Server`]. Keys and values are NUL-terminated strings; the
 //! legacy return convention holds (0 success, 1 failure).
 //!
-//! Values under 4 KiB travel inside the messages (the legacy "eager"
-//! protocol); larger ones by RDMA WRITE and READ ("rendezvous").
+//! A key and value under 4 KiB together travel inside the messages (the
+//! legacy "eager" protocol); larger ones by RDMA WRITE and READ
+//! ("rendezvous").
 
 use std::ffi::{c_char, c_int, c_void, CStr};
 use std::net::SocketAddr;

@@ -1,5 +1,5 @@
-//! The key-value client: requests as runtime messages, values under 4 KiB
-//! inside them, larger ones by RDMA WRITE into the client's request buffer
+//! The key-value client: requests as runtime messages, a key and value under
+//! 4 KiB together inside them, larger values by RDMA WRITE into the client's request buffer
 //! on the server (one round trip) or into a target the server allocates,
 //! and by RDMA READ of the stored block. GETs can also be served without the
 //! server's CPU ([`Client::get_one_sided`]).
@@ -19,8 +19,8 @@ use crate::verbs::RemoteAddr;
 
 use super::pool::SLAB_PAGE;
 use super::proto::{
-    block_len, decode_bucket, key_hash, value_checksum, verify_block, Op, Reply, Request,
-    ServerInfo, Source, BLOCK_HEADER_LEN, BUCKET_LEN, INLINE_MAX,
+    block_len, decode_bucket, is_inline, key_hash, value_checksum, verify_block, Op, Reply,
+    Request, ServerInfo, Source, BLOCK_HEADER_LEN, BUCKET_LEN,
 };
 use super::{check_key, ConnMode, KvError, Result, TIMEOUT_ENV};
 
@@ -508,7 +508,7 @@ impl Client {
         let mut req = Request::new(Op::Write, 0);
         req.value_len = value.len() as u64;
         req.cas = cas;
-        if value.len() <= INLINE_MAX {
+        if is_inline(key.len(), value.len()) {
             return self.call(req, key, value, 0).map(|(r, _)| r.version);
         }
         if value.len() as u64 <= self.info.request_buf_len {
@@ -590,7 +590,7 @@ impl Client {
                 let (key, value) = pairs[i];
                 check_key(key)?;
                 self.check_value(value)?;
-                if value.len() > INLINE_MAX {
+                if !is_inline(key.len(), value.len()) {
                     large.push(i);
                     return Ok(0);
                 }

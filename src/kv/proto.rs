@@ -14,8 +14,15 @@ pub const REPLY_MAGIC: u32 = 0x3141_564b; // "KVA1"
 pub const REQUEST_LEN: usize = 56;
 pub const REPLY_LEN: usize = 56;
 
-/// Values up to this size travel inside request and reply messages.
+/// A key and value shorter than this together travel inside the request
+/// and reply messages (the legacy "eager" protocol); longer ones move by
+/// one-sided RDMA ("rendezvous").
 pub const INLINE_MAX: usize = 4096;
+
+/// Whether a value travels inside the messages.
+pub fn is_inline(key_len: usize, value_len: usize) -> bool {
+    key_len + value_len < INLINE_MAX
+}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(u8)]

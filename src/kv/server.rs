@@ -24,7 +24,7 @@ use crate::verbs::{AccessFlags, MemoryRegion};
 
 use super::pool::SLAB_PAGE;
 use super::proto::{
-    value_checksum, Op, Reply, Request, ServerInfo, Source, BLOCK_HEADER_LEN, INLINE_MAX,
+    is_inline, value_checksum, Op, Reply, Request, ServerInfo, Source, BLOCK_HEADER_LEN,
 };
 use super::store::{Block, Store, Target};
 use super::{check_key, ConnMode, KvError, Result, DEFAULT_MAX_VALUE, MAX_KEY_LEN, MAX_VALUE_ENV};
@@ -508,7 +508,7 @@ impl Shared {
             value_len: value_len as u64,
             ..Reply::default()
         };
-        if value_len <= INLINE_MAX {
+        if is_inline(key.len(), value_len) {
             return reply.encode(block.value(key.len()));
         }
         // The client READs the block; it stays allocated until it says it

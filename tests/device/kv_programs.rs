@@ -11,7 +11,8 @@ use snowrdma::kv::{Client, KvError};
 use crate::c_programs::{program, Proc};
 use crate::device_ip;
 
-fn kv_server(port: u16, extra: &[&str]) -> Proc {
+/// A kv_server process on the device (64 MiB pool, stats every second).
+pub fn kv_server(port: u16, extra: &[&str]) -> Proc {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_kv_server"));
     cmd.args([
         "-a",

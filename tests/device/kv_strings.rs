@@ -11,6 +11,7 @@ use snowrdma::ffi::kv_strings::{kv_close, kv_get, kv_open, kv_release, kv_set};
 
 use crate::c_programs::Proc;
 use crate::device_ip;
+use crate::kv_programs::kv_server;
 
 fn app(name: &str) -> std::path::PathBuf {
     let p = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -40,23 +41,6 @@ fn client(server: &str, choice: &str, big_mb: usize) -> Proc {
     p
 }
 
-fn kv_server(port: u16) -> Proc {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_kv_server"));
-    cmd.args([
-        "-a",
-        &device_ip().to_string(),
-        "-p",
-        &port.to_string(),
-        "-m",
-        "64",
-        "--stats-interval",
-        "0",
-    ]);
-    let p = Proc::start(cmd);
-    p.expect_line("listening on", Duration::from_secs(20));
-    p
-}
-
 #[test]
 #[ignore = "needs an RDMA device: run `make test`"]
 fn kv_app_functional_tests_with_a_1_gib_value_against_application() {
@@ -70,7 +54,7 @@ fn kv_app_functional_tests_with_a_1_gib_value_against_application() {
 #[test]
 #[ignore = "needs an RDMA device: run `make test`"]
 fn kv_app_against_kv_server_and_two_clients_at_once() {
-    let _server = kv_server(7801);
+    let _server = kv_server(7801, &[]);
     let addr = format!("{}:7801", device_ip());
     // The waiting client starts first and sees the writer's keys appear.
     let mut waiter = client(&addr, "2\n", 0);
@@ -85,7 +69,7 @@ fn kv_app_against_kv_server_and_two_clients_at_once() {
 #[test]
 #[ignore = "needs an RDMA device: run `make test`"]
 fn kv_open_api_refuses_bad_input() {
-    let _server = kv_server(7802);
+    let _server = kv_server(7802, &[]);
     let name = CString::new(format!("{}:7802", device_ip())).unwrap();
     let mut h: *mut c_void = std::ptr::null_mut();
     let mut out: *mut c_char = std::ptr::null_mut();

@@ -174,7 +174,8 @@ pub extern "C" fn run_server() -> c_int {
             memory_size: 256 << 20,
             ..ServerConfig::default()
         };
-        let server = match Server::new(cfg).and_then(|s| s.start().map(|()| s)) {
+        // Held until the process ends: the loop below never returns.
+        let _server = match Server::new(cfg).and_then(|s| s.start().map(|()| s)) {
             Ok(s) => s,
             Err(e) => {
                 log::error!("run_server: {e}");
@@ -185,8 +186,6 @@ pub extern "C" fn run_server() -> c_int {
         println!("run_server: serving on port {}", legacy_port());
         loop {
             std::thread::park();
-            // A spurious wakeup changes nothing: keep serving.
-            let _ = &server;
         }
     })
 }

@@ -153,17 +153,8 @@ impl Client {
         let mut client = Client {
             conn,
             replies,
-            info: ServerInfo {
-                request_buf: 0,
-                request_buf_len: 0,
-                request_buf_rkey: 0,
-                index_addr: 0,
-                index_rkey: 0,
-                buckets: 0,
-                pool_rkey: 0,
-                max_key: 0,
-                max_value: 0,
-            },
+            // Filled from the HELLO reply below.
+            info: ServerInfo::default(),
             next_id: AtomicU64::new(1),
             bounce: Mutex::new(None),
             timeout: opts.timeout,

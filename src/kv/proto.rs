@@ -231,7 +231,7 @@ impl Reply {
 }
 
 /// What a client learns at HELLO.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct ServerInfo {
     /// The client's own request buffer (it may only WRITE here).
     pub request_buf: u64,

@@ -311,9 +311,14 @@ struct ServerConn {
 impl ConnHandler for ServerConn {
     fn recv(&self, conn: &Connection, data: &[u8], _imm: Option<u32>) {
         let client = &self.client;
-        let heavy = Request::decode(data).is_ok_and(|(r, _, _)| {
-            r.op == Op::Alloc || (r.op == Op::Write && r.source != Source::Inline)
-        });
+        // Parsed once here; only requests handed to a worker are parsed
+        // again there (they are copied out of the ring anyway).
+        let parts = match Request::decode(data) {
+            Ok(parts) => parts,
+            Err(why) => return self.shared.drop_malformed(conn, client, why),
+        };
+        let req = &parts.0;
+        let heavy = req.op == Op::Alloc || (req.op == Op::Write && req.source != Source::Inline);
         if heavy || client.queued.load(Ordering::Acquire) > 0 {
             let jobs = self.shared.jobs.lock().expect("jobs lock");
             if let Some(tx) = jobs.get(client.worker % jobs.len().max(1)) {
@@ -329,7 +334,7 @@ impl ConnHandler for ServerConn {
                 client.queued.fetch_sub(1, Ordering::AcqRel);
             }
         }
-        self.shared.serve(conn, client, data);
+        self.shared.serve_parsed(conn, client, parts);
     }
 
     fn disconnected(&self, _conn: &Connection) {
@@ -382,16 +387,27 @@ impl Shared {
 
     /// Answers one request message.
     fn serve(&self, conn: &Connection, client: &ClientState, msg: &[u8]) {
-        let (req, key, inline) = match Request::decode(msg) {
-            Ok(parts) => parts,
-            Err(why) => {
-                bump(&self.counters.errors);
-                log::warn!("closing {:?}: malformed request: {why}", conn.peer_addr());
-                conn.close();
-                self.forget(client);
-                return;
-            }
-        };
+        match Request::decode(msg) {
+            Ok(parts) => self.serve_parsed(conn, client, parts),
+            Err(why) => self.drop_malformed(conn, client, why),
+        }
+    }
+
+    /// A malformed request ends its client's connection (and nothing else).
+    fn drop_malformed(&self, conn: &Connection, client: &ClientState, why: &str) {
+        bump(&self.counters.errors);
+        log::warn!("closing {:?}: malformed request: {why}", conn.peer_addr());
+        conn.close();
+        self.forget(client);
+    }
+
+    /// Answers a parsed request.
+    fn serve_parsed(
+        &self,
+        conn: &Connection,
+        client: &ClientState,
+        (req, key, inline): (Request, &[u8], &[u8]),
+    ) {
         let Some(reply) = self.answer(client, &req, key, inline) else {
             return;
         };
@@ -547,7 +563,8 @@ impl Shared {
                         "the staged value did not arrive whole (checksum mismatch)".into(),
                     ));
                 }
-                self.store.put(key, value, req.cas)
+                // Verified above: the same hash seals the block.
+                self.store.put_hashed(key, value, checksum, req.cas)
             }
             Source::Allocated { token } => {
                 let target = client

@@ -273,12 +273,24 @@ impl Store {
     /// on the current version (0: the key must be absent). Returns the new
     /// version.
     pub fn put(&self, key: &[u8], value: &[u8], cas: Option<u64>) -> Result<u64> {
+        self.put_hashed(key, value, value_checksum(value), cas)
+    }
+
+    /// As [`Store::put`], for a value whose hash (`value_checksum`) the
+    /// caller already took.
+    pub fn put_hashed(
+        &self,
+        key: &[u8],
+        value: &[u8],
+        value_hash: u64,
+        cas: Option<u64>,
+    ) -> Result<u64> {
         self.check_value_len(value.len() as u64)?;
         let mut block = self.new_block(block_len(key.len(), value.len()))?;
         let bytes = block.bytes_mut();
         bytes[BLOCK_HEADER_LEN..BLOCK_HEADER_LEN + key.len()].copy_from_slice(key);
         bytes[BLOCK_HEADER_LEN + key.len()..].copy_from_slice(value);
-        self.publish(key, block, value_checksum(value), cas)
+        self.publish(key, block, value_hash, cas)
     }
 
     /// A write target for a value of `value_len` bytes under a key of

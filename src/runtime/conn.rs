@@ -406,22 +406,21 @@ impl Connection {
         watch: Arc<dyn super::poller::Source>,
         setup: Duration,
     ) -> Result<Connection> {
-        let conn = self;
-        conn.set_state(ConnState::Connected);
-        let cm_key = conn.inner.rt.cm.add(watch);
-        conn.inner.cm_source.store(cm_key, Ordering::SeqCst);
-        conn.start_completions();
-        conn.send_reg_local_addr()?;
-        let waited = conn.wait_until(Instant::now() + setup, |st| match st.state {
+        self.set_state(ConnState::Connected);
+        let cm_key = self.inner.rt.cm.add(watch);
+        self.inner.cm_source.store(cm_key, Ordering::SeqCst);
+        self.start_completions();
+        self.send_reg_local_addr()?;
+        let waited = self.wait_until(Instant::now() + setup, |st| match st.state {
             ConnState::MrReady => Some(Ok(())),
             ConnState::Closed | ConnState::Error => Some(Err(Error::Disconnected)),
             _ => None,
         });
         if let Err(e) = waited {
-            conn.close();
+            self.close();
             return Err(e);
         }
-        Ok(conn.clone())
+        Ok(self.clone())
     }
 
     /// An accepted socket-mode connection whose QP is connected: watch its

@@ -6,6 +6,8 @@
 #
 #   scripts/device-suite.sh <device-test-binary> <lib profile dir>
 set -u
+# Warnings and errors from the library on stderr, so a failure says why.
+export SNOWRDMA_LOG=${SNOWRDMA_LOG:-warn}
 test_bin=$1
 profile_dir=$2
 failed=()

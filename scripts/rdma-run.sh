@@ -64,7 +64,7 @@ trap 'rm -f "$script"' EXIT
 
 set +e
 timeout --kill-after=30 "${SNOWRDMA_VM_TIMEOUT:-3600}" \
-    vng --run "$kernel" $kvm_flag --memory "${SNOWRDMA_VM_MEMORY:-8G}" --cpus "${SNOWRDMA_VM_CPUS:-2}" \
+    vng --run "$kernel" $kvm_flag --append "${SNOWRDMA_VM_APPEND-clocksource=tsc tsc=reliable}" --memory "${SNOWRDMA_VM_MEMORY:-8G}" --cpus "${SNOWRDMA_VM_CPUS:-2}" \
     --rwdir "$top/target" --exec "bash $script" </dev/null
 rc=$?
 set -e

@@ -389,6 +389,8 @@ unsafe fn resolve_options(opt: *const RdmaOptions) -> Options {
         io_affinity_cpu: usize::try_from(cpu).ok(),
         recv_buf_len: DEFAULT_RECV_BUF_LEN,
         spin: defaults.spin,
+        // C callbacks run on the completion thread, as the legacy ones did.
+        caller_polls: false,
     }
 }
 

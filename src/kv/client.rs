@@ -11,7 +11,7 @@
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::runtime::{CommMode, ConnHandler, Connection, Options};
@@ -62,11 +62,11 @@ impl Default for ClientOptions {
     }
 }
 
-/// Replies by request id, filled on the runtime's completion thread.
+/// Replies by request id, filled by whichever thread polls the connection
+/// (a waiting caller, or the completion thread).
 #[derive(Default)]
 struct Replies {
     ready: Mutex<HashMap<u64, (Reply, Vec<u8>)>>,
-    cond: Condvar,
     arrived: AtomicU64,
     dead: AtomicBool,
 }
@@ -85,12 +85,10 @@ impl ConnHandler for ReplyHandler {
             .expect("reply lock")
             .insert(reply.req_id, (reply, payload.to_vec()));
         self.0.arrived.fetch_add(1, Ordering::Release);
-        self.0.cond.notify_all();
     }
 
     fn disconnected(&self, _conn: &Connection) {
         self.0.dead.store(true, Ordering::Release);
-        self.0.cond.notify_all();
     }
 }
 
@@ -121,7 +119,6 @@ pub struct Client {
     next_id: AtomicU64,
     bounce: Mutex<Option<Bounce>>,
     timeout: Duration,
-    spin: Duration,
 }
 
 /// A GET's answer before its value is fetched.
@@ -138,8 +135,11 @@ impl Client {
 
     pub fn connect_with(addr: SocketAddr, opts: &ClientOptions) -> Result<Client> {
         let replies = Arc::new(Replies::default());
+        // Every call waits for its reply, so the caller may as well take
+        // it off the completion queue itself.
         let rt_opts = Options {
             comm_mode: CommMode::Blocking,
+            caller_polls: true,
             ..Options::default()
         };
         let handler = Arc::new(ReplyHandler(replies.clone()));
@@ -158,7 +158,6 @@ impl Client {
             next_id: AtomicU64::new(1),
             bounce: Mutex::new(None),
             timeout: opts.timeout,
-            spin: rt_opts.spin,
         };
         let (_, payload) = client.call(Request::new(Op::Hello, 0), &[], &[], 0)?;
         client.info = ServerInfo::decode(&payload)
@@ -211,42 +210,23 @@ impl Client {
 
     /// Waits for the reply to request `id`.
     fn wait(&self, id: u64, allowed: Duration) -> Result<(Reply, Vec<u8>)> {
-        let deadline = Instant::now() + allowed;
-        let spin_until = Instant::now() + self.spin;
         let mut seen = u64::MAX;
-        loop {
-            // Spin on the arrival counter first: a reply usually comes
-            // sooner than a sleeping thread can be woken.
+        let mut reply = None;
+        let mut ended = false;
+        let answered = self.conn.wait_for(Instant::now() + allowed, || {
+            // The map is only looked at when something arrived.
             let arrived = self.replies.arrived.load(Ordering::Acquire);
             if arrived != seen {
                 seen = arrived;
-                if let Some(r) = self.replies.ready.lock().expect("reply lock").remove(&id) {
-                    return Ok(r);
-                }
+                reply = self.replies.ready.lock().expect("reply lock").remove(&id);
             }
-            if self.replies.dead.load(Ordering::Acquire) {
-                return Err(KvError::Disconnected("the server went away".into()));
-            }
-            let now = Instant::now();
-            if now >= deadline {
-                return Err(KvError::Timeout(allowed));
-            }
-            if now < spin_until {
-                std::hint::spin_loop();
-                continue;
-            }
-            let ready = self.replies.ready.lock().expect("reply lock");
-            if self.replies.arrived.load(Ordering::Acquire) == seen {
-                let wait = deadline
-                    .saturating_duration_since(now)
-                    .min(Duration::from_millis(10));
-                drop(
-                    self.replies
-                        .cond
-                        .wait_timeout(ready, wait)
-                        .expect("reply lock"),
-                );
-            }
+            ended = self.replies.dead.load(Ordering::Acquire);
+            reply.is_some() || ended
+        });
+        match reply {
+            Some(r) => Ok(r),
+            None if answered && ended => Err(KvError::Disconnected("the server went away".into())),
+            None => Err(KvError::Timeout(allowed)),
         }
     }
 
@@ -529,7 +509,9 @@ impl Client {
         // Larger than the request buffer: the server makes a target first.
         let mut alloc = Request::new(Op::Alloc, 0);
         alloc.value_len = value.len() as u64;
-        let (target, _) = self.call(alloc, key, &[], 0)?;
+        // The server maps and registers memory for it first: time in
+        // proportion to its size.
+        let (target, _) = self.call(alloc, key, &[], value.len())?;
         self.with_bounce(value.len(), |b| {
             b.bytes(value.len()).copy_from_slice(value);
             let remote = RemoteAddr {

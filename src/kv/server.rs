@@ -20,7 +20,7 @@ use crossbeam_channel::{unbounded, Sender};
 use crate::runtime::{
     self, AcceptHook, CommMode, ConnHandler, Connection, Listener, Options, PdProvider,
 };
-use crate::verbs::{AccessFlags, MemoryRegion};
+use crate::verbs::{self, AccessFlags, CmId, Context, EventChannel, MemoryRegion};
 
 use super::pool::SLAB_PAGE;
 use super::proto::{
@@ -228,6 +228,12 @@ impl Server {
             }
         }
         .map_err(|e| KvError::Internal(format!("listening on {}: {e}", cfg.addr)))?;
+        // Registering the pool faults in and pins all of it, which takes
+        // seconds for a large pool on a slow machine: done now rather than
+        // inside the first client's connection setup, which would time out.
+        if let Some(ctx) = listener.device().or_else(|| only_device(cfg.addr)) {
+            self.shared.store.attach(&ctx)?;
+        }
         listener.start();
         *slot = Some(listener);
         Ok(())
@@ -606,4 +612,25 @@ impl Shared {
         targets.insert(token, target);
         Ok(reply)
     }
+}
+
+/// The device a wildcard listener will serve when the machine has just one:
+/// RDMA CM's own context for it (the one accepted connections get), from an
+/// id bound to the device's address. `None` when that is not clear.
+fn only_device(listen: SocketAddr) -> Option<Context> {
+    if !listen.ip().is_unspecified() {
+        return None;
+    }
+    let devices = verbs::devices().ok()?;
+    let [only] = &devices[..] else {
+        return None;
+    };
+    let ip = Context::open(Some(&only.name))
+        .ok()?
+        .ipv4_address(1)
+        .ok()??;
+    let channel = EventChannel::new().ok()?;
+    let id = CmId::new(&channel).ok()?;
+    id.bind(SocketAddr::new(ip.into(), 0)).ok()?;
+    id.context()
 }

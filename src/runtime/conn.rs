@@ -6,8 +6,8 @@
 use std::collections::{HashMap, VecDeque};
 use std::fmt;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, RwLock};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, RwLock, TryLockError};
 use std::time::{Duration, Instant};
 
 use crate::verbs::{
@@ -55,6 +55,15 @@ const LOW_MASK: u64 = (1 << KIND_SHIFT) - 1;
 
 fn wr_id(kind: u64, low: u64) -> u64 {
     (kind << KIND_SHIFT) | (low & LOW_MASK)
+}
+
+thread_local! {
+    static THREAD_MARK: u8 = const { 0 };
+}
+
+/// A number unique to the calling thread while it lives (never 0).
+fn thread_token() -> usize {
+    THREAD_MARK.with(|m| m as *const u8 as usize)
 }
 
 /// Connection state, numbered as the legacy `RdmaConnState`.
@@ -171,6 +180,19 @@ pub(crate) struct ConnInner {
     /// Serialises polling of the send CQ, which a thread waiting for its
     /// sync operation may do itself instead of waiting for a wakeup.
     send_poll: Mutex<()>,
+    /// Serialises polling of the receive CQ and the callbacks that runs, so
+    /// messages are delivered one at a time and in order whichever thread
+    /// polls (the completion thread, or a caller with `caller_polls`).
+    recv_poll: Mutex<()>,
+    /// The thread holding `recv_poll` ([`thread_token`]), 0 when none.
+    recv_poller: AtomicUsize,
+    /// Async READs/WRITEs in flight, whose completions owe a callback. The
+    /// send CQ is armed only while there are some (or someone sleeps on a
+    /// send completion): sync operations' waiters poll it themselves, and
+    /// waking the completion thread for them would cost more than the wait.
+    async_pending: AtomicUsize,
+    /// Whether the send CQ may be armed (cleared at each channel event).
+    send_armed: AtomicBool,
     pd: ProtectionDomain,
     recv_ring: MemoryRegion,
     staging: MemoryRegion,
@@ -181,7 +203,13 @@ pub(crate) struct ConnInner {
     peer: Option<SocketAddr>,
     handler: RwLock<Arc<dyn ConnHandler>>,
     st: Mutex<State>,
+    /// Sleeping waiters wait on `cond` under `sleep_lock` (not the state
+    /// lock, so a wake never has to take that).
     cond: Condvar,
+    sleep_lock: Mutex<()>,
+    /// Threads asleep on `cond`: a wake makes no system call when there are
+    /// none, which is almost always.
+    sleepers: AtomicUsize,
     /// Bumped at every wake, so spinning waiters see changes without the lock.
     wakeups: AtomicU64,
     /// Another thread queued callbacks for the completion thread.
@@ -297,6 +325,10 @@ impl Connection {
                 send_cq,
                 recv_cq,
                 send_poll: Mutex::new(()),
+                recv_poll: Mutex::new(()),
+                recv_poller: AtomicUsize::new(0),
+                async_pending: AtomicUsize::new(0),
+                send_armed: AtomicBool::new(false),
                 pd,
                 recv_ring,
                 staging,
@@ -328,6 +360,8 @@ impl Connection {
                     last_errno: 0,
                 }),
                 cond: Condvar::new(),
+                sleep_lock: Mutex::new(()),
+                sleepers: AtomicUsize::new(0),
                 wakeups: AtomicU64::new(0),
                 owed: AtomicBool::new(false),
                 user_mrs: Mutex::new(HashMap::new()),
@@ -497,35 +531,133 @@ impl Connection {
 
     /// Wakes every thread waiting on this connection.
     fn wake(&self) {
-        self.inner.wakeups.fetch_add(1, Ordering::Release);
-        self.inner.cond.notify_all();
+        self.inner.wakeups.fetch_add(1, Ordering::SeqCst);
+        if self.inner.sleepers.load(Ordering::SeqCst) > 0 {
+            // Under the sleep lock: a sleeper checks `wakeups` under it, so
+            // it has either seen this wake or is already waiting.
+            let _guard = self.inner.sleep_lock.lock().expect("sleep lock");
+            self.inner.cond.notify_all();
+        }
     }
 
     /// Releases the lock until something changes or `deadline`: spins
     /// first (`Options::spin`), since completions usually come sooner than a
     /// sleeping thread can be woken, then sleeps in short bounded waits.
     fn park<'a>(&'a self, st: MutexGuard<'a, State>, deadline: Instant) -> MutexGuard<'a, State> {
-        let seen = self.inner.wakeups.load(Ordering::Acquire);
+        let seen = self.inner.wakeups.load(Ordering::SeqCst);
         drop(st);
+        let caller_polls = self.inner.opts.caller_polls;
         let spin_until = Instant::now() + self.inner.opts.spin;
         while Instant::now() < spin_until.min(deadline) {
-            if self.inner.wakeups.load(Ordering::Acquire) != seen || self.poll_send_here() {
+            if self.inner.wakeups.load(Ordering::SeqCst) != seen
+                || self.poll_send_here()
+                || (caller_polls && self.poll_round())
+            {
                 return self.lock();
             }
             std::hint::spin_loop();
         }
-        let st = self.lock();
-        if self.inner.wakeups.load(Ordering::Acquire) != seen {
-            return st;
+        self.sleep(seen, deadline);
+        self.lock()
+    }
+
+    /// Sleeps until a wake after the one numbered `seen`, or `deadline`, or
+    /// 10 ms. With `caller_polls` the CQs are armed first, since a sleeping
+    /// caller leaves its completions to the completion thread.
+    fn sleep(&self, seen: u64, deadline: Instant) {
+        self.inner.sleepers.fetch_add(1, Ordering::SeqCst);
+        self.arm_send();
+        if self.inner.opts.caller_polls && self.inner.recv_cq.arm(false).is_err() {
+            log::warn!("arming the receive CQ failed; waiting in 10 ms steps");
         }
-        let left = deadline
-            .saturating_duration_since(Instant::now())
-            .min(Duration::from_millis(10));
-        self.inner
-            .cond
-            .wait_timeout(st, left)
-            .expect("connection lock")
-            .0
+        // Completions that came before arming raise no event.
+        self.poll_send_here();
+        if self.inner.opts.caller_polls {
+            self.poll_round();
+        }
+        let guard = self.inner.sleep_lock.lock().expect("sleep lock");
+        if self.inner.wakeups.load(Ordering::SeqCst) == seen {
+            let left = deadline
+                .saturating_duration_since(Instant::now())
+                .min(Duration::from_millis(10));
+            drop(
+                self.inner
+                    .cond
+                    .wait_timeout(guard, left)
+                    .expect("sleep lock"),
+            );
+        }
+        self.inner.sleepers.fetch_sub(1, Ordering::SeqCst);
+    }
+
+    /// Waits until `done` returns true (then true) or `deadline` passes (then
+    /// false), for a caller whose answer a callback brings, such as the reply
+    /// to its request. With [`Options::caller_polls`] the caller polls the
+    /// connection itself meanwhile and may run callbacks (see there).
+    pub fn wait_for(&self, deadline: Instant, mut done: impl FnMut() -> bool) -> bool {
+        let spin = self.inner.opts.spin;
+        let mut spin_until = Instant::now() + spin;
+        loop {
+            // Read before `done`, so a wake in between is not slept through.
+            let seen = self.inner.wakeups.load(Ordering::SeqCst);
+            if done() {
+                return true;
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return false;
+            }
+            if now < spin_until {
+                if self.inner.opts.caller_polls {
+                    self.poll_round();
+                }
+                std::hint::spin_loop();
+                continue;
+            }
+            self.sleep(seen, deadline);
+            spin_until = Instant::now() + spin;
+        }
+    }
+
+    /// Arms the send CQ unless it already is.
+    fn arm_send(&self) {
+        if !self.inner.send_armed.swap(true, Ordering::SeqCst)
+            && self.inner.send_cq.arm(false).is_err()
+        {
+            self.inner.send_armed.store(false, Ordering::SeqCst);
+            log::warn!("arming the send CQ failed; its completions wait for the next tick");
+        }
+    }
+
+    /// Runs `f` holding the receive-poll role: at once when this thread
+    /// already holds it, `None` when another thread does.
+    fn with_recv_poll<R>(&self, f: impl FnOnce() -> R) -> Option<R> {
+        struct Release<'a>(&'a AtomicUsize);
+        impl Drop for Release<'_> {
+            fn drop(&mut self) {
+                self.0.store(0, Ordering::Release);
+            }
+        }
+        let me = thread_token();
+        if self.inner.recv_poller.load(Ordering::Acquire) == me {
+            return Some(f());
+        }
+        let _guard = match self.inner.recv_poll.try_lock() {
+            Ok(g) => g,
+            // A callback panicked while polling: the lock itself is sound.
+            Err(TryLockError::Poisoned(p)) => p.into_inner(),
+            Err(TryLockError::WouldBlock) => return None,
+        };
+        self.inner.recv_poller.store(me, Ordering::Release);
+        let _release = Release(&self.inner.recv_poller);
+        Some(f())
+    }
+
+    /// Whether callbacks of this connection run on this thread: the
+    /// completion thread, or a caller polling it.
+    fn on_callback_thread(&self) -> bool {
+        self.inner.rt.cq.is_current()
+            || self.inner.recv_poller.load(Ordering::Acquire) == thread_token()
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
@@ -709,7 +841,7 @@ impl Connection {
             return Err(Error::InvalidArgument("a message cannot be empty".into()));
         }
         let blocking = self.inner.opts.comm_mode == CommMode::Blocking;
-        let on_cq_thread = self.inner.rt.cq.is_current();
+        let on_cq_thread = self.on_callback_thread();
         let deadline = Instant::now() + self.inner.opts.timeout.max(Duration::from_secs(1));
         let mut st = self.lock();
         loop {
@@ -922,6 +1054,9 @@ impl Connection {
             st.sync_ops.insert(id, None);
             wr_id(K_SYNC, id)
         } else {
+            // Armed before posting, so the completion raises an event.
+            self.inner.async_pending.fetch_add(1, Ordering::SeqCst);
+            self.arm_send();
             wr_id(if read { K_READ } else { K_WRITE }, local.length as u64)
         };
         // SAFETY: the caller's buffer was checked to be registered here; the
@@ -933,7 +1068,11 @@ impl Connection {
                 .post_send(&[SendRequest::new(id, op, &[local])])
         };
         if let Err(e) = posted {
-            st.sync_ops.remove(&(id & LOW_MASK));
+            if sync {
+                st.sync_ops.remove(&(id & LOW_MASK));
+            } else {
+                self.inner.async_pending.fetch_sub(1, Ordering::SeqCst);
+            }
             return Err(e.into());
         }
         st.sq_used += 1;
@@ -1044,7 +1183,7 @@ impl Connection {
         deadline: Instant,
         mut check: impl FnMut(&mut State) -> Option<T>,
     ) -> Result<T> {
-        let on_cq_thread = self.inner.rt.cq.is_current();
+        let on_cq_thread = self.on_callback_thread();
         loop {
             {
                 let mut st = self.lock();
@@ -1095,7 +1234,7 @@ impl Connection {
         let Ok(_guard) = self.inner.send_poll.try_lock() else {
             return false;
         };
-        let mut wcs: [Completion; 16] = Default::default();
+        let mut wcs: [Completion; 4] = Default::default();
         let n = match self.inner.send_cq.poll(&mut wcs) {
             Ok(n) => n,
             Err(_) => return false,
@@ -1112,7 +1251,10 @@ impl Connection {
         let mut wcs: [Completion; 16] = Default::default();
         let mut handled = 0;
         loop {
-            let n = self.poll_cq(false, &mut wcs, true) + self.poll_cq(true, &mut wcs, true);
+            let n = self
+                .with_recv_poll(|| self.poll_cq(false, &mut wcs, true))
+                .unwrap_or(0)
+                + self.poll_cq(true, &mut wcs, true);
             if n == 0 {
                 return handled;
             }
@@ -1120,7 +1262,8 @@ impl Connection {
         }
     }
 
-    /// Handles everything on both CQs (completion thread, top level).
+    /// Handles everything on both CQs (completion thread, top level), unless
+    /// a caller is polling the connection right now.
     pub(crate) fn process_completions(&self) {
         let channel = self
             .inner
@@ -1130,6 +1273,12 @@ impl Connection {
         if let Err(e) = channel.get_event(Duration::ZERO) {
             log::error!("completion channel: {e}");
         }
+        // The event may have been the send CQ's, which disarms it.
+        self.inner.send_armed.store(false, Ordering::SeqCst);
+        self.with_recv_poll(|| self.drain_and_arm());
+    }
+
+    fn drain_and_arm(&self) {
         let mut batch: [Completion; MAX_POLL_BATCH] =
             std::array::from_fn(|_| Completion::default());
         let take = (self.inner.opts.max_concurrent_work_requests as usize).clamp(1, MAX_POLL_BATCH);
@@ -1137,11 +1286,22 @@ impl Connection {
         loop {
             let mut n = self.poll_cq(false, wcs, false) + self.poll_cq(true, wcs, false);
             if n == 0 {
+                // Callers poll their own connection while they wait and arm
+                // it when they sleep; unwatched, it is looked at every tick.
+                if self.inner.opts.caller_polls && self.inner.sleepers.load(Ordering::SeqCst) == 0 {
+                    self.after_round();
+                    return;
+                }
                 // Arm, then poll once more: a completion that arrived before
                 // arming would otherwise wait for the next one.
-                if self.inner.recv_cq.arm(false).is_err() || self.inner.send_cq.arm(false).is_err()
-                {
+                if self.inner.recv_cq.arm(false).is_err() {
                     return;
+                }
+                if self.inner.async_pending.load(Ordering::SeqCst) > 0
+                    || self.inner.sleepers.load(Ordering::SeqCst) > 0
+                    || !self.lock().queued.is_empty()
+                {
+                    self.arm_send();
                 }
                 n = self.poll_cq(false, wcs, false) + self.poll_cq(true, wcs, false);
             }
@@ -1200,6 +1360,7 @@ impl Connection {
                 st.cmd_free.push(low as u16);
             }
             K_WRITE | K_READ => {
+                self.inner.async_pending.fetch_sub(1, Ordering::SeqCst);
                 self.lock().sq_used -= 1;
                 self.wake();
                 let done = if kind == K_WRITE {
@@ -1301,7 +1462,7 @@ impl Connection {
     /// and nothing is owed before it; queues it otherwise (in order), and
     /// wakes the completion thread when another thread queued it.
     fn callback(&self, cb: Deferred, inline: bool) {
-        let on_cq_thread = self.inner.rt.cq.is_current();
+        let on_cq_thread = self.on_callback_thread();
         {
             let mut st = self.lock();
             if inline || !on_cq_thread || !st.deferred.is_empty() {
@@ -1395,21 +1556,36 @@ impl Connection {
     /// whether there was anything.
     /// After completions were handled: owed callbacks, then credit, then
     /// messages that waited for room.
+    /// Last, a wake, for callers waiting on what a callback did.
     fn after_round(&self) {
         self.deliver_deferred();
         self.maybe_send_credit(false);
         self.flush_queued();
+        self.wake();
     }
 
     pub(crate) fn poll_round(&self) -> bool {
-        let mut wcs: [Completion; 32] = Default::default();
-        let n = self.poll_cq(false, &mut wcs, false) + self.poll_cq(true, &mut wcs, false);
-        // Checked without the state lock: this runs in the spin loop.
-        let owed = self.inner.owed.swap(false, Ordering::AcqRel);
-        if n > 0 || owed {
-            self.after_round();
-        }
-        n > 0
+        self.with_recv_poll(|| {
+            // Small: this runs in spin loops, mostly finding nothing, and the
+            // array is zeroed each time.
+            let mut wcs: [Completion; 4] = Default::default();
+            let mut n = 0;
+            loop {
+                let got =
+                    self.poll_cq(false, &mut wcs, false) + self.poll_cq(true, &mut wcs, false);
+                n += got;
+                if got == 0 {
+                    break;
+                }
+            }
+            // Checked without the state lock: this runs in the spin loop.
+            let owed = self.inner.owed.swap(false, Ordering::AcqRel);
+            if n > 0 || owed {
+                self.after_round();
+            }
+            n > 0
+        })
+        .unwrap_or(false)
     }
 
     /// Ends the connection after a failure: state Error, waiters woken,
@@ -1431,6 +1607,8 @@ impl Connection {
         self.disconnect_link();
         self.notify_state(ConnState::Error);
         self.fire_disconnected();
+        // Again, for waiters whose answer the callback gave.
+        self.wake();
         if self.inner.kind == ConnKind::Accepted {
             self.retire();
         }
@@ -1482,6 +1660,7 @@ impl Connection {
         if !matches!(was, ConnState::Closed | ConnState::Error) {
             self.notify_state(ConnState::Closed);
             self.fire_disconnected();
+            self.wake();
         }
         if self.inner.kind == ConnKind::Accepted {
             self.retire();
@@ -1588,6 +1767,10 @@ impl super::poller::Source for CqSource {
     }
 
     fn tick(&self) {
+        if self.0.inner.opts.caller_polls {
+            // Nobody may be waiting on it: what came meanwhile is handled now.
+            self.0.poll_round();
+        }
         self.0.maybe_send_credit(true);
     }
 }

@@ -123,6 +123,15 @@ impl Listener {
         }
     }
 
+    /// The device connections will arrive through, when the listener is
+    /// bound to one (a specific address, or socket mode).
+    pub fn device(&self) -> Option<Context> {
+        match &self.inner.endpoint {
+            Endpoint::Cm(id) => id.context(),
+            Endpoint::Socket { ctx, .. } => Some(ctx.clone()),
+        }
+    }
+
     /// What the CM thread watches for new connections.
     pub(crate) fn fd(&self) -> RawFd {
         match &self.inner.endpoint {

@@ -42,6 +42,14 @@ pub struct Options {
     /// How long the completion thread, and a thread waiting for a sync
     /// operation or for room, keep polling before they sleep.
     pub spin: Duration,
+    /// The threads waiting on this connection (for a reply, a sync
+    /// operation, room to send) poll its completion queues themselves and
+    /// run its callbacks, one at a time and in order, instead of being woken
+    /// by the completion thread; that one looks at the connection each tick
+    /// and whenever a waiter sleeps. Saves a thread hand-off per message for
+    /// request/reply clients. Callbacks then run on whichever thread polls
+    /// and must not wait on the connection themselves.
+    pub caller_polls: bool,
 }
 
 /// Environment variable overriding [`Options::spin`], in microseconds.
@@ -72,6 +80,7 @@ impl Default for Options {
             io_affinity_cpu: None,
             recv_buf_len: DEFAULT_RECV_BUF_LEN,
             spin: default_spin(),
+            caller_polls: false,
         }
     }
 }

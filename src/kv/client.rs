@@ -14,7 +14,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::runtime::{CommMode, ConnHandler, Connection, Options};
+use crate::runtime::{CommMode, ConnHandler, Connection, LocalRead, Options};
 use crate::verbs::RemoteAddr;
 
 use super::pool::SLAB_PAGE;
@@ -92,6 +92,19 @@ impl ConnHandler for ReplyHandler {
     }
 }
 
+/// Where a key's block sat in the server's pool when last read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Location {
+    addr: u64,
+    /// At most a slab page (checked before it is remembered).
+    len: u64,
+}
+
+/// Keys whose location a client remembers; past this the memory is dropped
+/// and refilled (a bound, not a policy: one-sided GETs of a working set
+/// larger than this take two round trips).
+const MAX_LOCATIONS: usize = 4096;
+
 /// Registered memory large values pass through.
 struct Bounce {
     raw: *mut rdma_sys::ibv_mr,
@@ -118,6 +131,8 @@ pub struct Client {
     info: ServerInfo,
     next_id: AtomicU64,
     bounce: Mutex<Option<Bounce>>,
+    /// Where each key's block was last found by a one-sided GET.
+    locations: Mutex<HashMap<Vec<u8>, Location>>,
     timeout: Duration,
 }
 
@@ -157,6 +172,7 @@ impl Client {
             info: ServerInfo::default(),
             next_id: AtomicU64::new(1),
             bounce: Mutex::new(None),
+            locations: Mutex::new(HashMap::new()),
             timeout: opts.timeout,
         };
         let (_, payload) = client.call(Request::new(Op::Hello, 0), &[], &[], 0)?;
@@ -411,6 +427,17 @@ impl Client {
             addr: self.info.index_addr + bucket * BUCKET_LEN as u64,
             rkey: self.info.index_rkey,
         };
+        let known = self
+            .locations
+            .lock()
+            .expect("location lock")
+            .get(key)
+            .copied();
+        if let Some(at) = known {
+            if let Some(found) = self.read_known(key, hash, index, at)? {
+                return Ok(found);
+            }
+        }
         for _ in 0..ONE_SIDED_TRIES {
             // Room for the bucket and for any block of the pool.
             let step = self.with_bounce(SLAB_PAGE, |b| {
@@ -438,7 +465,8 @@ impl Client {
                     )?;
                     match verify_block(b.bytes(len), key) {
                         Some((version, value)) => {
-                            return Ok(OneSided::Found(value.to_vec(), version))
+                            self.remember(key, slot.addr, slot.len);
+                            return Ok(OneSided::Found(value.to_vec(), version));
                         }
                         None => torn = true,
                     }
@@ -453,12 +481,70 @@ impl Client {
             })?;
             match step {
                 OneSided::Found(v, version) => return Ok((v, version)),
-                OneSided::Missing => return Err(KvError::NotFound),
+                OneSided::Missing => {
+                    self.locations.lock().expect("location lock").remove(key);
+                    return Err(KvError::NotFound);
+                }
                 OneSided::AskServer => break,
                 OneSided::Retry => continue,
             }
         }
         self.get(key)
+    }
+
+    /// A one-sided GET where the key's block was last seen at `at`: the
+    /// bucket and that block are read together (one round trip), and the
+    /// block counts only if the bucket still points at it and it verifies;
+    /// the bucket is read either way, so this returns nothing older than the
+    /// two-step lookup would. `None`: it moved, look it up.
+    fn read_known(
+        &self,
+        key: &[u8],
+        hash: u64,
+        index: RemoteAddr,
+        at: Location,
+    ) -> Result<Option<(Vec<u8>, u64)>> {
+        let len = at.len as usize;
+        self.with_bounce(BUCKET_LEN + SLAB_PAGE, |b| {
+            let reads = [
+                LocalRead {
+                    local_addr: b.addr,
+                    lkey: b.lkey,
+                    remote: index,
+                    len: BUCKET_LEN as u32,
+                },
+                LocalRead {
+                    local_addr: b.addr + BUCKET_LEN as u64,
+                    lkey: b.lkey,
+                    remote: RemoteAddr {
+                        addr: at.addr,
+                        rkey: self.info.pool_rkey,
+                    },
+                    len: at.len as u32,
+                },
+            ];
+            self.conn.read_sync_all(&reads)?;
+            let (_, slots) = decode_bucket(b.bytes(BUCKET_LEN));
+            let current = slots.iter().any(|s| {
+                s.tag == hash
+                    && s.addr == at.addr
+                    && s.len == at.len
+                    && s.rkey == self.info.pool_rkey
+            });
+            let bytes = &b.bytes(BUCKET_LEN + len)[BUCKET_LEN..];
+            Ok(match verify_block(bytes, key) {
+                Some((version, value)) if current => Some((value.to_vec(), version)),
+                _ => None,
+            })
+        })
+    }
+
+    fn remember(&self, key: &[u8], addr: u64, len: u64) {
+        let mut known = self.locations.lock().expect("location lock");
+        if known.len() >= MAX_LOCATIONS && !known.contains_key(key) {
+            known.clear();
+        }
+        known.insert(key.to_vec(), Location { addr, len });
     }
 
     /// Stores `value` under `key`; returns the new version.

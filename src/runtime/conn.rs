@@ -221,6 +221,16 @@ pub(crate) struct ConnInner {
     cq_source: AtomicU64,
 }
 
+/// One READ of [`Connection::read_sync_all`]: `len` bytes from `remote`
+/// into a buffer registered on the connection.
+#[derive(Debug, Clone, Copy)]
+pub struct LocalRead {
+    pub local_addr: u64,
+    pub lkey: u32,
+    pub remote: RemoteAddr,
+    pub len: u32,
+}
+
 /// A SnowRDMA connection. Cheap to clone; all clones are the same
 /// connection.
 #[derive(Clone)]
@@ -1018,23 +1028,27 @@ impl Connection {
         }
     }
 
-    /// Posts a one-sided READ or WRITE; returns the op id for sync waits.
-    fn post_one_sided(
-        &self,
-        read: bool,
-        local: Sge,
-        remote: RemoteAddr,
-        sync: bool,
-    ) -> Result<u64> {
-        if local.length == 0 {
+    /// Posts one-sided READs or WRITEs with one doorbell; returns the op id
+    /// of the first for sync waits (the others follow it in order). Async
+    /// posts are one at a time.
+    fn post_one_sided(&self, read: bool, ops: &[(Sge, RemoteAddr)], sync: bool) -> Result<u64> {
+        let n = ops.len() as u32;
+        if ops.iter().any(|(local, _)| local.length == 0) {
             return Err(Error::InvalidArgument("length 0".into()));
+        }
+        debug_assert!(sync || n == 1);
+        if n > MAX_SEND_WR / 2 {
+            return Err(Error::InvalidArgument(format!(
+                "{n} operations at once (at most {})",
+                MAX_SEND_WR / 2
+            )));
         }
         let deadline = Instant::now() + self.inner.opts.timeout.max(Duration::from_secs(1));
         let mut st = self
             .wait_until(deadline, |st| match st.state {
                 ConnState::Closed | ConnState::Error => Some(Err(Error::Disconnected)),
                 ConnState::Connected | ConnState::MrReady
-                    if st.sq_used < MAX_SEND_WR - CMD_RESERVE =>
+                    if st.sq_used + n <= MAX_SEND_WR - CMD_RESERVE =>
                 {
                     Some(Ok(()))
                 }
@@ -1043,40 +1057,57 @@ impl Connection {
             })
             .and_then(|room| room)
             .map(|()| self.lock())?;
-        let op = if read {
-            SendOp::Read(remote)
-        } else {
-            SendOp::Write(remote)
-        };
-        let id = if sync {
-            let id = st.next_op;
-            st.next_op += 1;
-            st.sync_ops.insert(id, None);
-            wr_id(K_SYNC, id)
+        let first = st.next_op;
+        let ids: Vec<u64> = if sync {
+            st.next_op += u64::from(n);
+            (first..first + u64::from(n))
+                .map(|id| {
+                    st.sync_ops.insert(id, None);
+                    wr_id(K_SYNC, id)
+                })
+                .collect()
         } else {
             // Armed before posting, so the completion raises an event.
             self.inner.async_pending.fetch_add(1, Ordering::SeqCst);
             self.arm_send();
-            wr_id(if read { K_READ } else { K_WRITE }, local.length as u64)
+            vec![wr_id(
+                if read { K_READ } else { K_WRITE },
+                ops[0].0.length as u64,
+            )]
         };
-        // SAFETY: the caller's buffer was checked to be registered here; the
-        // C contract (and `read`/`write`'s docs) leave it to the device until
-        // the completion.
-        let posted = unsafe {
-            self.inner
-                .qp
-                .post_send(&[SendRequest::new(id, op, &[local])])
-        };
+        let sges: Vec<[Sge; 1]> = ops.iter().map(|(local, _)| [*local]).collect();
+        let reqs: Vec<SendRequest> = ops
+            .iter()
+            .zip(&sges)
+            .zip(&ids)
+            .map(|(((_, remote), sge), &id)| {
+                let op = if read {
+                    SendOp::Read(*remote)
+                } else {
+                    SendOp::Write(*remote)
+                };
+                SendRequest::new(id, op, sge)
+            })
+            .collect();
+        // SAFETY: the caller's buffers were checked to be registered here;
+        // the C contract (and `read`/`write`'s docs) leave them to the device
+        // until the completion.
+        let posted = unsafe { self.inner.qp.post_send(&reqs) };
         if let Err(e) = posted {
-            if sync {
-                st.sync_ops.remove(&(id & LOW_MASK));
+            if n > 1 {
+                // A prefix of the list may be posted, and its completions
+                // still come: only the connection's end is safe.
+                drop(st);
+                self.fail(&format!("posting one-sided operations: {e}"));
+            } else if sync {
+                st.sync_ops.remove(&first);
             } else {
                 self.inner.async_pending.fetch_sub(1, Ordering::SeqCst);
             }
             return Err(e.into());
         }
-        st.sq_used += 1;
-        Ok(id & LOW_MASK)
+        st.sq_used += n;
+        Ok(first)
     }
 
     /// Starts an RDMA READ of `len` bytes from `remote` into a buffer
@@ -1117,7 +1148,7 @@ impl Connection {
         len: u32,
     ) -> Result<usize> {
         let sge = self.check_local(local_addr, lkey, len)?;
-        self.post_one_sided(read, sge, remote, false)
+        self.post_one_sided(read, &[(sge, remote)], false)
             .map(|_| len as usize)
     }
 
@@ -1153,21 +1184,49 @@ impl Connection {
         len: u32,
     ) -> Result<usize> {
         let sge = self.check_local(local_addr, lkey, len)?;
-        let op = self.post_one_sided(read, sge, remote, true)?;
+        self.sync_ops(read, &[(sge, remote)]).map(|()| len as usize)
+    }
+
+    /// RDMA READs posted together (one doorbell, so the device works on
+    /// them back to back); returns once all completed, or with the first
+    /// error.
+    pub fn read_sync_all(&self, reads: &[LocalRead]) -> Result<()> {
+        let ops = reads
+            .iter()
+            .map(|r| Ok((self.check_local(r.local_addr, r.lkey, r.len)?, r.remote)))
+            .collect::<Result<Vec<_>>>()?;
+        self.sync_ops(true, &ops)
+    }
+
+    fn sync_ops(&self, read: bool, ops: &[(Sge, RemoteAddr)]) -> Result<()> {
+        let first = self.post_one_sided(read, ops, true)?;
+        let ids = first..first + ops.len() as u64;
         let result = self.wait_until(Instant::now() + SYNC_OP_TIMEOUT, |st| {
-            match st.sync_ops.get(&op) {
-                Some(Some(_)) => st.sync_ops.remove(&op).flatten(),
-                Some(None) => None,
-                None => Some(Err("the connection closed".into())),
+            let mut outcome = Ok(());
+            for id in ids.clone() {
+                match st.sync_ops.get(&id) {
+                    Some(Some(Err(reason))) => outcome = outcome.and(Err(reason.clone())),
+                    Some(Some(Ok(()))) => {}
+                    Some(None) => return None,
+                    None => return Some(Err("the connection closed".to_string())),
+                }
             }
+            for id in ids.clone() {
+                st.sync_ops.remove(&id);
+            }
+            Some(outcome)
         });
         match result {
-            Ok(Ok(())) => Ok(len as usize),
+            Ok(Ok(())) => Ok(()),
             Ok(Err(reason)) => Err(Error::OperationFailed(reason)),
             Err(e) => {
-                self.lock().sync_ops.remove(&op);
+                let mut st = self.lock();
+                for id in ids {
+                    st.sync_ops.remove(&id);
+                }
+                drop(st);
                 if matches!(e, Error::Timeout(_)) {
-                    // Stop the device from touching the buffer any later.
+                    // Stop the device from touching the buffers any later.
                     self.fail("a synchronous operation timed out");
                 }
                 Err(e)
@@ -1763,7 +1822,9 @@ impl super::poller::Source for CqSource {
     }
 
     fn poll_once(&self) -> bool {
-        self.0.poll_round()
+        // A caller-polled connection is left to its waiters (both polling one
+        // CQ would only fight over its lock); sleeping ones arm it.
+        !self.0.inner.opts.caller_polls && self.0.poll_round()
     }
 
     fn tick(&self) {

@@ -642,32 +642,36 @@ impl Client {
     /// PUTs several pairs, small values with up to 64 requests in flight;
     /// one result (the new version) per pair, in order.
     pub fn batch_put(&self, pairs: &[(&[u8], &[u8])]) -> Vec<Result<u64>> {
-        let mut large = Vec::new();
-        let mut results = self.pipelined(
-            pairs.len(),
-            |i| {
-                let (key, value) = pairs[i];
-                check_key(key)?;
-                self.check_value(value)?;
-                if !is_inline(key.len(), value.len()) {
-                    large.push(i);
-                    return Ok(0);
-                }
-                let mut req = Request::new(Op::Write, 0);
-                req.value_len = value.len() as u64;
-                self.send(req, key, value)
-            },
-            |_, reply, _| Ok(reply.version),
-        );
-        for i in large {
-            results[i] = self.put(pairs[i].0, pairs[i].1);
-        }
-        results
+        let fits = |(key, value): &(&[u8], &[u8])| is_inline(key.len(), value.len());
+        // Values that fit in a request are pipelined; the others (which
+        // move by RDMA WRITE) go one at a time, in their place.
+        let small: Vec<&(&[u8], &[u8])> = pairs.iter().filter(|p| fits(p)).collect();
+        let mut sent = self
+            .pipelined(
+                small.len(),
+                |j| {
+                    let (key, value) = *small[j];
+                    check_key(key)?;
+                    self.check_value(value)?;
+                    let mut req = Request::new(Op::Write, 0);
+                    req.value_len = value.len() as u64;
+                    self.send(req, key, value)
+                },
+                |_, reply, _| Ok(reply.version),
+            )
+            .into_iter();
+        pairs
+            .iter()
+            .map(|pair| match fits(pair) {
+                true => sent.next().expect("one result per pipelined pair"),
+                false => self.put(pair.0, pair.1),
+            })
+            .collect()
     }
 
-    /// Sends `count` requests with `start` (which returns the request id,
-    /// or 0 for one it did not send), keeping a window in flight, and turns
-    /// each reply into a result with `finish`.
+    /// Sends `count` requests with `start` (which returns the request id),
+    /// keeping a window in flight, and turns each reply into a result with
+    /// `finish`.
     fn pipelined<T>(
         &self,
         count: usize,
@@ -696,15 +700,10 @@ impl Client {
         id: &Result<u64>,
         finish: &mut impl FnMut(usize, Reply, Vec<u8>) -> Result<T>,
     ) -> Result<T> {
-        match id {
-            Err(e) => Err(e.clone()),
-            Ok(0) => Err(KvError::Internal("not sent".into())),
-            Ok(id) => {
-                let (reply, payload) = self.wait(*id, self.timeout)?;
-                status(&reply)?;
-                finish(i, reply, payload)
-            }
-        }
+        let id = id.as_ref().map_err(Clone::clone)?;
+        let (reply, payload) = self.wait(*id, self.timeout)?;
+        status(&reply)?;
+        finish(i, reply, payload)
     }
 
     /// Disconnects (also done on drop).

@@ -1191,6 +1191,9 @@ impl Connection {
     /// them back to back); returns once all completed, or with the first
     /// error.
     pub fn read_sync_all(&self, reads: &[LocalRead]) -> Result<()> {
+        if reads.is_empty() {
+            return Ok(());
+        }
         let ops = reads
             .iter()
             .map(|r| Ok((self.check_local(r.local_addr, r.lkey, r.len)?, r.remote)))

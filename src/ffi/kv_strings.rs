@@ -34,14 +34,16 @@ unsafe fn text<'a>(p: *const c_char, what: &str) -> Result<&'a [u8], KvError> {
     Ok(CStr::from_ptr(p).to_bytes())
 }
 
-fn status(what: &str, r: Result<(), KvError>) -> c_int {
-    match r {
+/// Runs an export's body behind the panic boundary with the legacy return
+/// convention: 0, or 1 with the reason logged.
+fn legacy_call(what: &'static str, body: impl FnOnce() -> Result<(), KvError>) -> c_int {
+    guard(what, 1, || match body() {
         Ok(()) => 0,
         Err(e) => {
             log::error!("{what}: {e}");
             1
         }
-    }
+    })
 }
 
 /// Connects to the server `servername` ("host" or "host:port"; the port
@@ -53,20 +55,15 @@ fn status(what: &str, r: Result<(), KvError>) -> c_int {
 /// `servername` a C string; `kv_handle` writable.
 #[no_mangle]
 pub unsafe extern "C" fn kv_open(servername: *mut c_char, kv_handle: *mut *mut c_void) -> c_int {
-    guard("kv_open", 1, || {
-        status(
-            "kv_open",
-            (|| {
-                if kv_handle.is_null() {
-                    return Err(KvError::InvalidArgument("NULL kv_handle".into()));
-                }
-                let name = std::str::from_utf8(text(servername, "servername")?)
-                    .map_err(|_| KvError::InvalidArgument("servername is not UTF-8".into()))?;
-                let client = Client::open(name)?;
-                *kv_handle = HANDLES.insert(client);
-                Ok(())
-            })(),
-        )
+    legacy_call("kv_open", || {
+        if kv_handle.is_null() {
+            return Err(KvError::InvalidArgument("NULL kv_handle".into()));
+        }
+        let name = std::str::from_utf8(text(servername, "servername")?)
+            .map_err(|_| KvError::InvalidArgument("servername is not UTF-8".into()))?;
+        let client = Client::open(name)?;
+        *kv_handle = HANDLES.insert(client);
+        Ok(())
     })
 }
 
@@ -80,16 +77,11 @@ pub unsafe extern "C" fn kv_set(
     key: *const c_char,
     value: *const c_char,
 ) -> c_int {
-    guard("kv_set", 1, || {
-        status(
-            "kv_set",
-            (|| {
-                let client = HANDLES.get(kv_handle).ok_or_else(bad_handle)?;
-                client
-                    .put(text(key, "key")?, text(value, "value")?)
-                    .map(drop)
-            })(),
-        )
+    legacy_call("kv_set", || {
+        let client = HANDLES.get(kv_handle).ok_or_else(bad_handle)?;
+        client
+            .put(text(key, "key")?, text(value, "value")?)
+            .map(drop)
     })
 }
 
@@ -105,37 +97,32 @@ pub unsafe extern "C" fn kv_get(
     key: *const c_char,
     value: *mut *mut c_char,
 ) -> c_int {
-    guard("kv_get", 1, || {
-        status(
-            "kv_get",
-            (|| {
-                if value.is_null() {
-                    return Err(KvError::InvalidArgument("NULL value pointer".into()));
-                }
-                let client = HANDLES.get(kv_handle).ok_or_else(bad_handle)?;
-                // The value goes straight from the library's buffer into the
-                // malloc'd string (a 1 GiB value is not copied twice).
-                let copy = |bytes: &[u8]| {
-                    // SAFETY: a fresh allocation of len + 1 bytes, filled here.
-                    let out = libc::malloc(bytes.len() + 1).cast::<u8>();
-                    if !out.is_null() {
-                        std::ptr::copy_nonoverlapping(bytes.as_ptr(), out, bytes.len());
-                        *out.add(bytes.len()) = 0;
-                    }
-                    out
-                };
-                let out = match client.get_with(text(key, "key")?, copy) {
-                    Ok((out, _)) => out,
-                    Err(KvError::NotFound) => copy(&[]),
-                    Err(e) => return Err(e),
-                };
-                if out.is_null() {
-                    return Err(KvError::NoMemory);
-                }
-                *value = out.cast();
-                Ok(())
-            })(),
-        )
+    legacy_call("kv_get", || {
+        if value.is_null() {
+            return Err(KvError::InvalidArgument("NULL value pointer".into()));
+        }
+        let client = HANDLES.get(kv_handle).ok_or_else(bad_handle)?;
+        // The value goes straight from the library's buffer into the
+        // malloc'd string (a 1 GiB value is not copied twice).
+        let copy = |bytes: &[u8]| {
+            // SAFETY: a fresh allocation of len + 1 bytes, filled here.
+            let out = libc::malloc(bytes.len() + 1).cast::<u8>();
+            if !out.is_null() {
+                std::ptr::copy_nonoverlapping(bytes.as_ptr(), out, bytes.len());
+                *out.add(bytes.len()) = 0;
+            }
+            out
+        };
+        let out = match client.get_with(text(key, "key")?, copy) {
+            Ok((out, _)) => out,
+            Err(KvError::NotFound) => copy(&[]),
+            Err(e) => return Err(e),
+        };
+        if out.is_null() {
+            return Err(KvError::NoMemory);
+        }
+        *value = out.cast();
+        Ok(())
     })
 }
 
@@ -152,12 +139,8 @@ pub unsafe extern "C" fn kv_release(value: *mut c_char) {
 /// (NULL, or closed already).
 #[no_mangle]
 pub extern "C" fn kv_close(kv_handle: *mut c_void) -> c_int {
-    guard("kv_close", 1, || match HANDLES.remove(kv_handle) {
-        Some(_) => 0,
-        None => {
-            log::error!("kv_close: not an open handle");
-            1
-        }
+    legacy_call("kv_close", || {
+        HANDLES.remove(kv_handle).map(drop).ok_or_else(bad_handle)
     })
 }
 

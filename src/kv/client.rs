@@ -229,7 +229,7 @@ impl Client {
         let mut seen = u64::MAX;
         let mut reply = None;
         let mut ended = false;
-        let answered = self.conn.wait_for(Instant::now() + allowed, || {
+        self.conn.wait_for(Instant::now() + allowed, || {
             // The map is only looked at when something arrived.
             let arrived = self.replies.arrived.load(Ordering::Acquire);
             if arrived != seen {
@@ -241,7 +241,7 @@ impl Client {
         });
         match reply {
             Some(r) => Ok(r),
-            None if answered && ended => Err(KvError::Disconnected("the server went away".into())),
+            None if ended => Err(KvError::Disconnected("the server went away".into())),
             None => Err(KvError::Timeout(allowed)),
         }
     }

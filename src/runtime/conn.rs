@@ -559,10 +559,13 @@ impl Connection {
         let caller_polls = self.inner.opts.caller_polls;
         let spin_until = Instant::now() + self.inner.opts.spin;
         while Instant::now() < spin_until.min(deadline) {
-            if self.inner.wakeups.load(Ordering::SeqCst) != seen
-                || self.poll_send_here()
-                || (caller_polls && self.poll_round())
-            {
+            // A caller-polled connection's round covers the send CQ too.
+            let polled = if caller_polls {
+                self.poll_round()
+            } else {
+                self.poll_send_here()
+            };
+            if polled || self.inner.wakeups.load(Ordering::SeqCst) != seen {
                 return self.lock();
             }
             std::hint::spin_loop();
@@ -581,9 +584,10 @@ impl Connection {
             log::warn!("arming the receive CQ failed; waiting in 10 ms steps");
         }
         // Completions that came before arming raise no event.
-        self.poll_send_here();
         if self.inner.opts.caller_polls {
             self.poll_round();
+        } else {
+            self.poll_send_here();
         }
         let guard = self.inner.sleep_lock.lock().expect("sleep lock");
         if self.inner.wakeups.load(Ordering::SeqCst) == seen {

@@ -22,6 +22,8 @@ use super::qp::{init_attr, QpCaps, QueuePair};
 pub const MAX_CONNECT_PRIVATE_DATA: usize = 56;
 /// Largest private data in an accept (the CM REP message).
 pub const MAX_ACCEPT_PRIVATE_DATA: usize = 196;
+/// Least extra time to wait for a resolution event beyond the kernel's own timeout.
+const RESOLVE_GRACE: Duration = Duration::from_secs(1);
 
 struct ChannelInner {
     ch: NonNull<sys::rdma_event_channel>,
@@ -501,15 +503,19 @@ impl CmId {
     }
 
     /// Creates an id on a channel of its own and resolves the address and
-    /// route to `dst`, all within `timeout`.
+    /// route to `dst`, giving each step `timeout`, as `rdma_resolve_addr` and
+    /// `rdma_resolve_route` do. The kernel reports its own timeout as an error
+    /// event; we wait a grace period longer for that event, so a busy machine
+    /// that delivers a success late (a new process's first resolution opens
+    /// the device) is not mistaken for a failure. Bounded by
+    /// 2 x (`timeout` + grace) in all.
     pub fn resolve(dst: SocketAddr, src: Option<SocketAddr>, timeout: Duration) -> Result<CmId> {
-        let deadline = Instant::now() + timeout;
-        let left = || deadline.saturating_duration_since(Instant::now());
+        let wait = timeout + timeout.max(RESOLVE_GRACE);
         let id = CmId::new(&EventChannel::new()?)?;
         id.resolve_addr(src, dst, timeout)?;
-        id.expect_event(CmEventKind::ADDR_RESOLVED, left())?;
-        id.resolve_route(left())?;
-        id.expect_event(CmEventKind::ROUTE_RESOLVED, left())?;
+        id.expect_event(CmEventKind::ADDR_RESOLVED, wait)?;
+        id.resolve_route(timeout)?;
+        id.expect_event(CmEventKind::ROUTE_RESOLVED, wait)?;
         Ok(id)
     }
 

@@ -14,13 +14,13 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::runtime::{CommMode, ConnHandler, Connection, LocalRead, Options};
+use crate::runtime::{CommMode, ConnHandler, Connection, Options};
 use crate::verbs::RemoteAddr;
 
 use super::pool::SLAB_PAGE;
 use super::proto::{
-    block_len, decode_bucket, is_inline, key_hash, value_checksum, verify_block, Op, Reply,
-    Request, ServerInfo, Source, BLOCK_HEADER_LEN, BUCKET_LEN,
+    block_len, decode_bucket, is_inline, key_hash, value_checksum, verify_block,
+    verify_leased_block, Op, Reply, Request, ServerInfo, Source, BLOCK_HEADER_LEN, BUCKET_LEN,
 };
 use super::{check_key, ConnMode, KvError, Result, TIMEOUT_ENV};
 
@@ -155,6 +155,7 @@ impl Client {
         let rt_opts = Options {
             comm_mode: CommMode::Blocking,
             caller_polls: true,
+            max_inline_data: super::MESSAGE_INLINE,
             ..Options::default()
         };
         let handler = Arc::new(ReplyHandler(replies.clone()));
@@ -214,11 +215,33 @@ impl Client {
         self.timeout + Duration::from_secs(bytes as u64 / SLOWEST_BYTES_PER_SEC)
     }
 
-    fn send(&self, mut req: Request, key: &[u8], inline: &[u8]) -> Result<u64> {
+    fn send(&self, req: Request, key: &[u8], inline: &[u8]) -> Result<u64> {
+        self.send_after(req, key, inline, None)
+    }
+
+    /// Sends a request, after RDMA WRITing `staged` (bounce offset 0, length)
+    /// to `remote` when given (one doorbell).
+    fn send_after(
+        &self,
+        mut req: Request,
+        key: &[u8],
+        inline: &[u8],
+        staged: Option<(&Bounce, RemoteAddr, usize)>,
+    ) -> Result<u64> {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         req.req_id = id;
         let msg = req.encode(key, inline);
-        match self.conn.send(&msg)? {
+        let sent = match staged {
+            // SAFETY: the bounce buffer stays untouched (the caller holds its
+            // lock) until the reply, which comes after the server has the
+            // request.
+            Some((b, remote, len)) => unsafe {
+                self.conn
+                    .write_then_send(b.addr, b.lkey, remote, len as u32, &msg)?
+            },
+            None => self.conn.send(&msg)?,
+        };
+        match sent {
             0 => Err(KvError::Timeout(self.conn.options().timeout)),
             _ => Ok(id),
         }
@@ -255,7 +278,19 @@ impl Client {
         inline: &[u8],
         moves: usize,
     ) -> Result<(Reply, Vec<u8>)> {
-        let id = self.send(req, key, inline)?;
+        self.call_after(req, key, inline, None, moves)
+    }
+
+    /// [`Client::call`], after a write as [`Client::send_after`] makes it.
+    fn call_after(
+        &self,
+        req: Request,
+        key: &[u8],
+        inline: &[u8],
+        staged: Option<(&Bounce, RemoteAddr, usize)>,
+        moves: usize,
+    ) -> Result<(Reply, Vec<u8>)> {
+        let id = self.send_after(req, key, inline, staged)?;
         let (reply, payload) = self.wait(id, self.allowance(moves))?;
         status(&reply)?;
         Ok((reply, payload))
@@ -358,7 +393,7 @@ impl Client {
                 total,
             )?;
             let block = b.bytes(total);
-            let (version, value) = verify_block(block, key).ok_or_else(|| {
+            let (version, value) = verify_leased_block(block, key).ok_or_else(|| {
                 KvError::Internal("the value read from the server failed verification".into())
             })?;
             Ok((take(value), version))
@@ -434,7 +469,7 @@ impl Client {
             .get(key)
             .copied();
         if let Some(at) = known {
-            if let Some(found) = self.read_known(key, hash, index, at)? {
+            if let Some(found) = self.read_known(key, at)? {
                 return Ok(found);
             }
         }
@@ -492,50 +527,20 @@ impl Client {
         self.get(key)
     }
 
-    /// A one-sided GET where the key's block was last seen at `at`: the
-    /// bucket and that block are read together (one round trip), and the
-    /// block counts only if the bucket still points at it and it verifies;
-    /// the bucket is read either way, so this returns nothing older than the
-    /// two-step lookup would. `None`: it moved, look it up.
-    fn read_known(
-        &self,
-        key: &[u8],
-        hash: u64,
-        index: RemoteAddr,
-        at: Location,
-    ) -> Result<Option<(Vec<u8>, u64)>> {
+    /// A one-sided GET where the key's block was last seen at `at`: one READ
+    /// of that block, which counts only if it verifies as the key's current
+    /// value (the server marks a block superseded before it answers the
+    /// write or delete that replaced it, so nothing older than the two-step
+    /// lookup could return is taken). `None`: it moved, look it up.
+    fn read_known(&self, key: &[u8], at: Location) -> Result<Option<(Vec<u8>, u64)>> {
         let len = at.len as usize;
-        self.with_bounce(BUCKET_LEN + SLAB_PAGE, |b| {
-            let reads = [
-                LocalRead {
-                    local_addr: b.addr,
-                    lkey: b.lkey,
-                    remote: index,
-                    len: BUCKET_LEN as u32,
-                },
-                LocalRead {
-                    local_addr: b.addr + BUCKET_LEN as u64,
-                    lkey: b.lkey,
-                    remote: RemoteAddr {
-                        addr: at.addr,
-                        rkey: self.info.pool_rkey,
-                    },
-                    len: at.len as u32,
-                },
-            ];
-            self.conn.read_sync_all(&reads)?;
-            let (_, slots) = decode_bucket(b.bytes(BUCKET_LEN));
-            let current = slots.iter().any(|s| {
-                s.tag == hash
-                    && s.addr == at.addr
-                    && s.len == at.len
-                    && s.rkey == self.info.pool_rkey
-            });
-            let bytes = &b.bytes(BUCKET_LEN + len)[BUCKET_LEN..];
-            Ok(match verify_block(bytes, key) {
-                Some((version, value)) if current => Some((value.to_vec(), version)),
-                _ => None,
-            })
+        self.with_bounce(len, |b| {
+            let remote = RemoteAddr {
+                addr: at.addr,
+                rkey: self.info.pool_rkey,
+            };
+            self.transfer(true, b, 0, remote, len)?;
+            Ok(verify_block(b.bytes(len), key).map(|(version, value)| (value.to_vec(), version)))
         })
     }
 
@@ -578,17 +583,12 @@ impl Client {
                     addr: self.info.request_buf,
                     rkey: self.info.request_buf_rkey,
                 };
-                // SAFETY: the bounce buffer stays untouched (we hold its
-                // lock) until the reply, which comes after the write landed.
-                unsafe {
-                    self.conn
-                        .write(b.addr, b.lkey, remote, value.len() as u32)?
-                };
                 req.source = Source::Staged {
                     offset: 0,
                     checksum: value_checksum(value),
                 };
-                self.call(req, key, &[], value.len())
+                let staged = Some((&*b, remote, value.len()));
+                self.call_after(req, key, &[], staged, value.len())
                     .map(|(r, _)| r.version)
             });
         }

@@ -31,6 +31,11 @@ pub const MAX_VALUE_ENV: &str = "SNOWRDMA_KV_MAX_VALUE";
 /// in milliseconds (large transfers get more, in proportion to their size).
 pub const TIMEOUT_ENV: &str = "SNOWRDMA_KV_TIMEOUT_MS";
 
+/// Requests and replies up to this many bytes (a small GET or PUT) go to
+/// the device inside the work request: no fetch through a registration.
+/// Within what RDMA devices take (Soft-RoCE: 400, ConnectX: more).
+const MESSAGE_INLINE: u32 = 256;
+
 /// The port of the legacy string API (`kv_open`, `run_server`, and
 /// [`Client::open`]) unless [`PORT_ENV`] says otherwise.
 pub const LEGACY_PORT: u16 = 4792;

@@ -282,6 +282,10 @@ impl ServerInfo {
 // ---- The value block: what a one-sided reader verifies ----
 
 pub const BLOCK_MAGIC: u32 = 0x4b42_564b; // "KVBK"
+/// The magic of a block that is no longer its key's current value (replaced
+/// or deleted) but stays readable for a lease holder until freed. Set after
+/// the index moved on and before the writer is answered.
+pub const SUPERSEDED_MAGIC: u32 = 0x5842_564b; // "KVBX"
 pub const BLOCK_HEADER_LEN: usize = 32;
 
 /// A stored value as it sits in server memory: magic, key length, value
@@ -332,21 +336,28 @@ pub fn seal_block(block: &mut [u8], key_len: usize, value_hash: u64, version: u6
     block[..24].copy_from_slice(&head);
 }
 
-/// Checks a block read from the server: it must hold `key`, be complete and
-/// match its checksum. Returns the version and the value.
+/// Checks a block read from the server by address alone: it must be the
+/// key's current value (not superseded), hold `key`, be complete and match
+/// its checksum. Returns the version and the value.
 pub fn verify_block<'a>(block: &'a [u8], key: &[u8]) -> Option<(u64, &'a [u8])> {
+    verify(block, key, false)
+}
+
+/// As [`verify_block`], for a block the server leased to the reader: one
+/// superseded since the lease was given is still whole, and still the
+/// value the lookup found.
+pub fn verify_leased_block<'a>(block: &'a [u8], key: &[u8]) -> Option<(u64, &'a [u8])> {
+    verify(block, key, true)
+}
+
+fn verify<'a>(block: &'a [u8], key: &[u8], leased: bool) -> Option<(u64, &'a [u8])> {
     let split = BLOCK_HEADER_LEN + key.len();
     if block.len() < split {
         return None;
     }
     let (head, value) = block.split_at(split);
-    verify_block_parts(head, value, key).map(|(version, _)| (version, value))
-}
-
-/// As [`verify_block`], for a block read in two pieces: `head` (header and
-/// key) and `value`. Returns the version and the value length.
-pub fn verify_block_parts(head: &[u8], value: &[u8], key: &[u8]) -> Option<(u64, usize)> {
-    if head.len() != BLOCK_HEADER_LEN + key.len() || u32_at(head, 0) != BLOCK_MAGIC {
+    let magic = u32_at(head, 0);
+    if magic != BLOCK_MAGIC && !(leased && magic == SUPERSEDED_MAGIC) {
         return None;
     }
     let key_len = u32_at(head, 4) as usize;
@@ -355,10 +366,14 @@ pub fn verify_block_parts(head: &[u8], value: &[u8], key: &[u8]) -> Option<(u64,
     if key_len != key.len() || value_len != value.len() || stored_key != key {
         return None;
     }
-    if block_checksum(&head[..24], stored_key, value_checksum(value)) != u64_at(head, 24) {
+    // The checksum was taken when the block was sealed, as current.
+    let mut sealed = [0u8; 24];
+    sealed.copy_from_slice(&head[..24]);
+    sealed[..4].copy_from_slice(&BLOCK_MAGIC.to_le_bytes());
+    if block_checksum(&sealed, stored_key, value_checksum(value)) != u64_at(head, 24) {
         return None;
     }
-    Some((u64_at(head, 16), value_len))
+    Some((u64_at(head, 16), value))
 }
 
 /// Checksum of a staged value, so the server can tell it arrived whole.
@@ -469,5 +484,18 @@ mod tests {
         torn[200] ^= 1;
         assert_eq!(verify_block(&torn, key), None);
         assert_eq!(verify_block(&block[..block.len() - 1], key), None);
+    }
+
+    #[test]
+    fn superseded_blocks_verify_only_under_a_lease() {
+        let (key, value) = (b"hello", vec![9u8; 64]);
+        let mut block = vec![0u8; block_len(key.len(), value.len())];
+        write_block(&mut block, key, &value, 5);
+        assert_eq!(verify_leased_block(&block, key), Some((5, &value[..])));
+        block[..4].copy_from_slice(&SUPERSEDED_MAGIC.to_le_bytes());
+        assert_eq!(verify_block(&block, key), None);
+        assert_eq!(verify_leased_block(&block, key), Some((5, &value[..])));
+        block[..4].fill(0); // freed
+        assert_eq!(verify_leased_block(&block, key), None);
     }
 }

@@ -210,6 +210,7 @@ impl Server {
         self.start_workers()?;
         let opts = Options {
             comm_mode: CommMode::Blocking,
+            max_inline_data: super::MESSAGE_INLINE,
             ..Options::default()
         };
         let accept_shared = self.shared.clone();

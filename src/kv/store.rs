@@ -7,14 +7,16 @@
 //! goes away, so memory a server-path reader is reading is never reused.
 
 use std::collections::HashMap;
-use std::sync::atomic::{fence, AtomicU64, Ordering};
+use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use crate::verbs::{AccessFlags, Context, MemoryRegion, ProtectionDomain};
 
 use super::index::{Index, Place};
 use super::pool::{Chunk, Mapping, Pool, SLAB_PAGE};
-use super::proto::{block_len, key_hash, seal_block, value_checksum, Slot, BLOCK_HEADER_LEN};
+use super::proto::{
+    block_len, key_hash, seal_block, value_checksum, Slot, BLOCK_HEADER_LEN, SUPERSEDED_MAGIC,
+};
 use super::{KvError, Result};
 
 const SHARDS: usize = 64;
@@ -59,15 +61,26 @@ impl Block {
         self.len
     }
 
-    /// The block's bytes (read only; nobody writes a published block).
-    pub fn bytes(&self) -> &[u8] {
-        // SAFETY: a published block is never written again until freed,
-        // which needs this reference gone.
-        unsafe { std::slice::from_raw_parts(self.addr as *const u8, self.len) }
+    /// The value of a block holding a `key_len`-byte key.
+    pub fn value(&self, key_len: usize) -> &[u8] {
+        let start = (BLOCK_HEADER_LEN + key_len).min(self.len);
+        // SAFETY: after the header, a published block is never written
+        // again until freed, which needs this reference gone.
+        unsafe { std::slice::from_raw_parts((self.addr as *const u8).add(start), self.len - start) }
     }
 
-    pub fn value(&self, key_len: usize) -> &[u8] {
-        &self.bytes()[BLOCK_HEADER_LEN + key_len..]
+    /// Marks the block as no longer its key's current value (replaced or
+    /// deleted): a one-sided reader that finds it by a remembered address
+    /// then looks the key up again, while a reader holding a lease may
+    /// still take it ([`super::proto::verify_leased_block`]).
+    fn supersede(&self) {
+        // SAFETY: the block's first four bytes, 4-byte aligned (chunks and
+        // mappings are); no Rust reference covers the header once published.
+        let magic = unsafe { &*(self.addr as *const AtomicU32) };
+        magic.store(
+            u32::from_ne_bytes(SUPERSEDED_MAGIC.to_le_bytes()),
+            Ordering::Release,
+        );
     }
 
     fn bytes_mut(&mut self) -> &mut [u8] {
@@ -380,6 +393,10 @@ impl Store {
                 self.index.update(bucket, item.place, slot);
                 let old = std::mem::replace(&mut item.block, block);
                 item.version = version;
+                // After the index points at the new block, before the
+                // writer's reply: whoever reads the old one by a remembered
+                // address from now on finds it superseded.
+                old.supersede();
                 drop(shard);
                 // Freed here unless a lease still holds it.
                 drop(old);
@@ -406,6 +423,7 @@ impl Store {
         let mut shard = self.shard(bucket);
         let item = shard.items.remove(key).ok_or(KvError::NotFound)?;
         self.index.remove(bucket, item.place);
+        item.block.supersede();
         drop(shard);
         self.items.fetch_sub(1, Ordering::Relaxed);
         drop(item);

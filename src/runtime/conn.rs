@@ -32,8 +32,9 @@ const CMD_SLOTS: u16 = CMD_RESERVE as u16;
 /// Receives kept free at the peer for its commands.
 const PEER_CMD_RESERVE: u64 = 16;
 /// Completions taken per poll at most (`rdmaMaxConcurrentWorkRequests`
-/// is capped to this).
-const MAX_POLL_BATCH: usize = 256;
+/// is capped to this). Small: the batch array is zeroed on every wakeup of
+/// the completion thread, and draining loops until the CQ is empty anyway.
+const MAX_POLL_BATCH: usize = 32;
 /// Every this many data writes, one asks for a completion.
 const SIGNAL_EVERY: u32 = 16;
 /// Bytes a connection queues from inside callbacks (blocking mode) before
@@ -219,16 +220,6 @@ pub(crate) struct ConnInner {
     closed_locally: AtomicBool,
     cm_source: AtomicU64,
     cq_source: AtomicU64,
-}
-
-/// One READ of [`Connection::read_sync_all`]: `len` bytes from `remote`
-/// into a buffer registered on the connection.
-#[derive(Debug, Clone, Copy)]
-pub struct LocalRead {
-    pub local_addr: u64,
-    pub lkey: u32,
-    pub remote: RemoteAddr,
-    pub len: u32,
 }
 
 /// A SnowRDMA connection. Cheap to clone; all clones are the same
@@ -827,13 +818,37 @@ impl Connection {
     /// the timeout in blocking mode. Inside a callback, blocking mode queues
     /// the message (sent in order as room returns) instead of waiting.
     pub fn send(&self, data: &[u8]) -> Result<usize> {
-        self.send_message(data, None)
+        self.send_message(data, None, None)
+    }
+
+    /// RDMA WRITEs `len` bytes from a buffer registered on this connection to
+    /// `remote`, then sends `data` as [`Connection::send`] does, both with
+    /// one doorbell. The peer has the written bytes when it gets the message
+    /// (same queue pair, in order). The write owes no callback and takes no
+    /// completion of its own; if it fails, the connection ends.
+    ///
+    /// # Safety
+    /// The local range must stay unchanged until the peer has the message
+    /// (for a request, until its reply).
+    pub unsafe fn write_then_send(
+        &self,
+        local_addr: u64,
+        lkey: u32,
+        remote: RemoteAddr,
+        len: u32,
+        data: &[u8],
+    ) -> Result<usize> {
+        if len == 0 {
+            return Err(Error::InvalidArgument("length 0".into()));
+        }
+        let sge = self.check_local(local_addr, lkey, len)?;
+        self.send_message(data, None, Some((sge, remote)))
     }
 
     /// Sends a message that also delivers `imm` to the peer's `recv`
     /// callback. Needs a snowrdma peer (legacy peers cannot receive it).
     pub fn send_with_imm(&self, imm: u32, data: &[u8]) -> Result<usize> {
-        self.send_message(data, Some(ExtKind::WithImm(imm)))
+        self.send_message(data, Some(ExtKind::WithImm(imm)), None)
     }
 
     /// Writes `data` into the peer's receive buffer without notifying it
@@ -842,15 +857,25 @@ impl Connection {
         let legacy = self.lock().peer_version < 1;
         // A legacy peer's buffer is written as the legacy library did; ours
         // is told to skip the bytes so its ring stays in step.
-        self.send_message(data, if legacy { None } else { Some(ExtKind::Silent) })
-            .inspect(|&n| {
-                if n > 0 {
-                    self.handler().write_done(self, n);
-                }
-            })
+        self.send_message(
+            data,
+            if legacy { None } else { Some(ExtKind::Silent) },
+            None,
+        )
+        .inspect(|&n| {
+            if n > 0 {
+                self.handler().write_done(self, n);
+            }
+        })
     }
 
-    fn send_message(&self, data: &[u8], ext: Option<ExtKind>) -> Result<usize> {
+    /// Sends a message, after a one-sided write (`before`) when given.
+    fn send_message(
+        &self,
+        data: &[u8],
+        ext: Option<ExtKind>,
+        before: Option<(Sge, RemoteAddr)>,
+    ) -> Result<usize> {
         if data.is_empty() {
             return Err(Error::InvalidArgument("a message cannot be empty".into()));
         }
@@ -861,10 +886,22 @@ impl Connection {
         loop {
             self.check_sendable(&st, data.len(), ext)?;
             // Queued messages go first, so order holds.
-            if st.queued.is_empty() && self.try_post_message(&mut st, data, ext)? {
-                return Ok(data.len());
+            if st.queued.is_empty() {
+                match self.try_post_message(&mut st, data, ext, before) {
+                    Ok(true) => return Ok(data.len()),
+                    Ok(false) => {}
+                    Err(e) => {
+                        if before.is_some() {
+                            // The write may be posted without the message:
+                            // the send queue's accounting no longer holds.
+                            drop(st);
+                            self.fail(&format!("posting a write and a message: {e}"));
+                        }
+                        return Err(e);
+                    }
+                }
             }
-            if on_cq_thread {
+            if on_cq_thread && before.is_none() {
                 // Inside a callback nobody else would hand back room: in
                 // blocking mode the message waits in order in the queue, which
                 // the completion thread drains as credit arrives.
@@ -876,7 +913,9 @@ impl Connection {
                 return Ok(0);
             }
             let now = Instant::now();
-            if !blocking || now >= deadline {
+            // A write cannot wait in the queue (its buffer is the caller's):
+            // inside a callback it is refused like a full non-blocking send.
+            if !blocking || now >= deadline || on_cq_thread {
                 return Ok(0);
             }
             st = self.park(st, deadline);
@@ -905,18 +944,28 @@ impl Connection {
         Ok(())
     }
 
-    /// Posts the message if the peer's ring, its receive queue and our send
-    /// queue all have room; false when one of them is full.
-    fn try_post_message(&self, st: &mut State, data: &[u8], ext: Option<ExtKind>) -> Result<bool> {
+    /// Posts the message (after the write `before`) if the peer's ring, its
+    /// receive queue and our send queue all have room; false when one of
+    /// them is full.
+    fn try_post_message(
+        &self,
+        st: &mut State,
+        data: &[u8],
+        ext: Option<ExtKind>,
+        before: Option<(Sge, RemoteAddr)>,
+    ) -> Result<bool> {
         let total = data.len() + if ext.is_some() { EXT_HEADER_LEN } else { 0 };
         let msgs_ok = st.peer_version < 1
             || st.tx_msgs - st.tx_msgs_acked
                 < u64::from(st.peer_recv_depth).saturating_sub(PEER_CMD_RESERVE);
-        if st.sq_used >= MAX_SEND_WR - CMD_RESERVE || !msgs_ok {
+        let wrs = 1 + u32::from(before.is_some());
+        if st.sq_used + wrs > MAX_SEND_WR - CMD_RESERVE || !msgs_ok {
             return Ok(false);
         }
         match st.tx.reserve(total) {
-            Some(offset) => self.post_message(st, offset, data, ext).map(|()| true),
+            Some(offset) => self
+                .post_message(st, offset, data, ext, before)
+                .map(|()| true),
             None => Ok(false),
         }
     }
@@ -925,7 +974,7 @@ impl Connection {
     fn flush_queued(&self) {
         let mut st = self.lock();
         while let Some((data, ext)) = st.queued.pop_front() {
-            match self.try_post_message(&mut st, &data, ext) {
+            match self.try_post_message(&mut st, &data, ext, None) {
                 Ok(true) => st.queued_bytes -= data.len(),
                 Ok(false) => {
                     st.queued.push_front((data, ext));
@@ -945,6 +994,7 @@ impl Connection {
         offset: usize,
         data: &[u8],
         ext: Option<ExtKind>,
+        before: Option<(Sge, RemoteAddr)>,
     ) -> Result<()> {
         let peer = st.peer_ring.ok_or(Error::NotConnected)?;
         let mut len = data.len();
@@ -964,20 +1014,38 @@ impl Connection {
         let sge = self.inner.staging.sge(offset..offset + len);
         let op = SendOp::WriteWithImm(peer.at(offset as u64), imm);
         // Only every SIGNAL_EVERY-th message asks for a completion; it
-        // accounts for the unsignaled ones before it (completions are in
-        // order), which saves the completion thread most of the work.
-        let covered = st.unsignaled_data + 1;
+        // accounts for the unsignaled requests before it (completions are in
+        // order), which saves the completion thread most of the work. A
+        // write ahead of the message is one of those.
+        let wrs = 1 + u32::from(before.is_some());
+        let covered = st.unsignaled_data + wrs;
         let sges = [sge];
         let mut req = SendRequest::new(wr_id(K_DATA, covered as u64), op, &sges);
-        let signal = covered >= SIGNAL_EVERY || st.sq_used + 1 >= MAX_SEND_WR - CMD_RESERVE;
+        let signal = covered >= SIGNAL_EVERY || st.sq_used + wrs >= MAX_SEND_WR - CMD_RESERVE;
         if !signal {
             req = req.unsignaled();
         }
-        // SAFETY: the staging range stays reserved until the peer returns it,
-        // which is after this write has landed.
-        unsafe { self.inner.qp.post_send(&[req])? };
+        // Inline, the device takes the bytes with the work request instead of
+        // fetching them through the staging registration.
+        if len <= self.inner.opts.max_inline_data as usize {
+            req = req.inline();
+        }
+        match before {
+            Some((local, remote)) => {
+                let local = [local];
+                let write =
+                    SendRequest::new(wr_id(K_DATA, 0), SendOp::Write(remote), &local).unsignaled();
+                // SAFETY: the caller keeps the written range unchanged until
+                // the peer has the message; the staging range stays reserved
+                // until the peer returns it, after this write has landed.
+                unsafe { self.inner.qp.post_send(&[write, req])? }
+            }
+            // SAFETY: the staging range stays reserved until the peer
+            // returns it, which is after this write has landed.
+            None => unsafe { self.inner.qp.post_send(&[req])? },
+        }
         st.unsignaled_data = if signal { 0 } else { covered };
-        st.sq_used += 1;
+        st.sq_used += wrs;
         st.tx_msgs += 1;
         Ok(())
     }
@@ -1191,20 +1259,6 @@ impl Connection {
         self.sync_ops(read, &[(sge, remote)]).map(|()| len as usize)
     }
 
-    /// RDMA READs posted together (one doorbell, so the device works on
-    /// them back to back); returns once all completed, or with the first
-    /// error.
-    pub fn read_sync_all(&self, reads: &[LocalRead]) -> Result<()> {
-        if reads.is_empty() {
-            return Ok(());
-        }
-        let ops = reads
-            .iter()
-            .map(|r| Ok((self.check_local(r.local_addr, r.lkey, r.len)?, r.remote)))
-            .collect::<Result<Vec<_>>>()?;
-        self.sync_ops(true, &ops)
-    }
-
     fn sync_ops(&self, read: bool, ops: &[(Sge, RemoteAddr)]) -> Result<()> {
         let first = self.post_one_sided(read, ops, true)?;
         let ids = first..first + ops.len() as u64;
@@ -1345,8 +1399,7 @@ impl Connection {
     }
 
     fn drain_and_arm(&self) {
-        let mut batch: [Completion; MAX_POLL_BATCH] =
-            std::array::from_fn(|_| Completion::default());
+        let mut batch: [Completion; MAX_POLL_BATCH] = Default::default();
         let take = (self.inner.opts.max_concurrent_work_requests as usize).clamp(1, MAX_POLL_BATCH);
         let wcs = &mut batch[..take];
         loop {

@@ -20,9 +20,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-pub use conn::{
-    ConnHandler, ConnKind, ConnState, Connection, LocalRead, PdProvider, WeakConnection,
-};
+pub use conn::{ConnHandler, ConnKind, ConnState, Connection, PdProvider, WeakConnection};
 pub use listener::{AcceptHook, Listener};
 pub use options::{CommMode, Options, DEFAULT_RECV_BUF_LEN};
 

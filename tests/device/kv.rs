@@ -87,6 +87,11 @@ fn all_ops_at_all_sizes(huge: bool, mode: ConnMode) {
         let newer = pattern(len, i as u8 + 100);
         assert_eq!(c.put(key.as_bytes(), &newer).unwrap(), 2);
         assert_eq!(
+            c.get_one_sided(key.as_bytes()).unwrap(),
+            (newer.clone(), 2),
+            "{len}: a one-sided get after a put sees it"
+        );
+        assert_eq!(
             c.cas(key.as_bytes(), 1, &value),
             Err(KvError::CasFailed { current: 2 }),
             "{len}: stale CAS fails with the current version"
@@ -247,12 +252,15 @@ fn kv_one_sided_gets_never_see_torn_values() {
     });
     let c = Client::connect(addr).unwrap();
     let mut seen = 0;
+    let mut newest = 0;
     while !writer.is_finished() {
         match c.get_one_sided(b"hot") {
-            Ok((v, _)) => {
+            Ok((v, version)) => {
                 let round = v[0];
                 assert!(v.iter().all(|&b| b == round), "a torn value");
                 assert_eq!(v.len(), 1000 + (round as usize % 7) * 900, "a torn length");
+                assert!(version >= newest, "version {version} read after {newest}");
+                newest = version;
                 seen += 1;
             }
             Err(KvError::NotFound) => {}

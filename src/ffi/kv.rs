@@ -652,7 +652,8 @@ pub unsafe extern "C" fn kv_client_batch_get(
                     continue;
                 }
                 if !v.is_empty() {
-                    std::ptr::copy_nonoverlapping(v.as_ptr(), values[i].cast::<u8>(), v.len());
+                    let out = std::slice::from_raw_parts_mut(values[i].cast::<u8>(), v.len());
+                    crate::copy::copy(out, &v);
                 }
                 value_lens[i] = v.len();
                 ok += 1;

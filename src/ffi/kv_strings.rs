@@ -108,7 +108,7 @@ pub unsafe extern "C" fn kv_get(
             // SAFETY: a fresh allocation of len + 1 bytes, filled here.
             let out = libc::malloc(bytes.len() + 1).cast::<u8>();
             if !out.is_null() {
-                std::ptr::copy_nonoverlapping(bytes.as_ptr(), out, bytes.len());
+                crate::copy::copy(std::slice::from_raw_parts_mut(out, bytes.len()), bytes);
                 *out.add(bytes.len()) = 0;
             }
             out

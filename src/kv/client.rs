@@ -14,6 +14,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use crate::copy;
 use crate::runtime::{CommMode, ConnHandler, Connection, Options};
 use crate::verbs::RemoteAddr;
 
@@ -34,6 +35,12 @@ const KEEP_BOUNCE: usize = 64 << 20;
 const ONE_SIDED_TRIES: usize = 8;
 /// Requests of a batch in flight at once.
 const BATCH_WINDOW: usize = 64;
+/// Bytes of a batch's values READ with one doorbell (larger values are
+/// read alone).
+const GROUP_BYTES: usize = 4 << 20;
+/// Staged values of a batch start at multiples of this in the request
+/// buffer.
+const SLOT_ALIGN: usize = 64;
 /// The assumed slowest link, for the time allowed to move a large value.
 const SLOWEST_BYTES_PER_SEC: u64 = 4 << 20;
 
@@ -118,10 +125,39 @@ unsafe impl Send for Bounce {}
 
 impl Bounce {
     fn bytes(&mut self, len: usize) -> &mut [u8] {
+        self.at(0, len)
+    }
+
+    /// `len` bytes from `offset` (cut short at the buffer's end).
+    fn at(&mut self, offset: usize, len: usize) -> &mut [u8] {
+        let offset = offset.min(self.len);
         // SAFETY: registered memory of `self.len` bytes owned by the
         // connection; the bounce lock makes us its only user.
-        unsafe { std::slice::from_raw_parts_mut(self.addr as *mut u8, len.min(self.len)) }
+        unsafe {
+            std::slice::from_raw_parts_mut(
+                (self.addr as *mut u8).add(offset),
+                len.min(self.len - offset),
+            )
+        }
     }
+
+    /// The bytes from `offset` as the value to RDMA WRITE to `remote`.
+    fn staged(&self, offset: usize, remote: RemoteAddr, len: usize) -> Staged {
+        Staged {
+            local: self.addr + offset as u64,
+            lkey: self.lkey,
+            remote,
+            len,
+        }
+    }
+}
+
+/// A value in the bounce buffer to RDMA WRITE ahead of its request.
+struct Staged {
+    local: u64,
+    lkey: u32,
+    remote: RemoteAddr,
+    len: usize,
 }
 
 /// A connection to a key-value server.
@@ -219,14 +255,14 @@ impl Client {
         self.send_after(req, key, inline, None)
     }
 
-    /// Sends a request, after RDMA WRITing `staged` (bounce offset 0, length)
-    /// to `remote` when given (one doorbell).
+    /// Sends a request, after RDMA WRITing `staged` when given (one
+    /// doorbell).
     fn send_after(
         &self,
         mut req: Request,
         key: &[u8],
         inline: &[u8],
-        staged: Option<(&Bounce, RemoteAddr, usize)>,
+        staged: Option<Staged>,
     ) -> Result<u64> {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         req.req_id = id;
@@ -235,9 +271,9 @@ impl Client {
             // SAFETY: the bounce buffer stays untouched (the caller holds its
             // lock) until the reply, which comes after the server has the
             // request.
-            Some((b, remote, len)) => unsafe {
+            Some(v) => unsafe {
                 self.conn
-                    .write_then_send(b.addr, b.lkey, remote, len as u32, &msg)?
+                    .write_then_send(v.local, v.lkey, v.remote, v.len as u32, &msg)?
             },
             None => self.conn.send(&msg)?,
         };
@@ -287,7 +323,7 @@ impl Client {
         req: Request,
         key: &[u8],
         inline: &[u8],
-        staged: Option<(&Bounce, RemoteAddr, usize)>,
+        staged: Option<Staged>,
         moves: usize,
     ) -> Result<(Reply, Vec<u8>)> {
         let id = self.send_after(req, key, inline, staged)?;
@@ -412,7 +448,7 @@ impl Client {
 
     /// The value and version of `key`.
     pub fn get(&self, key: &[u8]) -> Result<(Vec<u8>, u64)> {
-        self.get_with(key, <[u8]>::to_vec)
+        self.get_with(key, copy::to_vec)
     }
 
     /// Lends the value of `key` to `take` (for the call only; no copy is
@@ -433,7 +469,7 @@ impl Client {
                 let dst = buf.get_mut(..v.len()).ok_or(KvError::BufferTooSmall {
                     needed: v.len() as u64,
                 })?;
-                dst.copy_from_slice(&v);
+                copy::copy(dst, &v);
                 Ok((v.len(), version))
             }
             Found::Remote(reply) => {
@@ -444,7 +480,7 @@ impl Client {
                     });
                 }
                 let n = reply.value_len as usize;
-                self.fetch(key, &reply, |v| buf[..n].copy_from_slice(v))
+                self.fetch(key, &reply, |v| copy::copy(&mut buf[..n], v))
                     .map(|((), version)| (n, version))
             }
         }
@@ -501,7 +537,7 @@ impl Client {
                     match verify_block(b.bytes(len), key) {
                         Some((version, value)) => {
                             self.remember(key, slot.addr, slot.len);
-                            return Ok(OneSided::Found(value.to_vec(), version));
+                            return Ok(OneSided::Found(copy::to_vec(value), version));
                         }
                         None => torn = true,
                     }
@@ -540,7 +576,8 @@ impl Client {
                 rkey: self.info.pool_rkey,
             };
             self.transfer(true, b, 0, remote, len)?;
-            Ok(verify_block(b.bytes(len), key).map(|(version, value)| (value.to_vec(), version)))
+            Ok(verify_block(b.bytes(len), key)
+                .map(|(version, value)| (copy::to_vec(value), version)))
         })
     }
 
@@ -578,7 +615,7 @@ impl Client {
             // buffer, the request right behind it on the same QP (so the
             // value has landed when the server reads the request).
             return self.with_bounce(value.len(), |b| {
-                b.bytes(value.len()).copy_from_slice(value);
+                copy::copy(b.bytes(value.len()), value);
                 let remote = RemoteAddr {
                     addr: self.info.request_buf,
                     rkey: self.info.request_buf_rkey,
@@ -587,7 +624,7 @@ impl Client {
                     offset: 0,
                     checksum: value_checksum(value),
                 };
-                let staged = Some((&*b, remote, value.len()));
+                let staged = Some(b.staged(0, remote, value.len()));
                 self.call_after(req, key, &[], staged, value.len())
                     .map(|(r, _)| r.version)
             });
@@ -599,7 +636,7 @@ impl Client {
         // proportion to its size.
         let (target, _) = self.call(alloc, key, &[], value.len())?;
         self.with_bounce(value.len(), |b| {
-            b.bytes(value.len()).copy_from_slice(value);
+            copy::copy(b.bytes(value.len()), value);
             let remote = RemoteAddr {
                 addr: target.addr,
                 rkey: target.rkey,
@@ -621,60 +658,205 @@ impl Client {
     }
 
     /// GETs several keys with up to 64 requests in flight; one result per
-    /// key, in order.
+    /// key, in order. Values read by RDMA are READ together, several in
+    /// flight, once their chunk's replies are in.
     pub fn batch_get(&self, keys: &[&[u8]]) -> Vec<Result<(Vec<u8>, u64)>> {
-        self.pipelined(
-            keys.len(),
-            |i| {
-                check_key(keys[i])?;
-                self.send(Request::new(Op::Get, 0), keys[i], &[])
-            },
-            |i, reply, payload| {
-                if reply.remote {
-                    self.fetch(keys[i], &reply, <[u8]>::to_vec)
-                } else {
-                    Ok((payload, reply.version))
-                }
-            },
-        )
+        let mut results = Vec::with_capacity(keys.len());
+        // A chunk at a time, so the server holds at most a chunk's leases
+        // for us.
+        for chunk in keys.chunks(BATCH_WINDOW) {
+            let mut remote = Vec::new();
+            let found = self.pipelined(
+                chunk.len(),
+                BATCH_WINDOW,
+                |i| {
+                    check_key(chunk[i])?;
+                    self.send(Request::new(Op::Get, 0), chunk[i], &[])
+                },
+                |i, reply, payload| {
+                    if !reply.remote {
+                        return Ok((payload, reply.version));
+                    }
+                    remote.push((i, reply));
+                    // Replaced below, once the value is read.
+                    Err(KvError::Internal("not read yet".into()))
+                },
+            );
+            let base = results.len();
+            results.extend(found);
+            self.fetch_many(chunk, remote, &mut results[base..]);
+        }
+        results
     }
 
-    /// PUTs several pairs, small values with up to 64 requests in flight;
-    /// one result (the new version) per pair, in order.
-    pub fn batch_put(&self, pairs: &[(&[u8], &[u8])]) -> Vec<Result<u64>> {
-        let fits = |(key, value): &(&[u8], &[u8])| is_inline(key.len(), value.len());
-        // Values that fit in a request are pipelined; the others (which
-        // move by RDMA WRITE) go one at a time, in their place.
-        let small: Vec<&(&[u8], &[u8])> = pairs.iter().filter(|p| fits(p)).collect();
-        let mut sent = self
-            .pipelined(
-                small.len(),
-                |j| {
-                    let (key, value) = *small[j];
-                    check_key(key)?;
-                    self.check_value(value)?;
-                    let mut req = Request::new(Op::Write, 0);
-                    req.value_len = value.len() as u64;
-                    self.send(req, key, value)
-                },
-                |_, reply, _| Ok(reply.version),
-            )
-            .into_iter();
-        pairs
+    /// READs the leased blocks of `keys[i]` for each `(i, reply)`, up to
+    /// [`GROUP_BYTES`] in flight, into `results[i]`, and ends the leases.
+    fn fetch_many(
+        &self,
+        keys: &[&[u8]],
+        leased: Vec<(usize, Reply)>,
+        results: &mut [Result<(Vec<u8>, u64)>],
+    ) {
+        let mut group: Vec<(usize, Reply)> = Vec::new();
+        let mut bytes = 0;
+        for (i, reply) in leased {
+            let len = block_len(keys[i].len(), reply.value_len as usize);
+            if len > GROUP_BYTES {
+                results[i] = self.fetch(keys[i], &reply, copy::to_vec);
+                continue;
+            }
+            if bytes + len > GROUP_BYTES {
+                self.read_group(keys, &group, results);
+                group.clear();
+                bytes = 0;
+            }
+            group.push((i, reply));
+            bytes += len;
+        }
+        self.read_group(keys, &group, results);
+    }
+
+    /// One doorbell of READs for the blocks of `group`, side by side in the
+    /// bounce buffer; each is verified into `results[i]`.
+    fn read_group(
+        &self,
+        keys: &[&[u8]],
+        group: &[(usize, Reply)],
+        results: &mut [Result<(Vec<u8>, u64)>],
+    ) {
+        if group.is_empty() {
+            return;
+        }
+        let lens: Vec<usize> = group
             .iter()
-            .map(|pair| match fits(pair) {
-                true => sent.next().expect("one result per pipelined pair"),
-                false => self.put(pair.0, pair.1),
-            })
-            .collect()
+            .map(|(i, r)| block_len(keys[*i].len(), r.value_len as usize))
+            .collect();
+        let read = self.with_bounce(lens.iter().sum(), |b| {
+            let mut ops = Vec::with_capacity(group.len());
+            let mut at = 0;
+            for ((_, reply), &len) in group.iter().zip(&lens) {
+                let remote = RemoteAddr {
+                    addr: reply.addr,
+                    rkey: reply.rkey,
+                };
+                ops.push((b.addr + at as u64, remote, len as u32));
+                at += len;
+            }
+            self.conn.read_sync_many(b.lkey, &ops)?;
+            let mut at = 0;
+            for ((i, _), &len) in group.iter().zip(&lens) {
+                results[*i] = verify_leased_block(b.at(at, len), keys[*i])
+                    .map(|(version, value)| (copy::to_vec(value), version))
+                    .ok_or_else(|| {
+                        KvError::Internal(
+                            "the value read from the server failed verification".into(),
+                        )
+                    });
+                at += len;
+            }
+            Ok(())
+        });
+        for (i, reply) in group {
+            self.release(reply.lease);
+            if let Err(e) = &read {
+                results[*i] = Err(e.clone());
+            }
+        }
+    }
+
+    /// PUTs several pairs; one result (the new version) per pair, in order.
+    /// Values up to the size of our request buffer on the server are
+    /// pipelined, up to 64 requests in flight; a larger value is put alone,
+    /// in its place, so a key written twice in a batch ends with its last
+    /// value.
+    pub fn batch_put(&self, pairs: &[(&[u8], &[u8])]) -> Vec<Result<u64>> {
+        let mut results = Vec::with_capacity(pairs.len());
+        let mut rest = pairs;
+        while let Some(((key, value), after)) = rest.split_first() {
+            let run = rest
+                .iter()
+                .take_while(|(_, v)| v.len() as u64 <= self.info.request_buf_len)
+                .count();
+            if run == 0 {
+                results.push(self.put(key, value));
+                rest = after;
+            } else {
+                results.extend(self.put_pipelined(&rest[..run]));
+                rest = &rest[run..];
+            }
+        }
+        results
+    }
+
+    /// Pipelined PUTs of values that fit in a request or in the request
+    /// buffer. A value that does not fit in a request is staged in a slot of
+    /// the bounce buffer and RDMA WRITTEN to the same slot of the request
+    /// buffer; a slot is reused only after the reply to the request that
+    /// used it (the window is at most the number of slots).
+    fn put_pipelined(&self, pairs: &[(&[u8], &[u8])]) -> Vec<Result<u64>> {
+        let start_request = |key: &[u8], value: &[u8]| -> Result<Request> {
+            check_key(key)?;
+            self.check_value(value)?;
+            let mut req = Request::new(Op::Write, 0);
+            req.value_len = value.len() as u64;
+            Ok(req)
+        };
+        let version = |_, reply: Reply, _| Ok(reply.version);
+        let slot = pairs
+            .iter()
+            .filter(|(k, v)| !is_inline(k.len(), v.len()))
+            .map(|(_, v)| v.len().next_multiple_of(SLOT_ALIGN))
+            .max();
+        let Some(slot) = slot else {
+            return self.pipelined(
+                pairs.len(),
+                BATCH_WINDOW,
+                |i| {
+                    let (key, value) = pairs[i];
+                    self.send(start_request(key, value)?, key, value)
+                },
+                version,
+            );
+        };
+        let buf_len = usize::try_from(self.info.request_buf_len).unwrap_or(usize::MAX);
+        let slots = (buf_len / slot).clamp(1, BATCH_WINDOW);
+        let staged = self.with_bounce(slots * slot, |b| {
+            let mut next_slot = 0;
+            Ok(self.pipelined(
+                pairs.len(),
+                slots,
+                |i| {
+                    let (key, value) = pairs[i];
+                    let mut req = start_request(key, value)?;
+                    if is_inline(key.len(), value.len()) {
+                        return self.send(req, key, value);
+                    }
+                    let offset = next_slot % slots * slot;
+                    next_slot += 1;
+                    copy::copy(b.at(offset, value.len()), value);
+                    req.source = Source::Staged {
+                        offset: offset as u64,
+                        checksum: value_checksum(value),
+                    };
+                    let remote = RemoteAddr {
+                        addr: self.info.request_buf + offset as u64,
+                        rkey: self.info.request_buf_rkey,
+                    };
+                    self.send_after(req, key, &[], Some(b.staged(offset, remote, value.len())))
+                },
+                version,
+            ))
+        });
+        staged.unwrap_or_else(|e| pairs.iter().map(|_| Err(e.clone())).collect())
     }
 
     /// Sends `count` requests with `start` (which returns the request id),
-    /// keeping a window in flight, and turns each reply into a result with
-    /// `finish`.
+    /// keeping up to `window` in flight, and turns each reply into a result
+    /// with `finish`.
     fn pipelined<T>(
         &self,
         count: usize,
+        window: usize,
         mut start: impl FnMut(usize) -> Result<u64>,
         mut finish: impl FnMut(usize, Reply, Vec<u8>) -> Result<T>,
     ) -> Vec<Result<T>> {
@@ -682,7 +864,7 @@ impl Client {
         let mut results: Vec<Result<T>> = Vec::with_capacity(count);
         for i in 0..count {
             ids.push(start(i));
-            if ids.len() - results.len() >= BATCH_WINDOW {
+            if ids.len() - results.len() >= window {
                 let j = results.len();
                 results.push(self.collect(j, &ids[j], &mut finish));
             }

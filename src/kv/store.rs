@@ -302,7 +302,7 @@ impl Store {
         let mut block = self.new_block(block_len(key.len(), value.len()))?;
         let bytes = block.bytes_mut();
         bytes[BLOCK_HEADER_LEN..BLOCK_HEADER_LEN + key.len()].copy_from_slice(key);
-        bytes[BLOCK_HEADER_LEN + key.len()..].copy_from_slice(value);
+        crate::copy::copy(&mut bytes[BLOCK_HEADER_LEN + key.len()..], value);
         self.publish(key, block, value_hash, cas)
     }
 

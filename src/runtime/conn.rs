@@ -760,11 +760,9 @@ impl Connection {
     /// it; callers hold the state lock, which owns staging and command slots.
     unsafe fn copy_into(mr: &MemoryRegion, offset: usize, bytes: &[u8]) {
         debug_assert!(offset + bytes.len() <= mr.len());
-        std::ptr::copy_nonoverlapping(
-            bytes.as_ptr(),
-            (mr.addr() as usize + offset) as *mut u8,
-            bytes.len(),
-        );
+        let dst =
+            std::slice::from_raw_parts_mut((mr.addr() as usize + offset) as *mut u8, bytes.len());
+        crate::copy::copy(dst, bytes);
     }
 
     /// Posts a command if a slot and send-queue room are free.
@@ -1234,6 +1232,21 @@ impl Connection {
         len: u32,
     ) -> Result<usize> {
         self.one_sided_sync(true, local_addr, lkey, remote, len)
+    }
+
+    /// Several RDMA READs into one registered buffer (`lkey`), posted with
+    /// one doorbell so they are in flight together; returns once all have
+    /// completed. `ops`: (local address, remote, length) each. An error if
+    /// any failed (which also ends the connection).
+    pub fn read_sync_many(&self, lkey: u32, ops: &[(u64, RemoteAddr, u32)]) -> Result<()> {
+        if ops.is_empty() {
+            return Ok(());
+        }
+        let ops = ops
+            .iter()
+            .map(|&(local, remote, len)| Ok((self.check_local(local, lkey, len)?, remote)))
+            .collect::<Result<Vec<_>>>()?;
+        self.sync_ops(true, &ops)
     }
 
     /// RDMA WRITE that returns once its own completion arrived.

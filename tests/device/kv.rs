@@ -128,6 +128,29 @@ fn all_ops_at_all_sizes(huge: bool, mode: ConnMode) {
     for (r, v) in c.batch_get(&key_refs).into_iter().zip(&values) {
         assert_eq!(&r.unwrap().0, v);
     }
+    // A key written twice in one batch ends with its last value, whichever
+    // way each value travels: inside the request, staged in the request
+    // buffer (64 KiB, several in flight), or into a server-made target
+    // (3 MiB, over the 2 MiB request buffer).
+    let (big, mid) = (pattern(3 << 20, 5), pattern(64 << 10, 6));
+    let twice: Vec<(&[u8], &[u8])> = vec![
+        (b"twice-a", &big),
+        (b"twice-a", b"small"),
+        (b"twice-b", b"small"),
+        (b"twice-b", &mid),
+        (b"twice-c", &mid),
+        (b"twice-c", &big),
+    ];
+    assert_eq!(
+        c.batch_put(&twice),
+        vec![Ok(1), Ok(2), Ok(1), Ok(2), Ok(1), Ok(2)]
+    );
+    let got = c.batch_get(&[b"twice-c", b"missing", b"twice-a", b"twice-b", b"twice-c"]);
+    assert_eq!(got[0], Ok((big.clone(), 2)));
+    assert_eq!(got[1], Err(KvError::NotFound));
+    assert_eq!(got[2], Ok((b"small".to_vec(), 2)));
+    assert_eq!(got[3], Ok((mid.clone(), 2)));
+    assert_eq!(got[4], Ok((big, 2)));
     drop(c);
     server.stop();
 }

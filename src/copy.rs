@@ -1,0 +1,55 @@
+//! Bulk copies in pieces smaller than glibc's `rep movsb` threshold.
+//!
+//! For large buffers glibc's `memcpy` switches to `rep movsb`, which some
+//! CPUs run slowly and emulators (QEMU TCG, where the Soft-RoCE tests and
+//! benchmarks run) run very slowly: a 64 KiB copy took 265-465 us there, and
+//! 31 us in pieces, which use the vector loop. On a KVM guest the pieces
+//! were faster too (1.9 against 3.4 us for 64 KiB, cache-hot).
+
+/// Below every default `rep movsb` threshold of glibc on AVX machines.
+const PIECE: usize = 2048;
+
+/// `dst.copy_from_slice(src)`, in pieces.
+///
+/// # Panics
+/// If the lengths differ (as `copy_from_slice` does).
+pub fn copy(dst: &mut [u8], src: &[u8]) {
+    assert_eq!(
+        dst.len(),
+        src.len(),
+        "copy between slices of unequal length"
+    );
+    for (d, s) in dst.chunks_mut(PIECE).zip(src.chunks(PIECE)) {
+        d.copy_from_slice(s);
+    }
+}
+
+/// `src.to_vec()`, in pieces.
+pub fn to_vec(src: &[u8]) -> Vec<u8> {
+    let mut v = Vec::with_capacity(src.len());
+    for s in src.chunks(PIECE) {
+        v.extend_from_slice(s);
+    }
+    v
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn copies_every_byte_at_every_length_around_a_piece() {
+        for len in [
+            0,
+            1,
+            super::PIECE - 1,
+            super::PIECE,
+            super::PIECE + 1,
+            70_001,
+        ] {
+            let src: Vec<u8> = (0..len).map(|i| (i * 7 % 251) as u8).collect();
+            let mut dst = vec![0u8; len];
+            super::copy(&mut dst, &src);
+            assert_eq!(dst, src);
+            assert_eq!(super::to_vec(&src), src);
+        }
+    }
+}

@@ -576,7 +576,7 @@ impl Connection {
         }
         // Completions that came before arming raise no event.
         if self.inner.opts.caller_polls {
-            self.poll_round();
+            while self.poll_round() {}
         } else {
             self.poll_send_here();
         }
@@ -1684,8 +1684,6 @@ impl Connection {
         }
     }
 
-    /// One non-blocking round (the completion thread spinning): returns
-    /// whether there was anything.
     /// After completions were handled: owed callbacks, then credit, then
     /// messages that waited for room.
     /// Last, a wake, for callers waiting on what a callback did.
@@ -1696,20 +1694,16 @@ impl Connection {
         self.wake();
     }
 
+    /// One non-blocking pass over both CQs (a spinning thread): returns
+    /// whether there was anything; drain with `while poll_round() {}`.
     pub(crate) fn poll_round(&self) -> bool {
         self.with_recv_poll(|| {
             // Small: this runs in spin loops, mostly finding nothing, and the
             // array is zeroed each time.
             let mut wcs: [Completion; 4] = Default::default();
-            let mut n = 0;
-            loop {
-                let got =
-                    self.poll_cq(false, &mut wcs, false) + self.poll_cq(true, &mut wcs, false);
-                n += got;
-                if got == 0 {
-                    break;
-                }
-            }
+            // One pass, not until empty: the caller's loop comes back at
+            // once, and a waiting caller gets to see its reply a pass sooner.
+            let n = self.poll_cq(false, &mut wcs, false) + self.poll_cq(true, &mut wcs, false);
             // Checked without the state lock: this runs in the spin loop.
             let owed = self.inner.owed.swap(false, Ordering::AcqRel);
             if n > 0 || owed {
@@ -1903,7 +1897,7 @@ impl super::poller::Source for CqSource {
     fn tick(&self) {
         if self.0.inner.opts.caller_polls {
             // Nobody may be waiting on it: what came meanwhile is handled now.
-            self.0.poll_round();
+            while self.0.poll_round() {}
         }
         self.0.maybe_send_credit(true);
     }

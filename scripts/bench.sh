@@ -55,6 +55,8 @@ for rep in $(seq 1 "$reps"); do
     record sync_read snowrdma "$(ours sync-read -s 64 -n 1000)"
     record sync_write reference "$(ours verbs-write-signaled -s 64 -n 1000)"
     record sync_write snowrdma "$(ours sync-write -s 64 -n 1000)"
+    record imm_lat reference "$(perftest 5 ib_send_lat -s 64 -n 1000)"
+    record imm_lat snowrdma "$(ours verbs-imm-lat -s 64 -n 1000)"
     record echo_lat reference "$(perftest 5 ib_send_lat -s 64 -n 1000)"
     record echo_lat snowrdma "$(ours echo-lat -s 64 -n 1000)"
     record stream_bw reference "$(perftest 4 ib_write_bw -s 65536 -n 1000)"

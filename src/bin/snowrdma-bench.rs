@@ -18,8 +18,8 @@ use std::time::{Duration, Instant};
 use clap::{Parser, Subcommand, ValueEnum};
 use snowrdma::ffi::rdma::*;
 use snowrdma::kv;
-use snowrdma::verbs::selftest::{ConnectMode, LoopbackPair};
-use snowrdma::verbs::{Completion, Context, SendOp, SendRequest};
+use snowrdma::verbs::selftest::{ConnectMode, Endpoint, LoopbackPair};
+use snowrdma::verbs::{Completion, Context, RemoteAddr, SendOp, SendRequest};
 
 #[derive(Parser)]
 #[command(about = "snowrdma benchmarks, compared with perftest by `make bench`")]
@@ -57,6 +57,10 @@ enum Cmd {
 enum Case {
     /// Verbs layer: RDMA WRITE ping-pong, half round trip (ib_write_lat).
     VerbsWriteLat,
+    /// Verbs layer: WRITE WITH IMM ping-pong, half round trip, each side
+    /// spinning on its receive CQ: the runtime's wire operation without the
+    /// runtime (ib_send_lat).
+    VerbsImmLat,
     /// Verbs layer: RDMA READ, post to completion (ib_read_lat).
     VerbsReadLat,
     /// Verbs layer: atomic compare-and-swap (ib_atomic_lat).
@@ -196,6 +200,60 @@ fn verbs_write_lat(iters: usize, size: usize) -> f64 {
             assert!(Instant::now() < deadline, "the pong was lost");
         }
         lat.push(us(t.elapsed()) / 2.0);
+    }
+    pong.join().expect("pong thread");
+    median(&mut lat)
+}
+
+/// Receives each side of the WRITE WITH IMM ping-pong keeps posted.
+const IMM_RECVS: usize = 16;
+
+/// WRITE WITH IMM ping-pong: each side writes `size` bytes and an
+/// immediate into the other's buffer and spins on its receive CQ, with a
+/// receive reposted for each one taken and every 32nd write signaled, as
+/// the runtime does it.
+fn verbs_imm_lat(iters: usize, size: usize) -> f64 {
+    let ctx = Context::open(None).expect("device");
+    let pair = LoopbackPair::connect(&ctx, ConnectMode::RdmaCm, 2 * size, Duration::from_secs(10))
+        .expect("pair");
+    let LoopbackPair { a, b, .. } = pair;
+    for side in [&a, &b] {
+        for i in 0..IMM_RECVS {
+            // SAFETY: no scatter list: the data lands by the write.
+            unsafe { side.qp.post_recv(i as u64, &[]).expect("post recv") };
+        }
+    }
+    // One turn: write to `peer` (signaled every 32nd), then wait for
+    // and re-arm a receive.
+    fn turn(side: &Endpoint, peer: RemoteAddr, size: usize, i: usize) {
+        let sges = [side.mr.sge(size..2 * size)];
+        let mut req = SendRequest::new(i as u64, SendOp::WriteWithImm(peer, i as u32), &sges);
+        if i % 32 != 31 {
+            req = req.unsignaled();
+        }
+        // SAFETY: our send area; nothing rewrites it.
+        unsafe { side.qp.post_send(&[req]).expect("post") };
+        if i % 32 == 31 {
+            spin_one(&side.send_cq);
+        }
+    }
+    let (a_rem, b_rem) = (a.mr.remote().at(0), b.mr.remote().at(0));
+    let pong = std::thread::spawn(move || {
+        for i in 0..iters {
+            spin_one(&b.recv_cq);
+            // SAFETY: as above.
+            unsafe { b.qp.post_recv(i as u64, &[]).expect("post recv") };
+            turn(&b, a_rem, size, i);
+        }
+    });
+    let mut lat = Vec::with_capacity(iters);
+    for i in 0..iters {
+        let t = Instant::now();
+        turn(&a, b_rem, size, i);
+        spin_one(&a.recv_cq);
+        lat.push(us(t.elapsed()) / 2.0);
+        // SAFETY: as above.
+        unsafe { a.qp.post_recv(i as u64, &[]).expect("post recv") };
     }
     pong.join().expect("pong thread");
     median(&mut lat)
@@ -353,6 +411,7 @@ fn stream(iters: usize, size: usize, port: u16) -> (f64, f64) {
 fn run(case: Case, iters: usize, size: usize, port: u16) -> f64 {
     match case {
         Case::VerbsWriteLat => verbs_write_lat(iters, size),
+        Case::VerbsImmLat => verbs_imm_lat(iters, size),
         Case::VerbsReadLat | Case::VerbsCasLat | Case::VerbsWriteSignaled => {
             verbs_op_lat(case, iters, size)
         }
@@ -515,6 +574,14 @@ const ROWS: &[Row] = &[
         unit: "us",
         higher_is_better: false,
         target: "<= 1.10",
+    },
+    Row {
+        case: "imm_lat",
+        what: "verbs WRITE WITH IMM 64 B, half RTT",
+        reference: "ib_send_lat",
+        unit: "us",
+        higher_is_better: false,
+        target: "reported",
     },
     Row {
         case: "echo_lat",

@@ -36,6 +36,9 @@ const KEEP_BOUNCE: usize = 64 << 20;
 const ONE_SIDED_TRIES: usize = 8;
 /// Requests of a batch in flight at once.
 const BATCH_WINDOW: usize = 64;
+/// Leases one release message ends at most (1 KiB of them after the
+/// header), so a batch ends its leases in one message, not one per value.
+const RELEASES_PER_MESSAGE: usize = 128;
 /// Bytes of a batch's values READ with one doorbell (larger values are
 /// read alone).
 const GROUP_BYTES: usize = 4 << 20;
@@ -464,11 +467,21 @@ impl Client {
     }
 
     fn release(&self, lease: u64) {
-        let mut r = Request::new(Op::Release, 0);
-        r.lease = lease;
-        // Without a reply: losing it only keeps the value a little longer
-        // (until we disconnect).
-        let _ = self.send(r, &[], &[]);
+        self.release_all(&[lease]);
+    }
+
+    /// Ends several leases, up to [`RELEASES_PER_MESSAGE`] in one message:
+    /// the first in the header, the rest as 8-byte words where a key would
+    /// be.
+    fn release_all(&self, leases: &[u64]) {
+        for part in leases.chunks(RELEASES_PER_MESSAGE) {
+            let mut r = Request::new(Op::Release, 0);
+            r.lease = part[0];
+            let more: Vec<u8> = part[1..].iter().flat_map(|l| l.to_le_bytes()).collect();
+            // Without a reply: losing it only keeps the values a little
+            // longer (until we disconnect).
+            let _ = self.send(r, &more, &[]);
+        }
     }
 
     /// The value and version of `key`.
@@ -785,9 +798,10 @@ impl Client {
             }
             Ok(())
         });
-        for (i, reply) in group {
-            self.release(reply.lease);
-            if let Err(e) = &read {
+        let leases: Vec<u64> = group.iter().map(|(_, reply)| reply.lease).collect();
+        self.release_all(&leases);
+        if let Err(e) = read {
+            for (i, _) in group {
                 results[*i] = Err(e.clone());
             }
         }

@@ -3,6 +3,7 @@
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::thread;
+use std::time::{Duration, Instant};
 
 use snowrdma::kv::{Client, ClientOptions, ConnMode, KvError, Server, ServerConfig};
 use snowrdma::runtime::{ConnHandler, Connection, Options};
@@ -151,6 +152,31 @@ fn all_ops_at_all_sizes(huge: bool, mode: ConnMode) {
     assert_eq!(got[2], Ok((b"small".to_vec(), 2)));
     assert_eq!(got[3], Ok((mid.clone(), 2)));
     assert_eq!(got[4], Ok((big, 2)));
+
+    // A batch ends its leases in one message: once the keys are deleted,
+    // their blocks go back to the pool while this client stays connected.
+    let before = server.stats().pool_used;
+    let keys: Vec<String> = (0..4).map(|i| format!("leased-{i}")).collect();
+    let values: Vec<Vec<u8>> = (0..4).map(|i| pattern(256 << 10, 40 + i)).collect();
+    for (k, v) in keys.iter().zip(&values) {
+        c.put(k.as_bytes(), v).unwrap();
+    }
+    let refs: Vec<&[u8]> = keys.iter().map(|k| k.as_bytes()).collect();
+    for (got, v) in c.batch_get(&refs).into_iter().zip(&values) {
+        assert_eq!(got.unwrap().0, *v);
+    }
+    for k in &refs {
+        c.delete(k).unwrap();
+    }
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while server.stats().pool_used > before {
+        assert!(
+            Instant::now() < deadline,
+            "leased blocks still held: {} bytes over {before}",
+            server.stats().pool_used - before
+        );
+        thread::sleep(Duration::from_millis(10));
+    }
     drop(c);
     server.stop();
 }

@@ -207,6 +207,8 @@ fn verbs_write_lat(iters: usize, size: usize) -> f64 {
 
 /// Receives each side of the WRITE WITH IMM ping-pong keeps posted.
 const IMM_RECVS: usize = 16;
+/// Every this many writes of the ping-pong, one asks for a completion.
+const IMM_SIGNAL_EVERY: usize = 32;
 
 /// WRITE WITH IMM ping-pong: each side writes `size` bytes and an
 /// immediate into the other's buffer and spins on its receive CQ, with a
@@ -223,17 +225,17 @@ fn verbs_imm_lat(iters: usize, size: usize) -> f64 {
             unsafe { side.qp.post_recv(i as u64, &[]).expect("post recv") };
         }
     }
-    // One turn: write to `peer` (signaled every 32nd), then wait for
-    // and re-arm a receive.
+    // One write to `peer`; the signaled ones are waited for here.
     fn turn(side: &Endpoint, peer: RemoteAddr, size: usize, i: usize) {
         let sges = [side.mr.sge(size..2 * size)];
         let mut req = SendRequest::new(i as u64, SendOp::WriteWithImm(peer, i as u32), &sges);
-        if i % 32 != 31 {
+        let signaled = i % IMM_SIGNAL_EVERY == IMM_SIGNAL_EVERY - 1;
+        if !signaled {
             req = req.unsignaled();
         }
         // SAFETY: our send area; nothing rewrites it.
         unsafe { side.qp.post_send(&[req]).expect("post") };
-        if i % 32 == 31 {
+        if signaled {
             spin_one(&side.send_cq);
         }
     }

@@ -470,14 +470,10 @@ impl Client {
         self.release_all(&[lease]);
     }
 
-    /// Ends several leases, up to [`RELEASES_PER_MESSAGE`] in one message:
-    /// the first in the header, the rest as 8-byte words where a key would
-    /// be.
+    /// Ends several leases, up to [`RELEASES_PER_MESSAGE`] in one message.
     fn release_all(&self, leases: &[u64]) {
         for part in leases.chunks(RELEASES_PER_MESSAGE) {
-            let mut r = Request::new(Op::Release, 0);
-            r.lease = part[0];
-            let more: Vec<u8> = part[1..].iter().flat_map(|l| l.to_le_bytes()).collect();
+            let (r, more) = Request::release(part);
             // Without a reply: losing it only keeps the values a little
             // longer (until we disconnect).
             let _ = self.send(r, &more, &[]);

@@ -124,6 +124,22 @@ impl Request {
         b
     }
 
+    /// A release of `leases` (at least one): the first in the header, the
+    /// rest as 8-byte words in the key's place, which go with it as the
+    /// returned bytes.
+    pub fn release(leases: &[u64]) -> (Request, Vec<u8>) {
+        let mut req = Request::new(Op::Release, 0);
+        req.lease = leases[0];
+        let more = leases[1..].iter().flat_map(|l| l.to_le_bytes()).collect();
+        (req, more)
+    }
+
+    /// The leases a release names, given its key bytes (a stray remainder
+    /// shorter than a word names none).
+    pub fn released<'a>(&self, key: &'a [u8]) -> impl Iterator<Item = u64> + 'a {
+        std::iter::once(self.lease).chain(key.chunks_exact(8).map(|w| u64_at(w, 0)))
+    }
+
     /// Parses a request; returns it with its key and inline value. Anything
     /// malformed is an error, never a panic.
     pub fn decode(msg: &[u8]) -> Result<(Request, &[u8], &[u8]), &'static str> {
@@ -444,6 +460,17 @@ pub fn u64_at(b: &[u8], at: usize) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn release_names_every_lease() {
+        let (req, more) = Request::release(&[5, 6, 7]);
+        let msg = req.encode(&more, &[]);
+        let (back, key, _) = Request::decode(&msg).unwrap();
+        assert_eq!(back.op, Op::Release);
+        assert_eq!(back.released(key).collect::<Vec<_>>(), vec![5, 6, 7]);
+        // A stray remainder names nothing.
+        assert_eq!(back.released(&[1, 2, 3]).collect::<Vec<_>>(), vec![5]);
+    }
 
     #[test]
     fn request_round_trip() {

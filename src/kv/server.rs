@@ -441,12 +441,8 @@ impl Shared {
     ) -> Option<Vec<u8>> {
         let id = req.req_id;
         if req.op == Op::Release {
-            // The header's lease, then any more as 8-byte words in the key's
-            // place (a stray remainder is ignored: it names no lease).
             let mut leases = client.leases.lock().expect("lease lock");
-            leases.remove(&req.lease);
-            for word in key.chunks_exact(8) {
-                let lease = u64::from_le_bytes(word.try_into().expect("8 bytes"));
+            for lease in req.released(key) {
                 leases.remove(&lease);
             }
             return None;

@@ -292,7 +292,9 @@ impl Client {
         inline: &[u8],
         staged: Option<Staged>,
     ) -> Result<u64> {
-        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        // Ids wrap at 32 bits so replies can carry them in a compact header;
+        // far fewer than 2^32 requests are ever outstanding at once.
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed) & u64::from(u32::MAX);
         req.req_id = id;
         let msg = req.encode(key, inline);
         let sent = match staged {

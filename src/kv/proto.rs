@@ -14,6 +14,18 @@ pub const REPLY_MAGIC: u32 = 0x3141_564b; // "KVA1"
 pub const REQUEST_LEN: usize = 56;
 pub const REPLY_LEN: usize = 56;
 
+/// First byte of a compact reply: a success whose only facts are the
+/// version and an inline payload (a small GET's value, a PUT's new
+/// version). Its 12-byte header is the tag, the version in 7 bytes and the
+/// request id in 4, so a 64 B value goes back in a 76 B message instead of
+/// 120 B (on Soft-RoCE a payload of 80 B or more takes the kernel's slower
+/// ICRC routine, about 2 us per message under emulation). A full header
+/// starts with [`REPLY_MAGIC`]'s low byte, which is not this one.
+const COMPACT_REPLY_TAG: u8 = 0xa1;
+pub const COMPACT_REPLY_LEN: usize = 12;
+/// Versions a compact header can carry (7 bytes).
+const COMPACT_VERSION_LIMIT: u64 = 1 << 56;
+
 /// A key and value shorter than this together travel inside the request
 /// and reply messages (the legacy "eager" protocol); longer ones move by
 /// one-sided RDMA ("rendezvous").
@@ -214,7 +226,28 @@ impl Reply {
         }
     }
 
+    /// Whether the reply says nothing a [`COMPACT_REPLY_LEN`] header cannot.
+    fn fits_compact(&self, payload: &[u8]) -> bool {
+        let plain = Reply {
+            req_id: self.req_id,
+            version: self.version,
+            value_len: payload.len() as u64,
+            ..Reply::default()
+        };
+        *self == plain && self.version < COMPACT_VERSION_LIMIT && u32::try_from(self.req_id).is_ok()
+    }
+
+    /// The header (compact when it fits) followed by `payload`.
     pub fn encode(&self, payload: &[u8]) -> Vec<u8> {
+        if self.fits_compact(payload) {
+            let mut b = Vec::with_capacity(COMPACT_REPLY_LEN + payload.len());
+            b.extend_from_slice(
+                &((self.version << 8) | u64::from(COMPACT_REPLY_TAG)).to_le_bytes(),
+            );
+            b.extend_from_slice(&(self.req_id as u32).to_le_bytes());
+            b.extend_from_slice(payload);
+            return b;
+        }
         let mut b = Vec::with_capacity(REPLY_LEN + payload.len());
         b.extend_from_slice(&REPLY_MAGIC.to_le_bytes());
         b.extend_from_slice(&self.status.to_le_bytes());
@@ -230,6 +263,16 @@ impl Reply {
     }
 
     pub fn decode(msg: &[u8]) -> Result<(Reply, &[u8]), &'static str> {
+        if msg.len() >= COMPACT_REPLY_LEN && msg[0] == COMPACT_REPLY_TAG {
+            let payload = &msg[COMPACT_REPLY_LEN..];
+            let reply = Reply {
+                req_id: u64::from(u32_at(msg, 8)),
+                version: u64_at(msg, 0) >> 8,
+                value_len: payload.len() as u64,
+                ..Reply::default()
+            };
+            return Ok((reply, payload));
+        }
         if msg.len() < REPLY_LEN || u32_at(msg, 0) != REPLY_MAGIC {
             return Err("malformed reply");
         }
@@ -505,6 +548,49 @@ mod tests {
         let mut w = Request::new(Op::Write, 1);
         w.value_len = 100; // says 100, carries 3
         assert!(Request::decode(&w.encode(b"k", b"abc")).is_err());
+    }
+
+    #[test]
+    fn replies_round_trip_compact_when_they_can() {
+        let get = Reply {
+            req_id: 9,
+            version: (1 << 56) - 1,
+            value_len: 64,
+            ..Reply::default()
+        };
+        let msg = get.encode(&[3; 64]);
+        assert_eq!(msg.len(), COMPACT_REPLY_LEN + 64);
+        assert_eq!(Reply::decode(&msg).unwrap(), (get, &[3u8; 64][..]));
+        // Anything a compact header cannot say takes the full one.
+        let full = [
+            Reply {
+                version: 1 << 56,
+                ..get
+            },
+            Reply {
+                req_id: 1 << 32,
+                ..get
+            },
+            Reply {
+                value_len: 1000,
+                ..get
+            },
+            Reply {
+                lease: 4,
+                remote: true,
+                addr: 8,
+                rkey: 2,
+                ..get
+            },
+            Reply::error(9, KvError::NotFound),
+        ];
+        for r in full {
+            let msg = r.encode(&[3; 64]);
+            assert_eq!(msg.len(), REPLY_LEN + 64, "{r:?}");
+            assert_eq!(Reply::decode(&msg).unwrap(), (r, &[3u8; 64][..]));
+        }
+        assert!(Reply::decode(&[COMPACT_REPLY_TAG; 11]).is_err());
+        assert!(Reply::decode(&[0; 12]).is_err());
     }
 
     #[test]

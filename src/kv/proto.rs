@@ -14,6 +14,14 @@ pub const REPLY_MAGIC: u32 = 0x3141_564b; // "KVA1"
 pub const REQUEST_LEN: usize = 56;
 pub const REPLY_LEN: usize = 56;
 
+/// First byte of a compact request: one whose only facts are its op, key,
+/// id and inline value (GET, DELETE, a plain small PUT). Its 8-byte header
+/// is the tag, the op, the key length in 2 bytes and the request id in 4;
+/// the value is the rest of the message. A full header starts with
+/// [`REQUEST_MAGIC`]'s low byte, which is not this one.
+const COMPACT_REQUEST_TAG: u8 = 0xb1;
+pub const COMPACT_REQUEST_LEN: usize = 8;
+
 /// First byte of a compact reply: a success whose only facts are the
 /// version and an inline payload (a small GET's value, a PUT's new
 /// version). Its 12-byte header is the tag, the version in 7 bytes and the
@@ -110,8 +118,24 @@ impl Request {
         }
     }
 
-    /// The header followed by `key` and `inline_value`.
+    /// The header (compact when it can say everything) followed by `key`
+    /// and `inline_value`.
     pub fn encode(&self, key: &[u8], inline_value: &[u8]) -> Vec<u8> {
+        let plain = self.source == Source::Inline
+            && self.cas.is_none()
+            && self.lease == 0
+            && self.value_len == inline_value.len() as u64;
+        if let (true, Ok(key_len), Ok(id)) =
+            (plain, u16::try_from(key.len()), u32::try_from(self.req_id))
+        {
+            let mut b = Vec::with_capacity(COMPACT_REQUEST_LEN + key.len() + inline_value.len());
+            b.extend_from_slice(&[COMPACT_REQUEST_TAG, self.op as u8]);
+            b.extend_from_slice(&key_len.to_le_bytes());
+            b.extend_from_slice(&id.to_le_bytes());
+            b.extend_from_slice(key);
+            b.extend_from_slice(inline_value);
+            return b;
+        }
         let mut b = Vec::with_capacity(REQUEST_LEN + key.len() + inline_value.len());
         let (src, a, c) = match self.source {
             Source::Inline => (SRC_INLINE, 0, 0),
@@ -155,6 +179,9 @@ impl Request {
     /// Parses a request; returns it with its key and inline value. Anything
     /// malformed is an error, never a panic.
     pub fn decode(msg: &[u8]) -> Result<(Request, &[u8], &[u8]), &'static str> {
+        if msg.first() == Some(&COMPACT_REQUEST_TAG) {
+            return Request::decode_compact(msg);
+        }
         if msg.len() < REQUEST_LEN {
             return Err("request shorter than its header");
         }
@@ -200,6 +227,26 @@ impl Request {
             lease: arg,
         };
         Ok((req, key, inline))
+    }
+
+    fn decode_compact(msg: &[u8]) -> Result<(Request, &[u8], &[u8]), &'static str> {
+        if msg.len() < COMPACT_REQUEST_LEN {
+            return Err("request shorter than its header");
+        }
+        let op = Op::from_u8(msg[1]).ok_or("unknown request opcode")?;
+        let key_len = u16::from_le_bytes([msg[2], msg[3]]);
+        let key_end = COMPACT_REQUEST_LEN + usize::from(key_len);
+        let key = msg
+            .get(COMPACT_REQUEST_LEN..key_end)
+            .ok_or("key runs past the message")?;
+        let rest = &msg[key_end..];
+        if op != Op::Write && !rest.is_empty() {
+            return Err("bytes after the key of a request that carries no value");
+        }
+        let mut req = Request::new(op, u64::from(u32_at(msg, 4)));
+        req.key_len = u32::from(key_len);
+        req.value_len = rest.len() as u64;
+        Ok((req, key, rest))
     }
 }
 
@@ -360,12 +407,27 @@ pub fn block_len(key_len: usize, value_len: usize) -> usize {
 /// key, and the value's own hash (so the value can be hashed before the
 /// version is known, outside any lock).
 fn block_checksum(head: &[u8], key: &[u8], value_hash: u64) -> u64 {
+    // Usual keys are hashed in one call from a stack copy: the streaming
+    // state costs more to set up than the few bytes cost to hash. Both ways
+    // give the same digest.
+    let mut short = [0u8; 24 + SHORT_KEY + 8];
+    let n = head.len() + key.len() + 8;
+    if n <= short.len() {
+        let (h, rest) = short.split_at_mut(head.len());
+        h.copy_from_slice(head);
+        rest[..key.len()].copy_from_slice(key);
+        rest[key.len()..key.len() + 8].copy_from_slice(&value_hash.to_le_bytes());
+        return xxh3_64(&short[..n]);
+    }
     let mut h = Xxh3::new();
     h.update(head);
     h.update(key);
     h.update(&value_hash.to_le_bytes());
     h.digest()
 }
+
+/// Keys up to this long take [`block_checksum`]'s one-call path.
+const SHORT_KEY: usize = 200;
 
 fn block_head(key_len: usize, value_len: usize, version: u64) -> [u8; 24] {
     let mut head = [0u8; 24];
@@ -537,12 +599,63 @@ mod tests {
     }
 
     #[test]
+    fn requests_are_compact_when_they_can_be() {
+        let mut put = Request::new(Op::Write, 7);
+        put.value_len = 64;
+        let msg = put.encode(&[1; 16], &[2; 64]);
+        assert_eq!(msg.len(), COMPACT_REQUEST_LEN + 16 + 64);
+        let (d, key, value) = Request::decode(&msg).unwrap();
+        assert_eq!(
+            (d.op, d.req_id, d.key_len, d.value_len, d.cas, key, value),
+            (Op::Write, 7, 16, 64, None, &[1u8; 16][..], &[2u8; 64][..])
+        );
+        let get = Request::new(Op::Get, u64::from(u32::MAX));
+        let msg = get.encode(b"key", &[]);
+        assert_eq!(msg.len(), COMPACT_REQUEST_LEN + 3);
+        assert_eq!(
+            Request::decode(&msg).unwrap().0,
+            Request { key_len: 3, ..get }
+        );
+        // What a compact header cannot say takes the full one.
+        let mut cas = put.clone();
+        cas.cas = Some(3);
+        let (release, more) = Request::release(&[5]);
+        let mut alloc = Request::new(Op::Alloc, 1);
+        alloc.value_len = 1 << 20;
+        for (r, key, value) in [
+            (cas, &[1u8; 16][..], &[2u8; 64][..]),
+            (Request::new(Op::Get, 1 << 32), b"key", &[]),
+            (Request::new(Op::Get, 1), &[0u8; 70_000][..], &[]),
+            (release, &more[..], &[]),
+            (alloc, b"key", &[]),
+        ] {
+            let msg = r.encode(key, value);
+            assert_eq!(msg.len(), REQUEST_LEN + key.len() + value.len(), "{r:?}");
+        }
+    }
+
+    #[test]
+    fn malformed_compact_requests_are_errors() {
+        let msg = Request::new(Op::Get, 1).encode(b"key", &[]);
+        assert!(Request::decode(&msg[..5]).is_err());
+        assert!(Request::decode(&msg[..10]).is_err()); // key cut short
+        let mut extra = msg.clone();
+        extra.push(0); // a GET carries no value
+        assert!(Request::decode(&extra).is_err());
+        let mut op = msg;
+        op[1] = 99;
+        assert!(Request::decode(&op).is_err());
+    }
+
+    #[test]
     fn malformed_requests_are_errors() {
         assert!(Request::decode(&[]).is_err());
-        let mut msg = Request::new(Op::Get, 1).encode(b"key", &[]);
+        // An id past 32 bits takes the full header.
+        let get = Request::new(Op::Get, 1 << 32);
+        let mut msg = get.encode(b"key", &[]);
         msg[16] = 200; // key length beyond the message
         assert!(Request::decode(&msg).is_err());
-        let mut msg = Request::new(Op::Get, 1).encode(b"key", &[]);
+        let mut msg = get.encode(b"key", &[]);
         msg[4] = 99;
         assert!(Request::decode(&msg).is_err());
         let mut w = Request::new(Op::Write, 1);
@@ -591,6 +704,19 @@ mod tests {
         }
         assert!(Reply::decode(&[COMPACT_REPLY_TAG; 11]).is_err());
         assert!(Reply::decode(&[0; 12]).is_err());
+    }
+
+    #[test]
+    fn block_checksums_agree_on_both_paths() {
+        let head = [5u8; 24];
+        for key_len in [0, 16, SHORT_KEY, SHORT_KEY + 1, 1024] {
+            let key = vec![9u8; key_len];
+            let mut h = Xxh3::new();
+            h.update(&head);
+            h.update(&key);
+            h.update(&77u64.to_le_bytes());
+            assert_eq!(block_checksum(&head, &key, 77), h.digest(), "{key_len}");
+        }
     }
 
     #[test]

@@ -371,7 +371,9 @@ impl Store {
         let hash = key_hash(key);
         let bucket = self.index.bucket_of(hash);
         let mut shard = self.shard(bucket);
-        let current = shard.items.get(key).map_or(0, |item| item.version);
+        // One lookup serves the CAS check and the update.
+        let existing = shard.items.get_mut(key);
+        let current = existing.as_ref().map_or(0, |item| item.version);
         if let Some(expected) = cas {
             if expected != current {
                 return Err(KvError::CasFailed { current });
@@ -388,7 +390,7 @@ impl Store {
             rkey: block.rkey,
         };
         let block = Arc::new(block);
-        match shard.items.get_mut(key) {
+        match existing {
             Some(item) => {
                 self.index.update(bucket, item.place, slot);
                 let old = std::mem::replace(&mut item.block, block);

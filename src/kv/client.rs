@@ -782,9 +782,20 @@ impl Client {
                 ops.push((b.addr + at as u64, remote, len as u32));
                 at += len;
             }
-            self.conn.read_sync_many(b.lkey, &ops)?;
+            // SAFETY: the guard waits for each READ before its block is
+            // looked at, and for all of them before the bounce lock is let go.
+            let mut reads = unsafe { self.conn.start_reads(b.lkey, &ops)? };
             let mut at = 0;
-            for ((i, _), &len) in group.iter().zip(&lens) {
+            // Each block is checked and copied out while the later ones are
+            // still being read.
+            for (n, ((i, _), &len)) in group.iter().zip(&lens).enumerate() {
+                if let Err(e) = reads.wait_through(n) {
+                    let e = KvError::from(e);
+                    for (j, _) in &group[n..] {
+                        results[*j] = Err(e.clone());
+                    }
+                    break;
+                }
                 results[*i] = verify_leased_block(b.at(at, len), keys[*i])
                     .map(|(version, value)| (copy::to_vec(value), version))
                     .ok_or_else(|| {

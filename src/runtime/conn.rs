@@ -67,6 +67,41 @@ fn thread_token() -> usize {
     THREAD_MARK.with(|m| m as *const u8 as usize)
 }
 
+/// READs posted by [`Connection::start_reads`], waited for in posting
+/// order; dropping it waits for the rest, so the device is done with the
+/// buffers before anyone else can use them.
+pub struct PendingReads<'a> {
+    conn: &'a Connection,
+    first: u64,
+    /// Operation ids below this are waited for.
+    done: u64,
+    end: u64,
+}
+
+impl PendingReads<'_> {
+    /// Waits for the READs up to the `i`-th (from 0; past the last: all).
+    /// An error if one of them failed (which also ends the connection).
+    pub fn wait_through(&mut self, i: usize) -> Result<()> {
+        let upto = self
+            .end
+            .min(self.first.saturating_add(i as u64).saturating_add(1));
+        if upto <= self.done {
+            return Ok(());
+        }
+        let ids = self.done..upto;
+        self.done = upto;
+        self.conn.wait_sync_ops(ids)
+    }
+}
+
+impl Drop for PendingReads<'_> {
+    fn drop(&mut self) {
+        // Errors were (or will be) reported to whoever waited; here only the
+        // buffers' release matters.
+        let _ = self.wait_through(usize::MAX);
+    }
+}
+
 /// Connection state, numbered as the legacy `RdmaConnState`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(i32)]
@@ -1239,14 +1274,39 @@ impl Connection {
     /// completed. `ops`: (local address, remote, length) each. An error if
     /// any failed (which also ends the connection).
     pub fn read_sync_many(&self, lkey: u32, ops: &[(u64, RemoteAddr, u32)]) -> Result<()> {
-        if ops.is_empty() {
-            return Ok(());
-        }
-        let ops = ops
+        // SAFETY: waited for before returning (and the guard is not leaked).
+        unsafe { self.start_reads(lkey, ops)? }.wait_through(usize::MAX)
+    }
+
+    /// Posts RDMA READs as [`Connection::read_sync_many`] does (one
+    /// doorbell) and returns without waiting; the guard waits for them one
+    /// by one, in order, so the first values can be used while the rest are
+    /// still in flight.
+    ///
+    /// # Safety
+    /// The local ranges belong to the device until their READ has been
+    /// waited for. The guard waits for all of them when dropped; it must not
+    /// be leaked (`mem::forget`).
+    pub unsafe fn start_reads(
+        &self,
+        lkey: u32,
+        ops: &[(u64, RemoteAddr, u32)],
+    ) -> Result<PendingReads<'_>> {
+        let checked = ops
             .iter()
             .map(|&(local, remote, len)| Ok((self.check_local(local, lkey, len)?, remote)))
             .collect::<Result<Vec<_>>>()?;
-        self.sync_ops(true, &ops)
+        let first = if checked.is_empty() {
+            0
+        } else {
+            self.post_one_sided(true, &checked, true)?
+        };
+        Ok(PendingReads {
+            conn: self,
+            first,
+            done: first,
+            end: first + checked.len() as u64,
+        })
     }
 
     /// RDMA WRITE that returns once its own completion arrived.
@@ -1274,7 +1334,11 @@ impl Connection {
 
     fn sync_ops(&self, read: bool, ops: &[(Sge, RemoteAddr)]) -> Result<()> {
         let first = self.post_one_sided(read, ops, true)?;
-        let ids = first..first + ops.len() as u64;
+        self.wait_sync_ops(first..first + ops.len() as u64)
+    }
+
+    /// Waits for the synchronous operations `ids` and forgets them.
+    fn wait_sync_ops(&self, ids: std::ops::Range<u64>) -> Result<()> {
         let result = self.wait_until(Instant::now() + SYNC_OP_TIMEOUT, |st| {
             let mut outcome = Ok(());
             for id in ids.clone() {

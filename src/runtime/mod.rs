@@ -20,7 +20,9 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-pub use conn::{ConnHandler, ConnKind, ConnState, Connection, PdProvider, WeakConnection};
+pub use conn::{
+    ConnHandler, ConnKind, ConnState, Connection, PdProvider, PendingReads, WeakConnection,
+};
 pub use listener::{AcceptHook, Listener};
 pub use options::{CommMode, Options, DEFAULT_RECV_BUF_LEN};
 

@@ -222,10 +222,37 @@ fn sync_read_and_write_move_the_bytes_and_a_wrong_rkey_fails() {
         .read_sync(addr_l + 8000, lkey, remote.at(0), 4096)
         .is_err());
     assert_eq!(conn.state(), ConnState::MrReady);
-    // A wrong rkey fails the operation (and, as RDMA does, the connection).
+    // READs started together are waited for one by one, in order; the
+    // guard waits for the rest when dropped.
+    for (i, byte) in [0xa1u8, 0xa2, 0xa3].into_iter().enumerate() {
+        let piece = addr_l + i as u64 * 1024;
+        unsafe { std::slice::from_raw_parts_mut(piece as *mut u8, 1024).fill(byte) };
+        conn.write_sync(piece, lkey, remote.at(i as u64 * 1024), 1024)
+            .unwrap();
+    }
+    let local = |i: u64| unsafe {
+        std::slice::from_raw_parts((addr_l + 4096 + i * 1024) as *const u8, 1024)
+    };
+    let ops: Vec<_> = (0..3u64)
+        .map(|i| (addr_l + 4096 + i * 1024, remote.at(i * 1024), 1024))
+        .collect();
+    let mut reads = unsafe { conn.start_reads(lkey, &ops) }.unwrap();
+    reads.wait_through(0).unwrap();
+    assert!(local(0).iter().all(|&b| b == 0xa1));
+    reads.wait_through(1).unwrap();
+    assert!(local(1).iter().all(|&b| b == 0xa2));
+    drop(reads);
+    assert!(local(2).iter().all(|&b| b == 0xa3));
+    // A wrong rkey fails its operation (and, as RDMA does, the connection);
+    // the READ before it still counts.
     let mut bad = remote.at(0);
     bad.rkey ^= 0x77;
-    assert!(conn.read_sync(addr_l, lkey, bad, 64).is_err());
+    let ops = [(addr_l + 4096, remote.at(0), 64), (addr_l, bad, 64)];
+    let mut reads = unsafe { conn.start_reads(lkey, &ops) }.unwrap();
+    assert!(reads.wait_through(0).is_ok());
+    assert!(reads.wait_through(1).is_err());
+    drop(reads);
+    assert!(conn.read_sync(addr_l, lkey, remote.at(0), 64).is_err());
     assert!(conn.send(b"x").is_err());
     assert!(conn.deregister(mr));
     assert!(!conn.deregister(mr));

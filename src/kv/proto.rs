@@ -121,6 +121,7 @@ impl Request {
     /// The header (compact when it can say everything) followed by `key`
     /// and `inline_value`.
     pub fn encode(&self, key: &[u8], inline_value: &[u8]) -> Vec<u8> {
+        let mut b = Vec::with_capacity(REQUEST_LEN + key.len() + inline_value.len());
         let plain = self.source == Source::Inline
             && self.cas.is_none()
             && self.lease == 0
@@ -128,15 +129,18 @@ impl Request {
         if let (true, Ok(key_len), Ok(id)) =
             (plain, u16::try_from(key.len()), u32::try_from(self.req_id))
         {
-            let mut b = Vec::with_capacity(COMPACT_REQUEST_LEN + key.len() + inline_value.len());
             b.extend_from_slice(&[COMPACT_REQUEST_TAG, self.op as u8]);
             b.extend_from_slice(&key_len.to_le_bytes());
             b.extend_from_slice(&id.to_le_bytes());
-            b.extend_from_slice(key);
-            b.extend_from_slice(inline_value);
-            return b;
+        } else {
+            self.encode_full_header(key.len(), &mut b);
         }
-        let mut b = Vec::with_capacity(REQUEST_LEN + key.len() + inline_value.len());
+        b.extend_from_slice(key);
+        b.extend_from_slice(inline_value);
+        b
+    }
+
+    fn encode_full_header(&self, key_len: usize, b: &mut Vec<u8>) {
         let (src, a, c) = match self.source {
             Source::Inline => (SRC_INLINE, 0, 0),
             Source::Staged { offset, checksum } => (SRC_STAGED, offset, checksum),
@@ -148,16 +152,13 @@ impl Request {
         b.push(src);
         b.push(0);
         b.extend_from_slice(&self.req_id.to_le_bytes());
-        b.extend_from_slice(&(key.len() as u32).to_le_bytes());
+        b.extend_from_slice(&(key_len as u32).to_le_bytes());
         b.extend_from_slice(&[0; 4]);
         b.extend_from_slice(&self.value_len.to_le_bytes());
         b.extend_from_slice(&self.cas.unwrap_or(self.lease).to_le_bytes());
         b.extend_from_slice(&a.to_le_bytes());
         b.extend_from_slice(&c.to_le_bytes());
         debug_assert_eq!(b.len(), REQUEST_LEN);
-        b.extend_from_slice(key);
-        b.extend_from_slice(inline_value);
-        b
     }
 
     /// A release of `leases` (at least one): the first in the header, the
@@ -286,25 +287,23 @@ impl Reply {
 
     /// The header (compact when it fits) followed by `payload`.
     pub fn encode(&self, payload: &[u8]) -> Vec<u8> {
+        let mut b = Vec::with_capacity(REPLY_LEN + payload.len());
         if self.fits_compact(payload) {
-            let mut b = Vec::with_capacity(COMPACT_REPLY_LEN + payload.len());
             b.extend_from_slice(
                 &((self.version << 8) | u64::from(COMPACT_REPLY_TAG)).to_le_bytes(),
             );
             b.extend_from_slice(&(self.req_id as u32).to_le_bytes());
-            b.extend_from_slice(payload);
-            return b;
+        } else {
+            b.extend_from_slice(&REPLY_MAGIC.to_le_bytes());
+            b.extend_from_slice(&self.status.to_le_bytes());
+            b.extend_from_slice(&self.req_id.to_le_bytes());
+            b.extend_from_slice(&self.version.to_le_bytes());
+            b.extend_from_slice(&self.value_len.to_le_bytes());
+            b.extend_from_slice(&self.addr.to_le_bytes());
+            b.extend_from_slice(&self.rkey.to_le_bytes());
+            b.extend_from_slice(&u32::from(self.remote).to_le_bytes());
+            b.extend_from_slice(&self.lease.to_le_bytes());
         }
-        let mut b = Vec::with_capacity(REPLY_LEN + payload.len());
-        b.extend_from_slice(&REPLY_MAGIC.to_le_bytes());
-        b.extend_from_slice(&self.status.to_le_bytes());
-        b.extend_from_slice(&self.req_id.to_le_bytes());
-        b.extend_from_slice(&self.version.to_le_bytes());
-        b.extend_from_slice(&self.value_len.to_le_bytes());
-        b.extend_from_slice(&self.addr.to_le_bytes());
-        b.extend_from_slice(&self.rkey.to_le_bytes());
-        b.extend_from_slice(&u32::from(self.remote).to_le_bytes());
-        b.extend_from_slice(&self.lease.to_le_bytes());
         b.extend_from_slice(payload);
         b
     }

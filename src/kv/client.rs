@@ -12,11 +12,11 @@ use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use crate::copy;
-use crate::runtime::{CommMode, ConnHandler, Connection, Options};
+use crate::runtime::{CommMode, ConnHandler, Connection, Options, PendingReads};
 use crate::verbs::RemoteAddr;
 
 use super::pool::SLAB_PAGE;
@@ -39,8 +39,8 @@ const BATCH_WINDOW: usize = 64;
 /// Leases one release message ends at most (1 KiB of them after the
 /// header), so a batch ends its leases in one message, not one per value.
 const RELEASES_PER_MESSAGE: usize = 128;
-/// Bytes of a batch's values READ with one doorbell (larger values are
-/// read alone).
+/// The bounce buffer a batch's values are READ into side by side, and the
+/// largest value read that way (a larger one is read alone).
 const GROUP_BYTES: usize = 4 << 20;
 /// Staged values of a batch start at multiples of this in the request
 /// buffer.
@@ -187,6 +187,105 @@ struct Staged {
     remote: RemoteAddr,
     len: usize,
 }
+
+/// The locked bounce buffer; a buffer over [`KEEP_BOUNCE`] is freed when
+/// the guard goes.
+struct BounceGuard<'c> {
+    slot: MutexGuard<'c, Option<Bounce>>,
+    conn: &'c Connection,
+}
+
+impl std::ops::Deref for BounceGuard<'_> {
+    type Target = Bounce;
+    fn deref(&self) -> &Bounce {
+        self.slot.as_ref().expect("bounce buffer")
+    }
+}
+
+impl std::ops::DerefMut for BounceGuard<'_> {
+    fn deref_mut(&mut self) -> &mut Bounce {
+        self.slot.as_mut().expect("bounce buffer")
+    }
+}
+
+impl Drop for BounceGuard<'_> {
+    fn drop(&mut self) {
+        if self.slot.as_ref().is_some_and(|b| b.len > KEEP_BOUNCE) {
+            if let Some(big) = self.slot.take() {
+                self.conn.deregister(big.raw);
+            }
+        }
+    }
+}
+
+/// A batch's leased blocks being READ side by side into the bounce buffer,
+/// each as soon as its reply is in, so the server answers the batch's later
+/// requests while the earlier values move.
+struct BlockReads<'c> {
+    client: &'c Client,
+    /// Key index, offset in the bounce buffer, block length, and the READ
+    /// (declared before `bounce`: dropped, so waited for, first).
+    pending: Vec<(usize, usize, usize, PendingReads<'c>)>,
+    leases: Vec<u64>,
+    used: usize,
+    bounce: BounceGuard<'c>,
+}
+
+impl BlockReads<'_> {
+    /// Starts the READ of `keys[i]`'s block, after finishing the earlier
+    /// ones when the buffer is full. Its result lands in `results[i]`, now
+    /// if posting fails, otherwise at [`BlockReads::finish`].
+    fn start(&mut self, keys: &[&[u8]], i: usize, reply: &Reply, results: &mut [GetResult]) {
+        let len = block_len(keys[i].len(), reply.value_len as usize);
+        if self.used + len > self.bounce.len {
+            self.finish(keys, results);
+        }
+        self.leases.push(reply.lease);
+        let remote = RemoteAddr {
+            addr: reply.addr,
+            rkey: reply.rkey,
+        };
+        let local = self.bounce.addr + self.used as u64;
+        // SAFETY: the range is looked at only after `finish` has waited for
+        // its READ, and the guard is dropped before the bounce lock is let go
+        // (field order).
+        let read = unsafe {
+            self.client
+                .conn
+                .start_reads(self.bounce.lkey, &[(local, remote, len as u32)])
+        };
+        match read {
+            Ok(read) => {
+                self.pending.push((i, self.used, len, read));
+                self.used += len;
+            }
+            Err(e) => results[i] = Err(e.into()),
+        }
+    }
+
+    /// Waits for the READs in order, verifies and copies out each value
+    /// (the later READs still in flight), and ends the leases.
+    fn finish(&mut self, keys: &[&[u8]], results: &mut [GetResult]) {
+        for (i, at, len, mut read) in self.pending.drain(..) {
+            results[i] = match read.wait_through(0) {
+                Err(e) => Err(e.into()),
+                Ok(()) => verify_leased_block(self.bounce.at(at, len), keys[i])
+                    .map(|(version, value)| (copy::to_vec(value), version))
+                    .ok_or_else(|| {
+                        KvError::Internal(
+                            "the value read from the server failed verification".into(),
+                        )
+                    }),
+            };
+        }
+        self.client.release_all(&self.leases);
+        self.leases.clear();
+        self.used = 0;
+    }
+}
+
+/// One key's answer in a batch: the value and its version.
+type GetResult = Result<(Vec<u8>, u64)>;
 
 /// A connection to a key-value server.
 pub struct Client {
@@ -362,8 +461,9 @@ impl Client {
         Ok((reply, payload))
     }
 
-    /// Runs `f` with the bounce buffer grown to at least `len` bytes.
-    fn with_bounce<T>(&self, len: usize, f: impl FnOnce(&mut Bounce) -> Result<T>) -> Result<T> {
+    /// The bounce buffer, grown to at least `len` bytes, locked until the
+    /// guard is dropped.
+    fn lock_bounce(&self, len: usize) -> Result<BounceGuard<'_>> {
         let mut slot = self.bounce.lock().expect("bounce lock");
         if slot.as_ref().is_none_or(|b| b.len < len) {
             if let Some(old) = slot.take() {
@@ -380,14 +480,16 @@ impl Client {
                 lkey,
             });
         }
-        let bounce = slot.as_mut().expect("bounce buffer");
-        let result = f(bounce);
-        if bounce.len > KEEP_BOUNCE {
-            if let Some(big) = slot.take() {
-                self.conn.deregister(big.raw);
-            }
-        }
-        result
+        Ok(BounceGuard {
+            slot,
+            conn: &self.conn,
+        })
+    }
+
+    /// Runs `f` with the bounce buffer grown to at least `len` bytes.
+    fn with_bounce<T>(&self, len: usize, f: impl FnOnce(&mut Bounce) -> Result<T>) -> Result<T> {
+        let mut bounce = self.lock_bounce(len)?;
+        f(&mut bounce)
     }
 
     /// Moves `len` bytes between the bounce buffer (from `local`) and the
@@ -698,122 +800,77 @@ impl Client {
     }
 
     /// GETs several keys with up to 64 requests in flight; one result per
-    /// key, in order. Values read by RDMA are READ together, several in
-    /// flight, once their chunk's replies are in.
-    pub fn batch_get(&self, keys: &[&[u8]]) -> Vec<Result<(Vec<u8>, u64)>> {
+    /// key, in order. A value the server leases is READ as soon as its
+    /// reply is in, while the later replies are still coming; up to the
+    /// bounce buffer's size of them are in flight, and a value larger than
+    /// [`GROUP_BYTES`] is read alone at the end of its chunk.
+    pub fn batch_get(&self, keys: &[&[u8]]) -> Vec<GetResult> {
         let mut results = Vec::with_capacity(keys.len());
         // A chunk at a time, so the server holds at most a chunk's leases
         // for us.
         for chunk in keys.chunks(BATCH_WINDOW) {
-            let mut remote = Vec::new();
-            let found = self.pipelined(
-                chunk.len(),
-                BATCH_WINDOW,
-                |i| {
-                    check_key(chunk[i])?;
-                    self.send(Request::new(Op::Get, 0), chunk[i], &[])
-                },
-                |i, reply, payload| {
-                    if !reply.remote {
-                        return Ok((payload, reply.version));
-                    }
-                    remote.push((i, reply));
-                    // Replaced below, once the value is read.
-                    Err(KvError::Internal("not read yet".into()))
-                },
-            );
+            let ids: Vec<Result<u64>> = chunk
+                .iter()
+                .map(|key| {
+                    check_key(key)?;
+                    self.send(Request::new(Op::Get, 0), key, &[])
+                })
+                .collect();
             let base = results.len();
-            results.extend(found);
-            self.fetch_many(chunk, remote, &mut results[base..]);
+            // Every slot is filled below; this only stands in meanwhile.
+            results.resize_with(base + chunk.len(), || {
+                Err(KvError::Internal("no answer for this key".into()))
+            });
+            let out = &mut results[base..];
+            let mut reads: Option<BlockReads> = None;
+            let mut alone = Vec::new();
+            for (i, id) in ids.iter().enumerate() {
+                let reply = self.collect(i, id, &mut |_, reply, payload| Ok((reply, payload)));
+                let reply = match reply {
+                    Ok((reply, payload)) if !reply.remote => {
+                        out[i] = Ok((payload, reply.version));
+                        continue;
+                    }
+                    Ok((reply, _)) => reply,
+                    Err(e) => {
+                        out[i] = Err(e);
+                        continue;
+                    }
+                };
+                if block_len(chunk[i].len(), reply.value_len as usize) > GROUP_BYTES {
+                    alone.push((i, reply));
+                    continue;
+                }
+                if reads.is_none() {
+                    match self.lock_bounce(GROUP_BYTES) {
+                        Ok(bounce) => {
+                            reads = Some(BlockReads {
+                                client: self,
+                                pending: Vec::new(),
+                                leases: Vec::new(),
+                                used: 0,
+                                bounce,
+                            })
+                        }
+                        Err(e) => {
+                            out[i] = Err(e);
+                            self.release(reply.lease);
+                            continue;
+                        }
+                    }
+                }
+                if let Some(r) = reads.as_mut() {
+                    r.start(chunk, i, &reply, out);
+                }
+            }
+            if let Some(mut r) = reads {
+                r.finish(chunk, out);
+            }
+            for (i, reply) in alone {
+                out[i] = self.fetch(chunk[i], &reply, copy::to_vec);
+            }
         }
         results
-    }
-
-    /// READs the leased blocks of `keys[i]` for each `(i, reply)`, up to
-    /// [`GROUP_BYTES`] in flight, into `results[i]`, and ends the leases.
-    fn fetch_many(
-        &self,
-        keys: &[&[u8]],
-        leased: Vec<(usize, Reply)>,
-        results: &mut [Result<(Vec<u8>, u64)>],
-    ) {
-        let mut group: Vec<(usize, Reply)> = Vec::new();
-        let mut bytes = 0;
-        for (i, reply) in leased {
-            let len = block_len(keys[i].len(), reply.value_len as usize);
-            if len > GROUP_BYTES {
-                results[i] = self.fetch(keys[i], &reply, copy::to_vec);
-                continue;
-            }
-            if bytes + len > GROUP_BYTES {
-                self.read_group(keys, &group, results);
-                group.clear();
-                bytes = 0;
-            }
-            group.push((i, reply));
-            bytes += len;
-        }
-        self.read_group(keys, &group, results);
-    }
-
-    /// One doorbell of READs for the blocks of `group`, side by side in the
-    /// bounce buffer; each is verified into `results[i]`.
-    fn read_group(
-        &self,
-        keys: &[&[u8]],
-        group: &[(usize, Reply)],
-        results: &mut [Result<(Vec<u8>, u64)>],
-    ) {
-        if group.is_empty() {
-            return;
-        }
-        let lens: Vec<usize> = group
-            .iter()
-            .map(|(i, r)| block_len(keys[*i].len(), r.value_len as usize))
-            .collect();
-        let read = self.with_bounce(lens.iter().sum(), |b| {
-            let mut ops = Vec::with_capacity(group.len());
-            let mut at = 0;
-            for ((_, reply), &len) in group.iter().zip(&lens) {
-                let remote = RemoteAddr {
-                    addr: reply.addr,
-                    rkey: reply.rkey,
-                };
-                ops.push((b.addr + at as u64, remote, len as u32));
-                at += len;
-            }
-            // SAFETY: the guard waits for each READ before its block is
-            // looked at, and for all of them before the bounce lock is let go.
-            let mut reads = unsafe { self.conn.start_reads(b.lkey, &ops)? };
-            let mut at = 0;
-            // Each block is checked and copied out while the later ones are
-            // still being read.
-            for (n, ((i, _), &len)) in group.iter().zip(&lens).enumerate() {
-                if let Err(e) = reads.wait_through(n) {
-                    let e = KvError::from(e);
-                    for (j, _) in &group[n..] {
-                        results[*j] = Err(e.clone());
-                    }
-                    break;
-                }
-                results[*i] = verify_leased_block(b.at(at, len), keys[*i])
-                    .map(|(version, value)| (copy::to_vec(value), version))
-                    .ok_or_else(|| {
-                        KvError::Internal(
-                            "the value read from the server failed verification".into(),
-                        )
-                    });
-                at += len;
-            }
-            Ok(())
-        });
-        let leases: Vec<u64> = group.iter().map(|(_, reply)| reply.lease).collect();
-        self.release_all(&leases);
-        if let Err(e) = read {
-            for (i, _) in group {
-                results[*i] = Err(e.clone());
-            }
-        }
     }
 
     /// PUTs several pairs; one result (the new version) per pair, in order.

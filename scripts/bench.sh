@@ -71,6 +71,8 @@ for rep in $(seq 1 "$reps"); do
     record kv_onesided_lat snowrdma "$(ours kv-one-sided-lat -s 64 -n 1000)"
     record kv_get_bw reference "$(perftest 4 ib_read_bw -s 65536 -n 500)"
     record kv_get_bw snowrdma "$(ours kv-get-bw -s 65536 -n 500)"
+    record kv_onesided_get_bw reference "$(perftest 4 ib_read_bw -s 65536 -n 500)"
+    record kv_onesided_get_bw snowrdma "$(ours kv-one-sided-get-bw -s 65536 -n 500)"
     record kv_put_bw reference "$(perftest 4 ib_write_bw -s 65536 -n 500)"
     record kv_put_bw snowrdma "$(ours kv-put-bw -s 65536 -n 500)"
     record kv_mix reference "$(perftest 5 ib_send_bw -s 64 -n 20000)"

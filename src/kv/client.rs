@@ -19,21 +19,21 @@ use crate::copy;
 use crate::runtime::{CommMode, ConnHandler, Connection, Options, PendingReads};
 use crate::verbs::RemoteAddr;
 
-use super::pool::SLAB_PAGE;
 use super::proto::{
-    block_len, decode_bucket, is_inline, key_hash, value_checksum, verify_block,
-    verify_leased_block, Op, Reply, Request, ServerInfo, Source, BLOCK_HEADER_LEN, BUCKET_LEN,
+    block_len, is_inline, value_checksum, verify_leased_block, Op, Reply, Request, ServerInfo,
+    Source,
 };
 use super::{check_key, ConnMode, KvError, Result, TIMEOUT_ENV};
+
+mod one_sided;
+
+use one_sided::Locations;
 
 /// Largest single RDMA READ or WRITE: keeps every one well inside the
 /// runtime's per-operation time bound even on a slow link.
 const MAX_TRANSFER: usize = 16 << 20;
 /// Bounce buffer kept between calls; larger ones are freed after use.
 const KEEP_BOUNCE: usize = 64 << 20;
-/// One-sided lookups retried this often (a torn read) before asking the
-/// server.
-const ONE_SIDED_TRIES: usize = 8;
 /// Requests of a batch in flight at once.
 const BATCH_WINDOW: usize = 64;
 /// Leases one release message ends at most (1 KiB of them after the
@@ -126,19 +126,6 @@ impl ConnHandler for ReplyHandler {
         self.0.dead.store(true, Ordering::Release);
     }
 }
-
-/// Where a key's block sat in the server's pool when last read.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct Location {
-    addr: u64,
-    /// At most a slab page (checked before it is remembered).
-    len: u64,
-}
-
-/// Keys whose location a client remembers; past this the memory is dropped
-/// and refilled (a bound, not a policy: one-sided GETs of a working set
-/// larger than this take two round trips).
-const MAX_LOCATIONS: usize = 4096;
 
 /// Registered memory large values pass through.
 struct Bounce {
@@ -295,7 +282,7 @@ pub struct Client {
     next_id: AtomicU64,
     bounce: Mutex<Option<Bounce>>,
     /// Where each key's block was last found by a one-sided GET.
-    locations: Mutex<HashMap<Vec<u8>, Location>>,
+    locations: Mutex<Locations>,
     timeout: Duration,
 }
 
@@ -336,7 +323,7 @@ impl Client {
             info: ServerInfo::default(),
             next_id: AtomicU64::new(1),
             bounce: Mutex::new(None),
-            locations: Mutex::new(HashMap::new()),
+            locations: Mutex::new(Locations::new()),
             timeout: opts.timeout,
         };
         let (_, payload) = client.call(Request::new(Op::Hello, 0), &[], &[], 0)?;
@@ -628,109 +615,6 @@ impl Client {
         }
     }
 
-    /// A GET without the server's CPU: READs the key's index bucket, then
-    /// the block it points at, and verifies what it read (key, length,
-    /// checksum). A torn or recycled read is retried; a key in the bucket's
-    /// overflow, or a value outside the slab pool, is asked of the server.
-    pub fn get_one_sided(&self, key: &[u8]) -> Result<(Vec<u8>, u64)> {
-        check_key(key)?;
-        let hash = key_hash(key);
-        let bucket = hash % self.info.buckets.max(1);
-        let index = RemoteAddr {
-            addr: self.info.index_addr + bucket * BUCKET_LEN as u64,
-            rkey: self.info.index_rkey,
-        };
-        let known = self
-            .locations
-            .lock()
-            .expect("location lock")
-            .get(key)
-            .copied();
-        if let Some(at) = known {
-            if let Some(found) = self.read_known(key, at)? {
-                return Ok(found);
-            }
-        }
-        for _ in 0..ONE_SIDED_TRIES {
-            // Room for the bucket and for any block of the pool.
-            let step = self.with_bounce(SLAB_PAGE, |b| {
-                self.transfer(true, b, 0, index, BUCKET_LEN)?;
-                let (overflow, slots) = decode_bucket(b.bytes(BUCKET_LEN));
-                let mut torn = false;
-                for slot in slots.iter().filter(|s| s.tag == hash) {
-                    if slot.rkey != self.info.pool_rkey {
-                        return Ok(OneSided::AskServer);
-                    }
-                    let len = slot.len as usize;
-                    if !(BLOCK_HEADER_LEN + key.len()..=SLAB_PAGE).contains(&len) {
-                        torn = true;
-                        continue;
-                    }
-                    self.transfer(
-                        true,
-                        b,
-                        0,
-                        RemoteAddr {
-                            addr: slot.addr,
-                            rkey: slot.rkey,
-                        },
-                        len,
-                    )?;
-                    match verify_block(b.bytes(len), key) {
-                        Some((version, value)) => {
-                            self.remember(key, slot.addr, slot.len);
-                            return Ok(OneSided::Found(copy::to_vec(value), version));
-                        }
-                        None => torn = true,
-                    }
-                }
-                Ok(if torn {
-                    OneSided::Retry
-                } else if overflow > 0 {
-                    OneSided::AskServer
-                } else {
-                    OneSided::Missing
-                })
-            })?;
-            match step {
-                OneSided::Found(v, version) => return Ok((v, version)),
-                OneSided::Missing => {
-                    self.locations.lock().expect("location lock").remove(key);
-                    return Err(KvError::NotFound);
-                }
-                OneSided::AskServer => break,
-                OneSided::Retry => continue,
-            }
-        }
-        self.get(key)
-    }
-
-    /// A one-sided GET where the key's block was last seen at `at`: one READ
-    /// of that block, which counts only if it verifies as the key's current
-    /// value (the server marks a block superseded before it answers the
-    /// write or delete that replaced it, so nothing older than the two-step
-    /// lookup could return is taken). `None`: it moved, look it up.
-    fn read_known(&self, key: &[u8], at: Location) -> Result<Option<(Vec<u8>, u64)>> {
-        let len = at.len as usize;
-        self.with_bounce(len, |b| {
-            let remote = RemoteAddr {
-                addr: at.addr,
-                rkey: self.info.pool_rkey,
-            };
-            self.transfer(true, b, 0, remote, len)?;
-            Ok(verify_block(b.bytes(len), key)
-                .map(|(version, value)| (copy::to_vec(value), version)))
-        })
-    }
-
-    fn remember(&self, key: &[u8], addr: u64, len: u64) {
-        let mut known = self.locations.lock().expect("location lock");
-        if known.len() >= MAX_LOCATIONS && !known.contains_key(key) {
-            known.clear();
-        }
-        known.insert(key.to_vec(), Location { addr, len });
-    }
-
     /// Stores `value` under `key`; returns the new version.
     pub fn put(&self, key: &[u8], value: &[u8]) -> Result<u64> {
         self.write(key, value, None)
@@ -1007,13 +891,6 @@ impl Drop for Client {
     fn drop(&mut self) {
         self.conn.close();
     }
-}
-
-enum OneSided {
-    Found(Vec<u8>, u64),
-    Missing,
-    AskServer,
-    Retry,
 }
 
 /// The error a reply reports, if any.

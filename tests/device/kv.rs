@@ -129,6 +129,26 @@ fn all_ops_at_all_sizes(huge: bool, mode: ConnMode) {
     for (r, v) in c.batch_get(&key_refs).into_iter().zip(&values) {
         assert_eq!(&r.unwrap().0, v);
     }
+    // One-sided: first through the index buckets, then from the remembered
+    // blocks; after some keys change, their old blocks no longer count.
+    for _ in 0..2 {
+        for (r, v) in c.batch_get_one_sided(&key_refs).into_iter().zip(&values) {
+            assert_eq!(r.unwrap(), (v.clone(), 1));
+        }
+    }
+    let changed: Vec<Vec<u8>> = (0..200)
+        .map(|i| pattern(i * 53 % 9000, i as u8 + 1))
+        .collect();
+    for i in (0..200).step_by(3) {
+        assert_eq!(c.put(key_refs[i], &changed[i]).unwrap(), 2);
+    }
+    for (i, r) in c.batch_get_one_sided(&key_refs).into_iter().enumerate() {
+        let want = match i % 3 {
+            0 => (changed[i].clone(), 2),
+            _ => (values[i].clone(), 1),
+        };
+        assert_eq!(r.unwrap(), want, "key {i} after some changed");
+    }
     // A key written twice in one batch ends with its last value, whichever
     // way each value travels: inside the request, staged in the request
     // buffer (64 KiB, several in flight), or into a server-made target
@@ -155,10 +175,25 @@ fn all_ops_at_all_sizes(huge: bool, mode: ConnMode) {
     ]);
     assert_eq!(got[0], Ok((big.clone(), 2)));
     assert_eq!(got[1], Err(KvError::NotFound));
+    assert_eq!(got[2], Ok((alone.clone(), 1)));
+    assert_eq!(got[3], Ok((b"small".to_vec(), 2)));
+    assert_eq!(got[4], Ok((mid.clone(), 2)));
+    assert_eq!(got[5], Ok((big.clone(), 2)));
+    // Blocks outside the slab pool (over 2 MiB) are left to the server.
+    let got = c.batch_get_one_sided(&[
+        b"twice-c",
+        b"missing",
+        b"alone",
+        b"twice-a",
+        b"twice-b",
+        &[b'k'; 1025],
+    ]);
+    assert_eq!(got[0], Ok((big, 2)));
+    assert_eq!(got[1], Err(KvError::NotFound));
     assert_eq!(got[2], Ok((alone, 1)));
     assert_eq!(got[3], Ok((b"small".to_vec(), 2)));
     assert_eq!(got[4], Ok((mid.clone(), 2)));
-    assert_eq!(got[5], Ok((big, 2)));
+    assert_eq!(got[5], Err(KvError::KeyTooLong));
 
     // A batch ends its leases in one message: once the keys are deleted,
     // their blocks go back to the pool while this client stays connected.
@@ -310,7 +345,13 @@ fn kv_one_sided_gets_never_see_torn_values() {
     let mut seen = 0;
     let mut newest = 0;
     while !writer.is_finished() {
-        match c.get_one_sided(b"hot") {
+        // Alternately the single and the batched one-sided GET.
+        let got = if seen % 2 == 0 {
+            c.get_one_sided(b"hot")
+        } else {
+            c.batch_get_one_sided(&[b"hot"]).remove(0)
+        };
+        match got {
             Ok((v, version)) => {
                 let round = v[0];
                 assert!(v.iter().all(|&b| b == round), "a torn value");

@@ -1,0 +1,354 @@
+//! GETs without the server's CPU: the client READs the key's index bucket,
+//! then the block it points at, and takes the value only if the block
+//! verifies as the key's current value (key, length, checksum, and not
+//! superseded). Where a key's block was found is remembered, so the next
+//! GET of it is one READ.
+
+use std::collections::HashMap;
+
+use crate::copy;
+use crate::verbs::RemoteAddr;
+
+use super::{BounceGuard, Client, GetResult, BATCH_WINDOW, GROUP_BYTES};
+use crate::kv::pool::SLAB_PAGE;
+use crate::kv::proto::{decode_bucket, key_hash, verify_block, BLOCK_HEADER_LEN, BUCKET_LEN};
+use crate::kv::{check_key, KvError, Result};
+
+/// One-sided lookups retried this often (a torn read) before asking the
+/// server.
+const ONE_SIDED_TRIES: usize = 8;
+
+/// Keys whose location a client remembers; past this the memory is dropped
+/// and refilled (a bound, not a policy: one-sided GETs of a working set
+/// larger than this take two round trips).
+const MAX_LOCATIONS: usize = 4096;
+
+/// Where a key's block sat in the server's pool when last read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Location {
+    addr: u64,
+    /// At most a slab page (checked before it is remembered).
+    len: u64,
+}
+
+pub(super) type Locations = HashMap<Vec<u8>, Location>;
+
+/// What a key's index bucket says about it.
+enum InBucket {
+    /// Blocks in the pool that may hold the key (its hash tag, a plausible
+    /// length).
+    Maybe(Vec<Location>),
+    /// Not in the index (no slot has its tag and nothing overflowed).
+    Missing,
+    /// A slot with its tag held nonsense: a torn read of the bucket.
+    Torn,
+    /// In the bucket's overflow, or in a block outside the pool: only the
+    /// server can answer.
+    AskServer,
+}
+
+impl Client {
+    /// A GET without the server's CPU: READs the key's index bucket, then
+    /// the block it points at, and verifies what it read (key, length,
+    /// checksum). A torn or recycled read is retried; a key in the bucket's
+    /// overflow, or a value outside the slab pool, is asked of the server.
+    pub fn get_one_sided(&self, key: &[u8]) -> Result<(Vec<u8>, u64)> {
+        check_key(key)?;
+        let hash = key_hash(key);
+        if let Some(at) = self.known_location(key) {
+            if let Some(found) = self.read_known(key, at)? {
+                return Ok(found);
+            }
+        }
+        for _ in 0..ONE_SIDED_TRIES {
+            // Room for the bucket and for any block of the pool.
+            let mut b = self.lock_bounce(SLAB_PAGE)?;
+            self.transfer(true, &b, 0, self.bucket_of(hash), BUCKET_LEN)?;
+            match self.look_in_bucket(b.bytes(BUCKET_LEN), key, hash) {
+                InBucket::Missing => {
+                    self.forget(key);
+                    return Err(KvError::NotFound);
+                }
+                InBucket::AskServer => break,
+                InBucket::Torn => continue,
+                InBucket::Maybe(places) => {
+                    for at in places {
+                        if let Some(found) = self.read_at(&mut b, key, at)? {
+                            return Ok(found);
+                        }
+                    }
+                }
+            }
+        }
+        self.get(key)
+    }
+
+    /// GETs several keys as [`Client::get_one_sided`] does, up to 64 at a
+    /// time: the buckets of the keys whose block is not remembered are READ
+    /// together, then the blocks, each verified as it arrives while the
+    /// later ones are still in flight. A remembered block that moved is
+    /// looked up again; what the index cannot answer at once (a torn read,
+    /// a key in overflow or outside the pool) is GET from the server in one
+    /// [`Client::batch_get`]. One result per key, in order.
+    pub fn batch_get_one_sided(&self, keys: &[&[u8]]) -> Vec<GetResult> {
+        let mut results = Vec::with_capacity(keys.len());
+        let mut valid = Vec::with_capacity(keys.len());
+        for (i, key) in keys.iter().enumerate() {
+            results.push(check_key(key).and_then(|()| {
+                valid.push(i);
+                // Filled below; this only stands in meanwhile.
+                Err(KvError::Internal("no answer for this key".into()))
+            }));
+        }
+        let mut ask_server = Vec::new();
+        for chunk in valid.chunks(BATCH_WINDOW) {
+            if let Err(e) = self.one_sided_chunk(keys, chunk, &mut results, &mut ask_server) {
+                for &i in chunk {
+                    results[i] = Err(e.clone());
+                }
+            }
+        }
+        if !ask_server.is_empty() {
+            let server_keys: Vec<&[u8]> = ask_server.iter().map(|&i| keys[i]).collect();
+            for (i, r) in ask_server.into_iter().zip(self.batch_get(&server_keys)) {
+                results[i] = r;
+            }
+        }
+        results
+    }
+
+    /// [`Client::batch_get_one_sided`] for the keys `chunk` (indexes into
+    /// `keys`); the keys it leaves to the server go to `ask_server`. An
+    /// error here is one for the whole chunk (the connection failed).
+    fn one_sided_chunk(
+        &self,
+        keys: &[&[u8]],
+        chunk: &[usize],
+        results: &mut [GetResult],
+        ask_server: &mut Vec<usize>,
+    ) -> Result<()> {
+        let mut bounce = self.lock_bounce(GROUP_BYTES)?;
+        let mut reads: Vec<(usize, Location, bool)> = Vec::with_capacity(chunk.len());
+        let mut unknown = Vec::new();
+        {
+            let known = self.locations.lock().expect("location lock");
+            for &i in chunk {
+                match known.get(keys[i]) {
+                    Some(&at) => reads.push((i, at, true)),
+                    None => unknown.push(i),
+                }
+            }
+        }
+        // Two rounds at most: the remembered blocks with the buckets of the
+        // other keys, then the buckets of the keys whose block had moved.
+        for _ in 0..2 {
+            self.find_blocks(&mut bounce, keys, &unknown, &mut reads, results, ask_server)?;
+            unknown.clear();
+            let moved = self.read_blocks(&mut bounce, keys, &reads, results)?;
+            reads.clear();
+            for (i, remembered) in moved {
+                if remembered {
+                    self.forget(keys[i]);
+                    unknown.push(i);
+                } else {
+                    ask_server.push(i);
+                }
+            }
+            if unknown.is_empty() {
+                return Ok(());
+            }
+        }
+        ask_server.append(&mut unknown);
+        Ok(())
+    }
+
+    /// READs the index buckets of `keys[i]` for each `i` in `unknown` (one
+    /// doorbell) and adds the block each points at to `reads`; a missing
+    /// key's result becomes not-found, and what the bucket cannot answer
+    /// goes to `ask_server`.
+    fn find_blocks(
+        &self,
+        bounce: &mut BounceGuard<'_>,
+        keys: &[&[u8]],
+        unknown: &[usize],
+        reads: &mut Vec<(usize, Location, bool)>,
+        results: &mut [GetResult],
+        ask_server: &mut Vec<usize>,
+    ) -> Result<()> {
+        if unknown.is_empty() {
+            return Ok(());
+        }
+        let hashes: Vec<u64> = unknown.iter().map(|&i| key_hash(keys[i])).collect();
+        let ops: Vec<_> = hashes
+            .iter()
+            .enumerate()
+            .map(|(n, &hash)| {
+                let local = bounce.addr + (n * BUCKET_LEN) as u64;
+                (local, self.bucket_of(hash), BUCKET_LEN as u32)
+            })
+            .collect();
+        self.conn.read_sync_many(bounce.lkey, &ops)?;
+        for (n, (&i, &hash)) in unknown.iter().zip(&hashes).enumerate() {
+            let bucket = bounce.at(n * BUCKET_LEN, BUCKET_LEN);
+            match self.look_in_bucket(bucket, keys[i], hash) {
+                InBucket::Missing => results[i] = Err(KvError::NotFound),
+                // A tag shared by two slots is for the server to sort out.
+                InBucket::Maybe(places) if places.len() == 1 => reads.push((i, places[0], false)),
+                _ => ask_server.push(i),
+            }
+        }
+        Ok(())
+    }
+
+    /// READs the blocks `reads` names side by side into the bounce buffer,
+    /// up to its size at a time with one doorbell, and verifies and copies
+    /// out each while the later ones are still in flight. Returns the keys
+    /// whose block did not verify, each with whether it was a remembered
+    /// location.
+    fn read_blocks(
+        &self,
+        bounce: &mut BounceGuard<'_>,
+        keys: &[&[u8]],
+        reads: &[(usize, Location, bool)],
+        results: &mut [GetResult],
+    ) -> Result<Vec<(usize, bool)>> {
+        let mut moved = Vec::new();
+        let mut rest = reads;
+        while !rest.is_empty() {
+            // Every block is at most a slab page, so at least one fits.
+            let mut used = 0;
+            let group = rest
+                .iter()
+                .take_while(|(_, at, _)| {
+                    used += at.len as usize;
+                    used <= bounce.len
+                })
+                .count()
+                .max(1);
+            let (now, later) = rest.split_at(group);
+            rest = later;
+            let mut offset = 0;
+            let ops: Vec<_> = now
+                .iter()
+                .map(|&(_, at, _)| {
+                    let local = bounce.addr + offset as u64;
+                    offset += at.len as usize;
+                    let remote = RemoteAddr {
+                        addr: at.addr,
+                        rkey: self.info.pool_rkey,
+                    };
+                    (local, remote, at.len as u32)
+                })
+                .collect();
+            // SAFETY: each range is looked at only after `wait_through` has
+            // waited for its READ, and the guard is dropped (waiting for
+            // all) before the bounce buffer can be used again.
+            let mut pending = unsafe { self.conn.start_reads(bounce.lkey, &ops)? };
+            let mut offset = 0;
+            for (n, &(i, at, remembered)) in now.iter().enumerate() {
+                pending.wait_through(n)?;
+                let len = at.len as usize;
+                match verify_block(bounce.at(offset, len), keys[i]) {
+                    Some((version, value)) => {
+                        results[i] = Ok((copy::to_vec(value), version));
+                        if !remembered {
+                            self.remember(keys[i], at);
+                        }
+                    }
+                    None => moved.push((i, remembered)),
+                }
+                offset += len;
+            }
+        }
+        Ok(moved)
+    }
+
+    /// Where `hash`'s index bucket is on the server.
+    fn bucket_of(&self, hash: u64) -> RemoteAddr {
+        let bucket = hash % self.info.buckets.max(1);
+        RemoteAddr {
+            addr: self.info.index_addr + bucket * BUCKET_LEN as u64,
+            rkey: self.info.index_rkey,
+        }
+    }
+
+    fn look_in_bucket(&self, bucket: &[u8], key: &[u8], hash: u64) -> InBucket {
+        let (overflow, slots) = decode_bucket(bucket);
+        let mut places = Vec::new();
+        let mut torn = false;
+        for slot in slots.iter().filter(|s| s.tag == hash) {
+            if slot.rkey != self.info.pool_rkey {
+                return InBucket::AskServer;
+            }
+            if (BLOCK_HEADER_LEN + key.len()..=SLAB_PAGE).contains(&(slot.len as usize)) {
+                places.push(Location {
+                    addr: slot.addr,
+                    len: slot.len,
+                });
+            } else {
+                torn = true;
+            }
+        }
+        if !places.is_empty() {
+            InBucket::Maybe(places)
+        } else if torn {
+            InBucket::Torn
+        } else if overflow > 0 {
+            InBucket::AskServer
+        } else {
+            InBucket::Missing
+        }
+    }
+
+    /// A one-sided GET where the key's block was last seen at `at`: one READ
+    /// of that block, which counts only if it verifies as the key's current
+    /// value (the server marks a block superseded before it answers the
+    /// write or delete that replaced it, so nothing older than the two-step
+    /// lookup could return is taken). `None`: it moved, look it up.
+    fn read_known(&self, key: &[u8], at: Location) -> Result<Option<(Vec<u8>, u64)>> {
+        let mut b = self.lock_bounce(at.len as usize)?;
+        self.read_at(&mut b, key, at)
+    }
+
+    /// READs the block at `at` and takes its value if it verifies as the
+    /// key's current one (and remembers where it was); `None` otherwise.
+    fn read_at(
+        &self,
+        b: &mut BounceGuard<'_>,
+        key: &[u8],
+        at: Location,
+    ) -> Result<Option<(Vec<u8>, u64)>> {
+        let len = at.len as usize;
+        let remote = RemoteAddr {
+            addr: at.addr,
+            rkey: self.info.pool_rkey,
+        };
+        self.transfer(true, b, 0, remote, len)?;
+        let found =
+            verify_block(b.bytes(len), key).map(|(version, value)| (copy::to_vec(value), version));
+        if found.is_some() {
+            self.remember(key, at);
+        }
+        Ok(found)
+    }
+
+    fn known_location(&self, key: &[u8]) -> Option<Location> {
+        self.locations
+            .lock()
+            .expect("location lock")
+            .get(key)
+            .copied()
+    }
+
+    fn remember(&self, key: &[u8], at: Location) {
+        let mut known = self.locations.lock().expect("location lock");
+        if known.len() >= MAX_LOCATIONS && !known.contains_key(key) {
+            known.clear();
+        }
+        known.insert(key.to_vec(), at);
+    }
+
+    fn forget(&self, key: &[u8]) {
+        self.locations.lock().expect("location lock").remove(key);
+    }
+}

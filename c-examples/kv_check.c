@@ -68,6 +68,15 @@ static void check_client(const char *ip, int port) {
         CHECK(kv_client_get_version(c, "big", 3, back, &got, &ver) == KV_OK && got == n, "get %zu", n);
         CHECK(memcmp(v, back, n) == 0, "%zu bytes come back intact", n);
         CHECK(ver == i + 1, "version %u (%llu)", i + 1, (unsigned long long)ver);
+        /* One-sided: from the slab pool, or (64 MiB) asked of the server. */
+        got = n;
+        memset(back, 0, n);
+        CHECK(kv_client_get_onesided(c, "big", 3, back, &got, &ver) == KV_OK && got == n && ver == i + 1,
+              "one-sided get %zu", n);
+        CHECK(memcmp(v, back, n) == 0, "%zu bytes come back intact one-sided", n);
+        got = n - 1;
+        CHECK(kv_client_get_onesided(c, "big", 3, back, &got, NULL) == KV_ERR_BUFFER_TOO_SMALL && got == n,
+              "one-sided short buffer reports the length (%zu)", got);
         free(v);
         free(back);
     }
@@ -91,6 +100,20 @@ static void check_client(const char *ip, int port) {
     CHECK(kv_client_batch_get(c, keys, klens, outs, olens, N) == N, "batch get");
     for (int i = 0; i < N; i++)
         CHECK(olens[i] == vlens[i] && memcmp(out[i], vbuf[i], vlens[i]) == 0, "batch value %d", i);
+    for (int i = 0; i < N; i++) {
+        memset(out[i], 0, sizeof out[i]);
+        olens[i] = sizeof out[i];
+    }
+    olens[3] = 2;
+    CHECK(kv_client_batch_get_onesided(c, keys, klens, outs, olens, N) == N - 1,
+          "one-sided batch get (one buffer too short)");
+    for (int i = 0; i < N; i++)
+        CHECK(olens[i] == vlens[i] && (i == 3 || memcmp(out[i], vbuf[i], vlens[i]) == 0),
+              "one-sided batch value %d", i);
+    len = sizeof buf;
+    CHECK(kv_client_get_onesided(c, "no-such-key", 11, buf, &len, NULL) == KV_ERR_NOT_FOUND,
+          "one-sided get of a missing key");
+    CHECK(kv_client_batch_get_onesided(c, NULL, klens, outs, olens, N) == -1, "one-sided batch of NULL keys");
 
     /* Bad input. */
     char longkey[1025];

@@ -244,6 +244,23 @@ int kv_client_get_version(kv_client_t *client,
                           uint64_t *version);
 
 /**
+ * As `kv_client_get_version`, without the server's CPU: the client READs
+ * the server's hash index and then the value, and takes only a value that
+ * verifies as current (a torn or outdated read is retried; what the index
+ * cannot answer is asked of the server). Best for values that are read
+ * far more often than written.
+ *
+ * # Safety
+ * As `kv_client_get_version`.
+ */
+int kv_client_get_onesided(kv_client_t *client,
+                           const char *key,
+                           size_t key_len,
+                           void *value_buf,
+                           size_t *value_len,
+                           uint64_t *version);
+
+/**
  * Stores `value` under `key` (both copied): new keys get version 1, each
  * PUT adds 1.
  *
@@ -295,6 +312,21 @@ int kv_client_batch_get(kv_client_t *client,
                         void **values,
                         size_t *value_lens,
                         int count);
+
+/**
+ * As `kv_client_batch_get`, each key as `kv_client_get_onesided` GETs it:
+ * the index buckets and then the values are READ with many in flight,
+ * without the server's CPU.
+ *
+ * # Safety
+ * As `kv_client_batch_get`.
+ */
+int kv_client_batch_get_onesided(kv_client_t *client,
+                                 const char *const *keys,
+                                 const size_t *key_lens,
+                                 void **values,
+                                 size_t *value_lens,
+                                 int count);
 
 /**
  * PUTs `count` pairs with several requests in flight; returns how many

@@ -503,34 +503,84 @@ pub unsafe extern "C" fn kv_client_get_version(
     version: *mut u64,
 ) -> c_int {
     guard("kv_client_get", KV_ERR_INTERNAL, || {
-        with_client(client, |c| {
-            if value_len.is_null() || (value_buf.is_null() && *value_len > 0) {
-                return KV_ERR_INVALID_ARGUMENT;
-            }
-            let k = match self::key(key, key_len) {
-                Ok(k) => k,
-                Err(e) => return e.code(),
-            };
-            let buf: &mut [u8] = if value_buf.is_null() {
-                &mut []
-            } else {
-                std::slice::from_raw_parts_mut(value_buf.cast(), *value_len)
-            };
-            match c.get_into(k, buf) {
-                Ok((n, v)) => {
-                    *value_len = n;
-                    if let Some(out) = version.as_mut() {
-                        *out = v;
-                    }
-                    KV_OK
+        get_into(
+            client,
+            (key, key_len),
+            (value_buf, value_len, version),
+            Client::get_into,
+        )
+    })
+}
+
+/// As `kv_client_get_version`, without the server's CPU: the client READs
+/// the server's hash index and then the value, and takes only a value that
+/// verifies as current (a torn or outdated read is retried; what the index
+/// cannot answer is asked of the server). Best for values that are read
+/// far more often than written.
+///
+/// # Safety
+/// As `kv_client_get_version`.
+#[no_mangle]
+pub unsafe extern "C" fn kv_client_get_onesided(
+    client: *mut kv_client,
+    key: *const c_char,
+    key_len: usize,
+    value_buf: *mut c_void,
+    value_len: *mut usize,
+    version: *mut u64,
+) -> c_int {
+    guard("kv_client_get_onesided", KV_ERR_INTERNAL, || {
+        get_into(
+            client,
+            (key, key_len),
+            (value_buf, value_len, version),
+            |c, k, buf| {
+                let (v, version) = c.get_one_sided(k)?;
+                let dst = buf.get_mut(..v.len()).ok_or(KvError::BufferTooSmall {
+                    needed: v.len() as u64,
+                })?;
+                crate::copy::copy(dst, &v);
+                Ok((v.len(), version))
+            },
+        )
+    })
+}
+
+/// The body of the single-key GETs: checks the arguments, lets `get` copy
+/// the value into the caller's buffer, and reports length and version.
+unsafe fn get_into(
+    client: *mut kv_client,
+    (key, key_len): (*const c_char, usize),
+    (value_buf, value_len, version): (*mut c_void, *mut usize, *mut u64),
+    get: impl FnOnce(&Client, &[u8], &mut [u8]) -> Result<(usize, u64), KvError>,
+) -> c_int {
+    with_client(client, |c| {
+        if value_len.is_null() || (value_buf.is_null() && *value_len > 0) {
+            return KV_ERR_INVALID_ARGUMENT;
+        }
+        let k = match self::key(key, key_len) {
+            Ok(k) => k,
+            Err(e) => return e.code(),
+        };
+        let buf: &mut [u8] = if value_buf.is_null() {
+            &mut []
+        } else {
+            std::slice::from_raw_parts_mut(value_buf.cast(), *value_len)
+        };
+        match get(c, k, buf) {
+            Ok((n, v)) => {
+                *value_len = n;
+                if let Some(out) = version.as_mut() {
+                    *out = v;
                 }
-                Err(KvError::BufferTooSmall { needed }) => {
-                    *value_len = needed as usize;
-                    KV_ERR_BUFFER_TOO_SMALL
-                }
-                Err(e) => code::<()>(Err(e)),
+                KV_OK
             }
-        })
+            Err(KvError::BufferTooSmall { needed }) => {
+                *value_len = needed as usize;
+                KV_ERR_BUFFER_TOO_SMALL
+            }
+            Err(e) => code::<()>(Err(e)),
+        }
     })
 }
 
@@ -621,45 +671,89 @@ pub unsafe extern "C" fn kv_client_batch_get(
     count: c_int,
 ) -> c_int {
     guard("kv_client_batch_get", -1, || {
-        with_client(client, |c| {
-            let n = match batch_len(
-                count,
-                &[
-                    keys.is_null(),
-                    key_lens.is_null(),
-                    values.is_null(),
-                    value_lens.is_null(),
-                ],
-            ) {
-                Ok(n) => n,
-                Err(early) => return early,
-            };
-            let keys = std::slice::from_raw_parts(keys, n);
-            let key_lens = std::slice::from_raw_parts(key_lens, n);
-            let values = std::slice::from_raw_parts(values, n);
-            let value_lens = std::slice::from_raw_parts_mut(value_lens, n);
-            let ks: Result<Vec<&[u8]>, KvError> = keys
-                .iter()
-                .zip(key_lens)
-                .map(|(&k, &l)| key(k, l))
-                .collect();
-            let Ok(ks) = ks else { return -1 };
-            let mut ok = 0;
-            for (i, r) in c.batch_get(&ks).into_iter().enumerate() {
-                let Ok((v, _)) = r else { continue };
-                if v.len() > value_lens[i] || (values[i].is_null() && !v.is_empty()) {
-                    value_lens[i] = v.len();
-                    continue;
-                }
-                if !v.is_empty() {
-                    let out = std::slice::from_raw_parts_mut(values[i].cast::<u8>(), v.len());
-                    crate::copy::copy(out, &v);
-                }
+        batch_get(
+            client,
+            (keys, key_lens),
+            (values, value_lens),
+            count,
+            Client::batch_get,
+        )
+    })
+}
+
+/// As `kv_client_batch_get`, each key as `kv_client_get_onesided` GETs it:
+/// the index buckets and then the values are READ with many in flight,
+/// without the server's CPU.
+///
+/// # Safety
+/// As `kv_client_batch_get`.
+#[no_mangle]
+pub unsafe extern "C" fn kv_client_batch_get_onesided(
+    client: *mut kv_client,
+    keys: *const *const c_char,
+    key_lens: *const usize,
+    values: *mut *mut c_void,
+    value_lens: *mut usize,
+    count: c_int,
+) -> c_int {
+    guard("kv_client_batch_get_onesided", -1, || {
+        batch_get(
+            client,
+            (keys, key_lens),
+            (values, value_lens),
+            count,
+            Client::batch_get_one_sided,
+        )
+    })
+}
+
+/// The body of the batched GETs: checks the arrays, runs `get` on the
+/// keys, and copies each value that fits into its buffer.
+unsafe fn batch_get(
+    client: *mut kv_client,
+    (keys, key_lens): (*const *const c_char, *const usize),
+    (values, value_lens): (*mut *mut c_void, *mut usize),
+    count: c_int,
+    get: impl FnOnce(&Client, &[&[u8]]) -> Vec<Result<(Vec<u8>, u64), KvError>>,
+) -> c_int {
+    with_client(client, |c| {
+        let n = match batch_len(
+            count,
+            &[
+                keys.is_null(),
+                key_lens.is_null(),
+                values.is_null(),
+                value_lens.is_null(),
+            ],
+        ) {
+            Ok(n) => n,
+            Err(early) => return early,
+        };
+        let keys = std::slice::from_raw_parts(keys, n);
+        let key_lens = std::slice::from_raw_parts(key_lens, n);
+        let values = std::slice::from_raw_parts(values, n);
+        let value_lens = std::slice::from_raw_parts_mut(value_lens, n);
+        let ks: Result<Vec<&[u8]>, KvError> = keys
+            .iter()
+            .zip(key_lens)
+            .map(|(&k, &l)| key(k, l))
+            .collect();
+        let Ok(ks) = ks else { return -1 };
+        let mut ok = 0;
+        for (i, r) in get(c, &ks).into_iter().enumerate() {
+            let Ok((v, _)) = r else { continue };
+            if v.len() > value_lens[i] || (values[i].is_null() && !v.is_empty()) {
                 value_lens[i] = v.len();
-                ok += 1;
+                continue;
             }
-            ok
-        })
+            if !v.is_empty() {
+                let out = std::slice::from_raw_parts_mut(values[i].cast::<u8>(), v.len());
+                crate::copy::copy(out, &v);
+            }
+            value_lens[i] = v.len();
+            ok += 1;
+        }
+        ok
     })
 }
 

@@ -758,8 +758,11 @@ fn report(results: &PathBuf, json: &PathBuf) -> std::io::Result<()> {
             }
         }
     }
+    // Columns as wide as their longest entry, so every row lines up.
+    let w = ROWS.iter().map(|r| r.what.len()).max().unwrap_or(0);
+    let rw = ROWS.iter().map(|r| r.reference.len()).max().unwrap_or(0);
     println!(
-        "{:<34} {:<22} {:>22} {:>22} {:>7}  {:>7}",
+        "{:<w$} {:<rw$} {:>23} {:>23} {:>7}  {:>7}",
         "case", "reference", "reference med [min-max]", "snowrdma med [min-max]", "ratio", "target"
     );
     let mut out = Vec::new();
@@ -774,7 +777,7 @@ fn report(results: &PathBuf, json: &PathBuf) -> std::io::Result<()> {
             .unwrap_or_default();
         if r.is_empty() || o.is_empty() {
             println!(
-                "{:<34} {:<22} (missing: a run failed, see the log)",
+                "{:<w$} {:<rw$} (missing: a run failed, see the log)",
                 row.what, row.reference
             );
             continue;
@@ -783,7 +786,7 @@ fn report(results: &PathBuf, json: &PathBuf) -> std::io::Result<()> {
         let (om, omin, omax) = stats(&mut o);
         let ratio = om / rm;
         println!(
-            "{:<34} {:<22} {:>22} {:>22} {:>7.2}  {:>7} {}",
+            "{:<w$} {:<rw$} {:>23} {:>23} {:>7.2}  {:>7} {}",
             row.what,
             row.reference,
             spread(rm, rmin, rmax),

@@ -299,7 +299,14 @@ fn kv_eight_clients_match_a_sequential_model() {
                     match rng % 10 {
                         0..=4 => {
                             let want = model.get(&key).cloned();
-                            match c.get(key.as_bytes()) {
+                            // All three GETs, one-sided ones meeting blocks
+                            // that other clients' writes freed and reused.
+                            let got = match op % 3 {
+                                0 => c.get(key.as_bytes()),
+                                1 => c.get_one_sided(key.as_bytes()),
+                                _ => c.batch_get_one_sided(&[key.as_bytes()]).remove(0),
+                            };
+                            match got {
                                 Ok((v, _)) => assert_eq!(Some(v), want, "op {op}"),
                                 Err(KvError::NotFound) => assert_eq!(want, None, "op {op}"),
                                 Err(e) => panic!("get: {e}"),

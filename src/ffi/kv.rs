@@ -676,7 +676,7 @@ pub unsafe extern "C" fn kv_client_batch_get(
             (keys, key_lens),
             (values, value_lens),
             count,
-            Client::batch_get,
+            |c, keys, each| c.batch_get_with(keys, each),
         )
     })
 }
@@ -702,19 +702,19 @@ pub unsafe extern "C" fn kv_client_batch_get_onesided(
             (keys, key_lens),
             (values, value_lens),
             count,
-            Client::batch_get_one_sided,
+            |c, keys, each| c.batch_get_one_sided_with(keys, each),
         )
     })
 }
 
 /// The body of the batched GETs: checks the arrays, runs `get` on the
-/// keys, and copies each value that fits into its buffer.
+/// keys, and copies each value that fits straight into its buffer.
 unsafe fn batch_get(
     client: *mut kv_client,
     (keys, key_lens): (*const *const c_char, *const usize),
     (values, value_lens): (*mut *mut c_void, *mut usize),
     count: c_int,
-    get: impl FnOnce(&Client, &[&[u8]]) -> Vec<Result<(Vec<u8>, u64), KvError>>,
+    get: impl FnOnce(&Client, &[&[u8]], &mut dyn FnMut(usize, Result<(&[u8], u64), KvError>)),
 ) -> c_int {
     with_client(client, |c| {
         let n = match batch_len(
@@ -740,19 +740,21 @@ unsafe fn batch_get(
             .collect();
         let Ok(ks) = ks else { return -1 };
         let mut ok = 0;
-        for (i, r) in get(c, &ks).into_iter().enumerate() {
-            let Ok((v, _)) = r else { continue };
+        get(c, &ks, &mut |i, r| {
+            let Ok((v, _)) = r else { return };
             if v.len() > value_lens[i] || (values[i].is_null() && !v.is_empty()) {
                 value_lens[i] = v.len();
-                continue;
+                return;
             }
             if !v.is_empty() {
-                let out = std::slice::from_raw_parts_mut(values[i].cast::<u8>(), v.len());
-                crate::copy::copy(out, &v);
+                // SAFETY: the caller's buffer holds `value_lens[i]` bytes.
+                let out =
+                    unsafe { std::slice::from_raw_parts_mut(values[i].cast::<u8>(), v.len()) };
+                crate::copy::copy(out, v);
             }
             value_lens[i] = v.len();
             ok += 1;
-        }
+        });
         ok
     })
 }

@@ -11,12 +11,12 @@
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use crate::copy;
-use crate::runtime::{CommMode, ConnHandler, Connection, Options, PendingReads};
+use crate::runtime::{thread_token, CommMode, ConnHandler, Connection, Options, PendingReads};
 use crate::verbs::RemoteAddr;
 
 use super::proto::{
@@ -180,6 +180,7 @@ struct Staged {
 struct BounceGuard<'c> {
     slot: MutexGuard<'c, Option<Bounce>>,
     conn: &'c Connection,
+    holder: &'c AtomicUsize,
 }
 
 impl std::ops::Deref for BounceGuard<'_> {
@@ -197,6 +198,7 @@ impl std::ops::DerefMut for BounceGuard<'_> {
 
 impl Drop for BounceGuard<'_> {
     fn drop(&mut self) {
+        self.holder.store(0, Ordering::Release);
         if self.slot.as_ref().is_some_and(|b| b.len > KEEP_BOUNCE) {
             if let Some(big) = self.slot.take() {
                 self.conn.deregister(big.raw);
@@ -220,12 +222,12 @@ struct BlockReads<'c> {
 
 impl BlockReads<'_> {
     /// Starts the READ of `keys[i]`'s block, after finishing the earlier
-    /// ones when the buffer is full. Its result lands in `results[i]`, now
-    /// if posting fails, otherwise at [`BlockReads::finish`].
-    fn start(&mut self, keys: &[&[u8]], i: usize, reply: &Reply, results: &mut [GetResult]) {
+    /// ones when the buffer is full. Its answer goes to `each`, now if
+    /// posting fails, otherwise at [`BlockReads::finish`].
+    fn start(&mut self, keys: &[&[u8]], i: usize, reply: &Reply, each: &mut Each<'_>) {
         let len = block_len(keys[i].len(), reply.value_len as usize);
         if self.used + len > self.bounce.len {
-            self.finish(keys, results);
+            self.finish(keys, each);
         }
         self.leases.push(reply.lease);
         let remote = RemoteAddr {
@@ -246,24 +248,21 @@ impl BlockReads<'_> {
                 self.pending.push((i, self.used, len, read));
                 self.used += len;
             }
-            Err(e) => results[i] = Err(e.into()),
+            Err(e) => each(i, Err(e.into())),
         }
     }
 
-    /// Waits for the READs in order, verifies and copies out each value
+    /// Waits for the READs in order, hands each verified value to `each`
     /// (the later READs still in flight), and ends the leases.
-    fn finish(&mut self, keys: &[&[u8]], results: &mut [GetResult]) {
+    fn finish(&mut self, keys: &[&[u8]], each: &mut Each<'_>) {
         for (i, at, len, mut read) in self.pending.drain(..) {
-            results[i] = match read.wait_through(0) {
+            let answer = match read.wait_through(0) {
                 Err(e) => Err(e.into()),
                 Ok(()) => verify_leased_block(self.bounce.at(at, len), keys[i])
-                    .map(|(version, value)| (copy::to_vec(value), version))
-                    .ok_or_else(|| {
-                        KvError::Internal(
-                            "the value read from the server failed verification".into(),
-                        )
-                    }),
+                    .map(|(version, value)| (value, version))
+                    .ok_or_else(failed_verification),
             };
+            each(i, answer);
         }
         self.client.release_all(&self.leases);
         self.leases.clear();
@@ -274,6 +273,15 @@ impl BlockReads<'_> {
 /// One key's answer in a batch: the value and its version.
 type GetResult = Result<(Vec<u8>, u64)>;
 
+/// Where a batched GET hands each key's answer: the key's index, and the
+/// value (lent for the call) with its version, or the error. Called once
+/// per key, in no particular order.
+type Each<'a> = dyn FnMut(usize, Result<(&[u8], u64)>) + 'a;
+
+fn failed_verification() -> KvError {
+    KvError::Internal("the value read from the server failed verification".into())
+}
+
 /// A connection to a key-value server.
 pub struct Client {
     conn: Connection,
@@ -281,6 +289,9 @@ pub struct Client {
     info: ServerInfo,
     next_id: AtomicU64,
     bounce: Mutex<Option<Bounce>>,
+    /// The thread holding `bounce` (0: none), so a value callback that
+    /// calls back into its client gets an error instead of a deadlock.
+    bounce_holder: AtomicUsize,
     /// Where each key's block was last found by a one-sided GET.
     locations: Mutex<Locations>,
     timeout: Duration,
@@ -323,6 +334,7 @@ impl Client {
             info: ServerInfo::default(),
             next_id: AtomicU64::new(1),
             bounce: Mutex::new(None),
+            bounce_holder: AtomicUsize::new(0),
             locations: Mutex::new(Locations::new()),
             timeout: opts.timeout,
         };
@@ -451,6 +463,12 @@ impl Client {
     /// The bounce buffer, grown to at least `len` bytes, locked until the
     /// guard is dropped.
     fn lock_bounce(&self, len: usize) -> Result<BounceGuard<'_>> {
+        let me = thread_token();
+        if self.bounce_holder.load(Ordering::Acquire) == me {
+            return Err(KvError::InvalidArgument(
+                "a callback lent a value called back into the same client".into(),
+            ));
+        }
         let mut slot = self.bounce.lock().expect("bounce lock");
         if slot.as_ref().is_none_or(|b| b.len < len) {
             if let Some(old) = slot.take() {
@@ -467,9 +485,11 @@ impl Client {
                 lkey,
             });
         }
+        self.bounce_holder.store(me, Ordering::Release);
         Ok(BounceGuard {
             slot,
             conn: &self.conn,
+            holder: &self.bounce_holder,
         })
     }
 
@@ -527,14 +547,9 @@ impl Client {
         })
     }
 
-    /// READs a block the server leased us, verifies it, hands the value to
-    /// `take`, and ends the lease.
-    fn fetch<T>(
-        &self,
-        key: &[u8],
-        reply: &Reply,
-        take: impl FnOnce(&[u8]) -> T,
-    ) -> Result<(T, u64)> {
+    /// READs a block the server leased us, verifies it, hands the value and
+    /// its version to `take`, and ends the lease.
+    fn fetch<T>(&self, key: &[u8], reply: &Reply, take: impl FnOnce(&[u8], u64) -> T) -> Result<T> {
         let total = block_len(key.len(), reply.value_len as usize);
         let result = self.with_bounce(total, |b| {
             self.transfer(
@@ -548,10 +563,9 @@ impl Client {
                 total,
             )?;
             let block = b.bytes(total);
-            let (version, value) = verify_leased_block(block, key).ok_or_else(|| {
-                KvError::Internal("the value read from the server failed verification".into())
-            })?;
-            Ok((take(value), version))
+            let (version, value) =
+                verify_leased_block(block, key).ok_or_else(failed_verification)?;
+            Ok(take(value, version))
         });
         self.release(reply.lease);
         result
@@ -576,16 +590,21 @@ impl Client {
         match self.lookup(key)? {
             // Already the caller's own copy.
             Found::Inline(v, version) => Ok((v, version)),
-            Found::Remote(reply) => self.fetch(key, &reply, copy::to_vec),
+            Found::Remote(reply) => {
+                self.fetch(key, &reply, |v, version| (copy::to_vec(v), version))
+            }
         }
     }
 
     /// Lends the value of `key` to `take` (for the call only; no copy is
-    /// made first) and returns what it made, with the version.
+    /// made first) and returns what it made, with the version. `take` runs
+    /// on the calling thread while the client's transfer buffer may be
+    /// lent to it: a large-value call on the same client from inside it
+    /// fails with [`KvError::InvalidArgument`] (rather than deadlocking).
     pub fn get_with<T>(&self, key: &[u8], take: impl FnOnce(&[u8]) -> T) -> Result<(T, u64)> {
         match self.lookup(key)? {
             Found::Inline(v, version) => Ok((take(&v), version)),
-            Found::Remote(reply) => self.fetch(key, &reply, take),
+            Found::Remote(reply) => self.fetch(key, &reply, |v, version| (take(v), version)),
         }
     }
 
@@ -609,8 +628,10 @@ impl Client {
                     });
                 }
                 let n = reply.value_len as usize;
-                self.fetch(key, &reply, |v| copy::copy(&mut buf[..n], v))
-                    .map(|((), version)| (n, version))
+                self.fetch(key, &reply, |v, version| {
+                    copy::copy(&mut buf[..n], v);
+                    (n, version)
+                })
             }
         }
     }
@@ -689,10 +710,23 @@ impl Client {
     /// bounce buffer's size of them are in flight, and a value larger than
     /// [`GROUP_BYTES`] is read alone at the end of its chunk.
     pub fn batch_get(&self, keys: &[&[u8]]) -> Vec<GetResult> {
-        let mut results = Vec::with_capacity(keys.len());
+        collect_batch(keys.len(), |each| self.batch_get_with(keys, each))
+    }
+
+    /// [`Client::batch_get`], lending each value to `each` (with the key's
+    /// index and the version, or the error) instead of copying it out of
+    /// the transfer buffer first: `each` runs once per key, in no
+    /// particular order, on the calling thread, under the same rule as
+    /// [`Client::get_with`]'s `take`.
+    pub fn batch_get_with(
+        &self,
+        keys: &[&[u8]],
+        mut each: impl FnMut(usize, Result<(&[u8], u64)>),
+    ) {
         // A chunk at a time, so the server holds at most a chunk's leases
         // for us.
-        for chunk in keys.chunks(BATCH_WINDOW) {
+        for (n, chunk) in keys.chunks(BATCH_WINDOW).enumerate() {
+            let base = n * BATCH_WINDOW;
             let ids: Vec<Result<u64>> = chunk
                 .iter()
                 .map(|key| {
@@ -700,24 +734,19 @@ impl Client {
                     self.send(Request::new(Op::Get, 0), key, &[])
                 })
                 .collect();
-            let base = results.len();
-            // Every slot is filled below; this only stands in meanwhile.
-            results.resize_with(base + chunk.len(), || {
-                Err(KvError::Internal("no answer for this key".into()))
-            });
-            let out = &mut results[base..];
+            let mut answer = |i: usize, r: Result<(&[u8], u64)>| each(base + i, r);
             let mut reads: Option<BlockReads> = None;
             let mut alone = Vec::new();
             for (i, id) in ids.iter().enumerate() {
                 let reply = self.collect(i, id, &mut |_, reply, payload| Ok((reply, payload)));
                 let reply = match reply {
                     Ok((reply, payload)) if !reply.remote => {
-                        out[i] = Ok((payload, reply.version));
+                        answer(i, Ok((&payload, reply.version)));
                         continue;
                     }
                     Ok((reply, _)) => reply,
                     Err(e) => {
-                        out[i] = Err(e);
+                        answer(i, Err(e));
                         continue;
                     }
                 };
@@ -737,24 +766,28 @@ impl Client {
                             })
                         }
                         Err(e) => {
-                            out[i] = Err(e);
+                            answer(i, Err(e));
                             self.release(reply.lease);
                             continue;
                         }
                     }
                 }
                 if let Some(r) = reads.as_mut() {
-                    r.start(chunk, i, &reply, out);
+                    r.start(chunk, i, &reply, &mut answer);
                 }
             }
             if let Some(mut r) = reads {
-                r.finish(chunk, out);
+                r.finish(chunk, &mut answer);
             }
             for (i, reply) in alone {
-                out[i] = self.fetch(chunk[i], &reply, copy::to_vec);
+                let fetched = self.fetch(chunk[i], &reply, |v, version| {
+                    answer(i, Ok((v, version)));
+                });
+                if let Err(e) = fetched {
+                    answer(i, Err(e));
+                }
             }
         }
-        results
     }
 
     /// PUTs several pairs; one result (the new version) per pair, in order.
@@ -891,6 +924,19 @@ impl Drop for Client {
     fn drop(&mut self) {
         self.conn.close();
     }
+}
+
+/// The results of a batched GET, one per key in order, from the `_with`
+/// form that lends each value.
+fn collect_batch(
+    count: usize,
+    run: impl FnOnce(&mut dyn FnMut(usize, Result<(&[u8], u64)>)),
+) -> Vec<GetResult> {
+    let mut results: Vec<GetResult> = (0..count)
+        .map(|_| Err(KvError::Internal("no answer for this key".into())))
+        .collect();
+    run(&mut |i, r| results[i] = r.map(|(value, version)| (copy::to_vec(value), version)));
+    results
 }
 
 /// The error a reply reports, if any.

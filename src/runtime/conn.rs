@@ -63,7 +63,7 @@ thread_local! {
 }
 
 /// A number unique to the calling thread while it lives (never 0).
-fn thread_token() -> usize {
+pub(crate) fn thread_token() -> usize {
     THREAD_MARK.with(|m| m as *const u8 as usize)
 }
 

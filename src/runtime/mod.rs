@@ -20,6 +20,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+pub(crate) use conn::thread_token;
 pub use conn::{
     ConnHandler, ConnKind, ConnState, Connection, PdProvider, PendingReads, WeakConnection,
 };

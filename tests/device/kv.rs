@@ -194,6 +194,26 @@ fn all_ops_at_all_sizes(huge: bool, mode: ConnMode) {
     assert_eq!(got[3], Ok((b"small".to_vec(), 2)));
     assert_eq!(got[4], Ok((mid.clone(), 2)));
     assert_eq!(got[5], Err(KvError::KeyTooLong));
+    // A lent value's callback that calls back into its client gets an
+    // error, not a deadlock (the transfer buffer is busy lending).
+    let mut inner = None;
+    c.batch_get_with(&[b"alone", b"missing"], |i, r| {
+        if i == 0 {
+            assert_eq!(r.map(|(v, _)| v.len()), Ok(5 << 20));
+            inner = Some(c.get(b"alone"));
+        } else {
+            assert_eq!(r, Err(KvError::NotFound));
+        }
+    });
+    assert!(
+        matches!(inner, Some(Err(KvError::InvalidArgument(_)))),
+        "{inner:?}"
+    );
+    assert_eq!(
+        c.get(b"alone").unwrap().0.len(),
+        5 << 20,
+        "and the client is fine"
+    );
 
     // A batch ends its leases in one message: once the keys are deleted,
     // their blocks go back to the pool while this client stays connected.

@@ -9,7 +9,7 @@ use std::collections::HashMap;
 use crate::copy;
 use crate::verbs::RemoteAddr;
 
-use super::{BounceGuard, Client, GetResult, BATCH_WINDOW, GROUP_BYTES};
+use super::{collect_batch, BounceGuard, Client, Each, GetResult, BATCH_WINDOW, GROUP_BYTES};
 use crate::kv::pool::SLAB_PAGE;
 use crate::kv::proto::{decode_bucket, key_hash, verify_block, BLOCK_HEADER_LEN, BUCKET_LEN};
 use crate::kv::{check_key, KvError, Result};
@@ -91,30 +91,44 @@ impl Client {
     /// a key in overflow or outside the pool) is GET from the server in one
     /// [`Client::batch_get`]. One result per key, in order.
     pub fn batch_get_one_sided(&self, keys: &[&[u8]]) -> Vec<GetResult> {
-        let mut results = Vec::with_capacity(keys.len());
+        collect_batch(keys.len(), |each| self.batch_get_one_sided_with(keys, each))
+    }
+
+    /// [`Client::batch_get_one_sided`], lending each value to `each` as
+    /// [`Client::batch_get_with`] does.
+    pub fn batch_get_one_sided_with(
+        &self,
+        keys: &[&[u8]],
+        mut each: impl FnMut(usize, Result<(&[u8], u64)>),
+    ) {
         let mut valid = Vec::with_capacity(keys.len());
         for (i, key) in keys.iter().enumerate() {
-            results.push(check_key(key).and_then(|()| {
-                valid.push(i);
-                // Filled below; this only stands in meanwhile.
-                Err(KvError::Internal("no answer for this key".into()))
-            }));
+            match check_key(key) {
+                Ok(()) => valid.push(i),
+                Err(e) => each(i, Err(e)),
+            }
         }
+        let mut answered = vec![false; keys.len()];
         let mut ask_server = Vec::new();
         for chunk in valid.chunks(BATCH_WINDOW) {
-            if let Err(e) = self.one_sided_chunk(keys, chunk, &mut results, &mut ask_server) {
-                for &i in chunk {
-                    results[i] = Err(e.clone());
+            let asked = ask_server.len();
+            let mut answer = |i: usize, r: Result<(&[u8], u64)>| {
+                answered[i] = true;
+                each(i, r);
+            };
+            if let Err(e) = self.one_sided_chunk(keys, chunk, &mut answer, &mut ask_server) {
+                // The connection failed: what this chunk has not answered
+                // yet gets the error (the server would not answer it either).
+                ask_server.truncate(asked);
+                for &i in chunk.iter().filter(|&&i| !answered[i]) {
+                    each(i, Err(e.clone()));
                 }
             }
         }
         if !ask_server.is_empty() {
             let server_keys: Vec<&[u8]> = ask_server.iter().map(|&i| keys[i]).collect();
-            for (i, r) in ask_server.into_iter().zip(self.batch_get(&server_keys)) {
-                results[i] = r;
-            }
+            self.batch_get_with(&server_keys, |j, r| each(ask_server[j], r));
         }
-        results
     }
 
     /// [`Client::batch_get_one_sided`] for the keys `chunk` (indexes into
@@ -124,7 +138,7 @@ impl Client {
         &self,
         keys: &[&[u8]],
         chunk: &[usize],
-        results: &mut [GetResult],
+        each: &mut Each<'_>,
         ask_server: &mut Vec<usize>,
     ) -> Result<()> {
         let mut bounce = self.lock_bounce(GROUP_BYTES)?;
@@ -142,9 +156,9 @@ impl Client {
         // Two rounds at most: the remembered blocks with the buckets of the
         // other keys, then the buckets of the keys whose block had moved.
         for _ in 0..2 {
-            self.find_blocks(&mut bounce, keys, &unknown, &mut reads, results, ask_server)?;
+            self.find_blocks(&mut bounce, keys, &unknown, &mut reads, each, ask_server)?;
             unknown.clear();
-            let moved = self.read_blocks(&mut bounce, keys, &reads, results)?;
+            let moved = self.read_blocks(&mut bounce, keys, &reads, each)?;
             reads.clear();
             for (i, remembered) in moved {
                 if remembered {
@@ -172,7 +186,7 @@ impl Client {
         keys: &[&[u8]],
         unknown: &[usize],
         reads: &mut Vec<(usize, Location, bool)>,
-        results: &mut [GetResult],
+        each: &mut Each<'_>,
         ask_server: &mut Vec<usize>,
     ) -> Result<()> {
         if unknown.is_empty() {
@@ -191,7 +205,7 @@ impl Client {
         for (n, (&i, &hash)) in unknown.iter().zip(&hashes).enumerate() {
             let bucket = bounce.at(n * BUCKET_LEN, BUCKET_LEN);
             match self.look_in_bucket(bucket, keys[i], hash) {
-                InBucket::Missing => results[i] = Err(KvError::NotFound),
+                InBucket::Missing => each(i, Err(KvError::NotFound)),
                 // A tag shared by two slots is for the server to sort out.
                 InBucket::Maybe(places) if places.len() == 1 => reads.push((i, places[0], false)),
                 _ => ask_server.push(i),
@@ -210,7 +224,7 @@ impl Client {
         bounce: &mut BounceGuard<'_>,
         keys: &[&[u8]],
         reads: &[(usize, Location, bool)],
-        results: &mut [GetResult],
+        each: &mut Each<'_>,
     ) -> Result<Vec<(usize, bool)>> {
         let mut moved = Vec::new();
         let mut rest = reads;
@@ -250,7 +264,7 @@ impl Client {
                 let len = at.len as usize;
                 match verify_block(bounce.at(offset, len), keys[i]) {
                     Some((version, value)) => {
-                        results[i] = Ok((copy::to_vec(value), version));
+                        each(i, Ok((value, version)));
                         if !remembered {
                             self.remember(keys[i], at);
                         }

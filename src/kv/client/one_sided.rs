@@ -34,6 +34,7 @@ pub(super) struct Location {
 pub(super) type Locations = HashMap<Vec<u8>, Location>;
 
 /// What a key's index bucket says about it.
+#[derive(Debug, PartialEq, Eq)]
 enum InBucket {
     /// Blocks in the pool that may hold the key (its hash tag, a plausible
     /// length).
@@ -64,7 +65,7 @@ impl Client {
             // Room for the bucket and for any block of the pool.
             let mut b = self.lock_bounce(SLAB_PAGE)?;
             self.transfer(true, &b, 0, self.bucket_of(hash), BUCKET_LEN)?;
-            match self.look_in_bucket(b.bytes(BUCKET_LEN), key, hash) {
+            match look_in_bucket(b.bytes(BUCKET_LEN), key.len(), hash, self.info.pool_rkey) {
                 InBucket::Missing => {
                     self.forget(key);
                     return Err(KvError::NotFound);
@@ -204,7 +205,7 @@ impl Client {
         self.conn.read_sync_many(bounce.lkey, &ops)?;
         for (n, (&i, &hash)) in unknown.iter().zip(&hashes).enumerate() {
             let bucket = bounce.at(n * BUCKET_LEN, BUCKET_LEN);
-            match self.look_in_bucket(bucket, keys[i], hash) {
+            match look_in_bucket(bucket, keys[i].len(), hash, self.info.pool_rkey) {
                 InBucket::Missing => each(i, Err(KvError::NotFound)),
                 // A tag shared by two slots is for the server to sort out.
                 InBucket::Maybe(places) if places.len() == 1 => reads.push((i, places[0], false)),
@@ -286,34 +287,6 @@ impl Client {
         }
     }
 
-    fn look_in_bucket(&self, bucket: &[u8], key: &[u8], hash: u64) -> InBucket {
-        let (overflow, slots) = decode_bucket(bucket);
-        let mut places = Vec::new();
-        let mut torn = false;
-        for slot in slots.iter().filter(|s| s.tag == hash) {
-            if slot.rkey != self.info.pool_rkey {
-                return InBucket::AskServer;
-            }
-            if (BLOCK_HEADER_LEN + key.len()..=SLAB_PAGE).contains(&(slot.len as usize)) {
-                places.push(Location {
-                    addr: slot.addr,
-                    len: slot.len,
-                });
-            } else {
-                torn = true;
-            }
-        }
-        if !places.is_empty() {
-            InBucket::Maybe(places)
-        } else if torn {
-            InBucket::Torn
-        } else if overflow > 0 {
-            InBucket::AskServer
-        } else {
-            InBucket::Missing
-        }
-    }
-
     /// A one-sided GET where the key's block was last seen at `at`: one READ
     /// of that block, which counts only if it verifies as the key's current
     /// value (the server marks a block superseded before it answers the
@@ -364,5 +337,93 @@ impl Client {
 
     fn forget(&self, key: &[u8]) {
         self.locations.lock().expect("location lock").remove(key);
+    }
+}
+
+/// Reads a key's bucket: the slots with the key's hash tag (`hash`) whose
+/// block lies in the pool (`pool_rkey`) with room for a `key_len`-byte key.
+fn look_in_bucket(bucket: &[u8], key_len: usize, hash: u64, pool_rkey: u32) -> InBucket {
+    let (overflow, slots) = decode_bucket(bucket);
+    let mut places = Vec::new();
+    let mut torn = false;
+    for slot in slots.iter().filter(|s| s.tag == hash) {
+        if slot.rkey != pool_rkey {
+            return InBucket::AskServer;
+        }
+        if (BLOCK_HEADER_LEN + key_len..=SLAB_PAGE).contains(&(slot.len as usize)) {
+            places.push(Location {
+                addr: slot.addr,
+                len: slot.len,
+            });
+        } else {
+            torn = true;
+        }
+    }
+    if !places.is_empty() {
+        InBucket::Maybe(places)
+    } else if torn {
+        InBucket::Torn
+    } else if overflow > 0 {
+        InBucket::AskServer
+    } else {
+        InBucket::Missing
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kv::index::Index;
+    use crate::kv::proto::Slot;
+
+    const POOL: u32 = 7;
+
+    fn slot(tag: u64, addr: u64, len: u64, rkey: u32) -> Slot {
+        Slot {
+            tag,
+            addr,
+            len,
+            rkey,
+        }
+    }
+
+    fn look(ix: &Index, hash: u64) -> InBucket {
+        // SAFETY: test, single thread.
+        let bytes = unsafe { ix.mapping().bytes_mut(0, BUCKET_LEN) }.to_vec();
+        look_in_bucket(&bytes, 3, hash, POOL)
+    }
+
+    #[test]
+    fn a_bucket_answers_found_missing_torn_or_ask_the_server() {
+        let ix = Index::new(1).unwrap();
+        assert_eq!(look(&ix, 5), InBucket::Missing);
+        ix.insert(0, slot(5, 4096, 100, POOL));
+        let at = Location {
+            addr: 4096,
+            len: 100,
+        };
+        assert_eq!(look(&ix, 5), InBucket::Maybe(vec![at]));
+        assert_eq!(look(&ix, 6), InBucket::Missing, "another tag");
+        // Too short for the header and key, or longer than a slab page: a
+        // torn read of the slot.
+        ix.insert(0, slot(8, 8192, 10, POOL));
+        ix.insert(0, slot(9, 8192, SLAB_PAGE as u64 + 1, POOL));
+        assert_eq!(look(&ix, 8), InBucket::Torn);
+        assert_eq!(look(&ix, 9), InBucket::Torn);
+        // A value in its own registration, not the pool.
+        ix.insert(0, slot(10, 0, 100, POOL + 1));
+        assert_eq!(look(&ix, 10), InBucket::AskServer);
+        // Two slots with one tag: both are candidates.
+        ix.insert(0, slot(5, 12288, 200, POOL));
+        let second = Location {
+            addr: 12288,
+            len: 200,
+        };
+        assert_eq!(look(&ix, 5), InBucket::Maybe(vec![at, second]));
+        // Full bucket: a key not in a slot may be in the overflow.
+        for t in 20..30 {
+            ix.insert(0, slot(t, 4096, 100, POOL));
+        }
+        assert_eq!(look(&ix, 99), InBucket::AskServer);
     }
 }

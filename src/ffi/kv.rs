@@ -535,12 +535,14 @@ pub unsafe extern "C" fn kv_client_get_onesided(
             (key, key_len),
             (value_buf, value_len, version),
             |c, k, buf| {
-                let (v, version) = c.get_one_sided(k)?;
-                let dst = buf.get_mut(..v.len()).ok_or(KvError::BufferTooSmall {
-                    needed: v.len() as u64,
+                let (copied, version) = c.get_one_sided_with(k, |v| {
+                    let dst = buf.get_mut(..v.len()).ok_or(KvError::BufferTooSmall {
+                        needed: v.len() as u64,
+                    })?;
+                    crate::copy::copy(dst, v);
+                    Ok(v.len())
                 })?;
-                crate::copy::copy(dst, &v);
-                Ok((v.len(), version))
+                copied.map(|n| (n, version))
             },
         )
     })

@@ -54,10 +54,28 @@ impl Client {
     /// checksum). A torn or recycled read is retried; a key in the bucket's
     /// overflow, or a value outside the slab pool, is asked of the server.
     pub fn get_one_sided(&self, key: &[u8]) -> Result<(Vec<u8>, u64)> {
+        self.get_one_sided_with(key, copy::to_vec)
+    }
+
+    /// [`Client::get_one_sided`], lending the value to `take` as
+    /// [`Client::get_with`] does.
+    pub fn get_one_sided_with<T>(
+        &self,
+        key: &[u8],
+        take: impl FnOnce(&[u8]) -> T,
+    ) -> Result<(T, u64)> {
         check_key(key)?;
         let hash = key_hash(key);
+        // Used up only by the read that finds the value, which returns.
+        let mut take = Some(take);
         if let Some(at) = self.known_location(key) {
-            if let Some(found) = self.read_known(key, at)? {
+            // A remembered block is one READ, which counts only if it
+            // verifies as the key's current value (the server marks a block
+            // superseded before it answers the write or delete that replaced
+            // it, so nothing older than the two-step lookup could return is
+            // taken); if it moved, look it up.
+            let mut b = self.lock_bounce(at.len as usize)?;
+            if let Some(found) = self.read_at(&mut b, key, at, &mut take)? {
                 return Ok(found);
             }
         }
@@ -74,14 +92,17 @@ impl Client {
                 InBucket::Torn => continue,
                 InBucket::Maybe(places) => {
                     for at in places {
-                        if let Some(found) = self.read_at(&mut b, key, at)? {
+                        if let Some(found) = self.read_at(&mut b, key, at, &mut take)? {
                             return Ok(found);
                         }
                     }
                 }
             }
         }
-        self.get(key)
+        match take {
+            Some(take) => self.get_with(key, take),
+            None => unreachable!("the value was taken without being returned"),
+        }
     }
 
     /// GETs several keys as [`Client::get_one_sided`] does, up to 64 at a
@@ -287,36 +308,27 @@ impl Client {
         }
     }
 
-    /// A one-sided GET where the key's block was last seen at `at`: one READ
-    /// of that block, which counts only if it verifies as the key's current
-    /// value (the server marks a block superseded before it answers the
-    /// write or delete that replaced it, so nothing older than the two-step
-    /// lookup could return is taken). `None`: it moved, look it up.
-    fn read_known(&self, key: &[u8], at: Location) -> Result<Option<(Vec<u8>, u64)>> {
-        let mut b = self.lock_bounce(at.len as usize)?;
-        self.read_at(&mut b, key, at)
-    }
-
-    /// READs the block at `at` and takes its value if it verifies as the
-    /// key's current one (and remembers where it was); `None` otherwise.
-    fn read_at(
+    /// READs the block at `at` and, if it verifies as the key's current
+    /// one, lends its value to `take` (and remembers where it was); `None`
+    /// otherwise.
+    fn read_at<T>(
         &self,
         b: &mut BounceGuard<'_>,
         key: &[u8],
         at: Location,
-    ) -> Result<Option<(Vec<u8>, u64)>> {
+        take: &mut Option<impl FnOnce(&[u8]) -> T>,
+    ) -> Result<Option<(T, u64)>> {
         let len = at.len as usize;
         let remote = RemoteAddr {
             addr: at.addr,
             rkey: self.info.pool_rkey,
         };
         self.transfer(true, b, 0, remote, len)?;
-        let found =
-            verify_block(b.bytes(len), key).map(|(version, value)| (copy::to_vec(value), version));
-        if found.is_some() {
-            self.remember(key, at);
-        }
-        Ok(found)
+        let Some((version, value)) = verify_block(b.bytes(len), key) else {
+            return Ok(None);
+        };
+        self.remember(key, at);
+        Ok(take.take().map(|take| (take(value), version)))
     }
 
     fn known_location(&self, key: &[u8]) -> Option<Location> {

@@ -175,26 +175,22 @@ impl Client {
                 }
             }
         }
-        // Two rounds at most: the remembered blocks with the buckets of the
-        // other keys, then the buckets of the keys whose block had moved.
-        for _ in 0..2 {
-            self.find_blocks(&mut bounce, keys, &unknown, &mut reads, each, ask_server)?;
-            unknown.clear();
-            let moved = self.read_blocks(&mut bounce, keys, &reads, each)?;
-            reads.clear();
-            for (i, remembered) in moved {
-                if remembered {
-                    self.forget(keys[i]);
-                    unknown.push(i);
-                } else {
-                    ask_server.push(i);
-                }
-            }
-            if unknown.is_empty() {
-                return Ok(());
+        self.find_blocks(&mut bounce, keys, &unknown, &mut reads, each, ask_server)?;
+        let mut moved = Vec::new();
+        for (i, remembered) in self.read_blocks(&mut bounce, keys, &reads, each)? {
+            if remembered {
+                self.forget(keys[i]);
+                moved.push(i);
+            } else {
+                ask_server.push(i);
             }
         }
-        ask_server.append(&mut unknown);
+        // A remembered block that moved: its key is looked up in the index
+        // once more; what does not verify then is the server's to answer.
+        reads.clear();
+        self.find_blocks(&mut bounce, keys, &moved, &mut reads, each, ask_server)?;
+        let missed = self.read_blocks(&mut bounce, keys, &reads, each)?;
+        ask_server.extend(missed.into_iter().map(|(i, _)| i));
         Ok(())
     }
 

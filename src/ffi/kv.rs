@@ -534,16 +534,7 @@ pub unsafe extern "C" fn kv_client_get_onesided(
             client,
             (key, key_len),
             (value_buf, value_len, version),
-            |c, k, buf| {
-                let (copied, version) = c.get_one_sided_with(k, |v| {
-                    let dst = buf.get_mut(..v.len()).ok_or(KvError::BufferTooSmall {
-                        needed: v.len() as u64,
-                    })?;
-                    crate::copy::copy(dst, v);
-                    Ok(v.len())
-                })?;
-                copied.map(|n| (n, version))
-            },
+            Client::get_one_sided_into,
         )
     })
 }

@@ -613,13 +613,7 @@ impl Client {
     /// [`KvError::BufferTooSmall`] reports its length.
     pub fn get_into(&self, key: &[u8], buf: &mut [u8]) -> Result<(usize, u64)> {
         match self.lookup(key)? {
-            Found::Inline(v, version) => {
-                let dst = buf.get_mut(..v.len()).ok_or(KvError::BufferTooSmall {
-                    needed: v.len() as u64,
-                })?;
-                copy::copy(dst, &v);
-                Ok((v.len(), version))
-            }
+            Found::Inline(v, version) => Ok((copy_into(buf, &v)?, version)),
             Found::Remote(reply) => {
                 if reply.value_len > buf.len() as u64 {
                     self.release(reply.lease);
@@ -928,15 +922,23 @@ impl Drop for Client {
 
 /// The results of a batched GET, one per key in order, from the `_with`
 /// form that lends each value.
-fn collect_batch(
-    count: usize,
-    run: impl FnOnce(&mut dyn FnMut(usize, Result<(&[u8], u64)>)),
-) -> Vec<GetResult> {
-    let mut results: Vec<GetResult> = (0..count)
-        .map(|_| Err(KvError::Internal("no answer for this key".into())))
-        .collect();
-    run(&mut |i, r| results[i] = r.map(|(value, version)| (copy::to_vec(value), version)));
+fn collect_batch(count: usize, run: impl FnOnce(&mut Each<'_>)) -> Vec<GetResult> {
+    let mut results: Vec<Option<GetResult>> = (0..count).map(|_| None).collect();
+    run(&mut |i, r| results[i] = Some(r.map(|(value, version)| (copy::to_vec(value), version))));
     results
+        .into_iter()
+        .map(|r| r.unwrap_or_else(|| Err(KvError::Internal("no answer for this key".into()))))
+        .collect()
+}
+
+/// Copies `value` to the front of `buf`, if it fits (nothing is copied if
+/// not: [`KvError::BufferTooSmall`] reports its length); returns its length.
+fn copy_into(buf: &mut [u8], value: &[u8]) -> Result<usize> {
+    let dst = buf.get_mut(..value.len()).ok_or(KvError::BufferTooSmall {
+        needed: value.len() as u64,
+    })?;
+    copy::copy(dst, value);
+    Ok(value.len())
 }
 
 /// The error a reply reports, if any.

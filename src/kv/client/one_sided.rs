@@ -9,7 +9,9 @@ use std::collections::HashMap;
 use crate::copy;
 use crate::verbs::RemoteAddr;
 
-use super::{collect_batch, BounceGuard, Client, Each, GetResult, BATCH_WINDOW, GROUP_BYTES};
+use super::{
+    collect_batch, copy_into, BounceGuard, Client, Each, GetResult, BATCH_WINDOW, GROUP_BYTES,
+};
 use crate::kv::pool::SLAB_PAGE;
 use crate::kv::proto::{decode_bucket, key_hash, verify_block, BLOCK_HEADER_LEN, BUCKET_LEN};
 use crate::kv::{check_key, KvError, Result};
@@ -105,6 +107,12 @@ impl Client {
         }
     }
 
+    /// [`Client::get_one_sided`] into `buf`, as [`Client::get_into`] does.
+    pub fn get_one_sided_into(&self, key: &[u8], buf: &mut [u8]) -> Result<(usize, u64)> {
+        let (copied, version) = self.get_one_sided_with(key, |v| copy_into(buf, v))?;
+        Ok((copied?, version))
+    }
+
     /// GETs several keys as [`Client::get_one_sided`] does, up to 64 at a
     /// time: the buckets of the keys whose block is not remembered are READ
     /// together, then the blocks, each verified as it arrives while the
@@ -155,7 +163,8 @@ impl Client {
 
     /// [`Client::batch_get_one_sided`] for the keys `chunk` (indexes into
     /// `keys`); the keys it leaves to the server go to `ask_server`. An
-    /// error here is one for the whole chunk (the connection failed).
+    /// error here (the connection failed, or no transfer buffer) is one for
+    /// the keys of the chunk not answered yet.
     fn one_sided_chunk(
         &self,
         keys: &[&[u8]],
@@ -276,11 +285,10 @@ impl Client {
             // waited for its READ, and the guard is dropped (waiting for
             // all) before the bounce buffer can be used again.
             let mut pending = unsafe { self.conn.start_reads(bounce.lkey, &ops)? };
-            let mut offset = 0;
-            for (n, &(i, at, remembered)) in now.iter().enumerate() {
+            for (n, (&(i, at, remembered), &(local, _, len))) in now.iter().zip(&ops).enumerate() {
                 pending.wait_through(n)?;
-                let len = at.len as usize;
-                match verify_block(bounce.at(offset, len), keys[i]) {
+                let offset = (local - bounce.addr) as usize;
+                match verify_block(bounce.at(offset, len as usize), keys[i]) {
                     Some((version, value)) => {
                         each(i, Ok((value, version)));
                         if !remembered {
@@ -289,7 +297,6 @@ impl Client {
                     }
                     None => moved.push((i, remembered)),
                 }
-                offset += len;
             }
         }
         Ok(moved)

@@ -478,14 +478,14 @@ pub unsafe extern "C" fn kv_client_get(
     value_buf: *mut c_void,
     value_len: *mut usize,
 ) -> c_int {
-    kv_client_get_version(
-        client,
-        key,
-        key_len,
-        value_buf,
-        value_len,
-        std::ptr::null_mut(),
-    )
+    guard("kv_client_get", KV_ERR_INTERNAL, || {
+        get_into(
+            client,
+            (key, key_len),
+            (value_buf, value_len, std::ptr::null_mut()),
+            Client::get_into,
+        )
+    })
 }
 
 /// As `kv_client_get`, also reporting the value's version in `*version`
@@ -502,7 +502,7 @@ pub unsafe extern "C" fn kv_client_get_version(
     value_len: *mut usize,
     version: *mut u64,
 ) -> c_int {
-    guard("kv_client_get", KV_ERR_INTERNAL, || {
+    guard("kv_client_get_version", KV_ERR_INTERNAL, || {
         get_into(
             client,
             (key, key_len),

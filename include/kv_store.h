@@ -205,12 +205,15 @@ int kv_client_connect_socket(kv_client_t *client,
                              const char *ib_dev);
 
 /**
- * Disconnects (the handle stays valid for another connect).
+ * Disconnects (the handle stays valid for another connect). Calls other
+ * threads have in flight on this client return `KV_ERR_DISCONNECTED`.
  */
 void kv_client_disconnect(kv_client_t *client);
 
 /**
  * Disconnects and frees the client; the handle is invalid afterwards.
+ * Calls other threads have in flight on it return `KV_ERR_DISCONNECTED`;
+ * the client is freed once they have.
  */
 void kv_client_destroy(kv_client_t *client);
 
@@ -386,7 +389,8 @@ void kv_release(char *value);
 
 /**
  * Disconnects and frees the handle. 0, or 1 for a handle that is not open
- * (NULL, or closed already).
+ * (NULL, or closed already). Calls other threads have in flight on the
+ * handle return 1 at once.
  */
 int kv_close(void *kv_handle);
 

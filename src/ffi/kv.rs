@@ -89,6 +89,18 @@ struct ClientSlot {
     client: RwLock<Option<Client>>,
 }
 
+impl ClientSlot {
+    /// Ends the connection, if any. Calls other threads have in flight on
+    /// it return `KV_ERR_DISCONNECTED` at once, so taking the client (which
+    /// waits for them to leave) never waits out a call's timeout.
+    fn disconnect(&self) {
+        if let Some(c) = self.client.read().expect("client lock").as_ref() {
+            c.close();
+        }
+        self.client.write().expect("client lock").take();
+    }
+}
+
 /// Live handles, by address: a handle is only ever used through this table.
 pub(super) struct Handles<T> {
     map: Mutex<HashMap<usize, Arc<T>>>,
@@ -431,22 +443,25 @@ pub unsafe extern "C" fn kv_client_connect_socket(
     })
 }
 
-/// Disconnects (the handle stays valid for another connect).
+/// Disconnects (the handle stays valid for another connect). Calls other
+/// threads have in flight on this client return `KV_ERR_DISCONNECTED`.
 #[no_mangle]
 pub extern "C" fn kv_client_disconnect(client: *mut kv_client) {
     guard("kv_client_disconnect", (), || {
         if let Some(slot) = CLIENTS.get(client) {
-            slot.client.write().expect("client lock").take();
+            slot.disconnect();
         }
     })
 }
 
 /// Disconnects and frees the client; the handle is invalid afterwards.
+/// Calls other threads have in flight on it return `KV_ERR_DISCONNECTED`;
+/// the client is freed once they have.
 #[no_mangle]
 pub extern "C" fn kv_client_destroy(client: *mut kv_client) {
     guard("kv_client_destroy", (), || {
         if let Some(slot) = CLIENTS.remove(client) {
-            slot.client.write().expect("client lock").take();
+            slot.disconnect();
         }
     })
 }

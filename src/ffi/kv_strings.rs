@@ -136,11 +136,17 @@ pub unsafe extern "C" fn kv_release(value: *mut c_char) {
 }
 
 /// Disconnects and frees the handle. 0, or 1 for a handle that is not open
-/// (NULL, or closed already).
+/// (NULL, or closed already). Calls other threads have in flight on the
+/// handle return 1 at once.
 #[no_mangle]
 pub extern "C" fn kv_close(kv_handle: *mut c_void) -> c_int {
     legacy_call("kv_close", || {
-        HANDLES.remove(kv_handle).map(drop).ok_or_else(bad_handle)
+        // Closed now, not when the last call in flight lets go of it: those
+        // calls end at once with an error instead of waiting for a reply.
+        HANDLES
+            .remove(kv_handle)
+            .map(|c| c.close())
+            .ok_or_else(bad_handle)
     })
 }
 

@@ -908,15 +908,20 @@ impl Client {
         finish(i, reply, payload)
     }
 
-    /// Disconnects (also done on drop).
+    /// Disconnects (also done on drop). Calls other threads have in flight
+    /// on this client end at once with [`KvError::Disconnected`], and later
+    /// ones fail the same way.
     pub fn close(&self) {
+        // Before the close wakes the waiters: a local close fires no
+        // `disconnected` callback to say so.
+        self.replies.dead.store(true, Ordering::Release);
         self.conn.close();
     }
 }
 
 impl Drop for Client {
     fn drop(&mut self) {
-        self.conn.close();
+        self.close();
     }
 }
 

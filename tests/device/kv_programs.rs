@@ -1,11 +1,19 @@
 //! The key-value programs and C API on a real device: kv_server, kv_client,
-//! the C check program, and faults (processes killed mid-stream).
+//! the C check program, and faults (processes killed mid-stream, clients
+//! closed mid-call).
 
+use std::ffi::{c_void, CString};
 use std::io::Write;
 use std::net::{IpAddr, SocketAddr};
 use std::process::{Command, Stdio};
+use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
+use snowrdma::ffi::kv::{
+    kv_client, kv_client_connect, kv_client_create, kv_client_destroy, kv_client_disconnect,
+    kv_client_get, CONN_MODE_CM, KV_ERR_DISCONNECTED,
+};
+use snowrdma::ffi::kv_strings::{kv_close, kv_get, kv_open};
 use snowrdma::kv::{Client, KvError};
 
 use crate::c_programs::{program, Proc};
@@ -210,4 +218,120 @@ fn kv_programs_in_socket_mode() {
     assert!(check.wait(Duration::from_secs(30)).success());
     // A CM client finds nobody listening through RDMA CM on that port.
     assert!(Client::connect(addr(7704)).is_err());
+}
+
+/// Runs `call` on a thread and `close` here once the call is waiting; the
+/// call must end within 3 s of the close (its own timeout is 10 s).
+fn ends_on_close<T: Send + 'static>(
+    what: &str,
+    call: impl FnOnce() -> T + Send + 'static,
+    close: impl FnOnce(),
+) -> T {
+    let (ended, end) = mpsc::channel();
+    let caller = std::thread::spawn(move || {
+        let result = call();
+        let _ = ended.send(Instant::now());
+        result
+    });
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(
+        end.try_recv().is_err(),
+        "{what}: the call returned before the close"
+    );
+    let closed = Instant::now();
+    close();
+    let ended_at = end
+        .recv_timeout(Duration::from_secs(15))
+        .unwrap_or_else(|_| panic!("{what}: the call never returned"));
+    let took = ended_at.saturating_duration_since(closed);
+    assert!(
+        took < Duration::from_secs(3),
+        "{what}: the call waited {took:?} after the close"
+    );
+    caller.join().unwrap()
+}
+
+#[test]
+#[ignore = "needs an RDMA device: run `make test`"]
+fn kv_close_ends_calls_in_flight_on_every_api() {
+    let server = kv_server(7705, &[]);
+    let rust = Arc::new(Client::connect(addr(7705)).unwrap());
+    rust.put(b"k", b"v").unwrap();
+    let host = CString::new(device_ip().to_string()).unwrap();
+    let [by_disconnect, by_destroy] = [(); 2].map(|()| {
+        let h = kv_client_create(CONN_MODE_CM);
+        assert!(!h.is_null());
+        assert_eq!(kv_client_connect(h, host.as_ptr(), 7705), 0);
+        h as usize
+    });
+    let name = CString::new(format!("{}:7705", device_ip())).unwrap();
+    let mut legacy = std::ptr::null_mut();
+    // SAFETY: a C string and a writable handle pointer.
+    assert_eq!(unsafe { kv_open(name.as_ptr().cast_mut(), &mut legacy) }, 0);
+    let legacy = legacy as usize;
+
+    // A stopped server process answers nothing (the kernel's rxe still
+    // takes the requests): every call below waits for a reply until its
+    // client is closed from another thread.
+    // SAFETY: plain syscall on our child.
+    assert_eq!(
+        unsafe { libc::kill(server.child.id() as i32, libc::SIGSTOP) },
+        0
+    );
+
+    let c = rust.clone();
+    let got = ends_on_close("Client::close", move || c.get(b"k"), || rust.close());
+    assert!(matches!(got, Err(KvError::Disconnected(_))), "{got:?}");
+    let again = rust.get(b"k");
+    assert!(matches!(again, Err(KvError::Disconnected(_))), "{again:?}");
+
+    // kv_client_get into a 16-byte buffer on a handle.
+    let c_get = |h: usize| {
+        move || {
+            let mut buf = [0u8; 16];
+            let mut len = buf.len();
+            // SAFETY: the key and buffer outlive the call; the handle is
+            // live until this test ends it.
+            unsafe {
+                kv_client_get(
+                    h as *mut kv_client,
+                    c"k".as_ptr(),
+                    1,
+                    buf.as_mut_ptr().cast(),
+                    &mut len,
+                )
+            }
+        }
+    };
+    let got = ends_on_close("kv_client_disconnect", c_get(by_disconnect), || {
+        kv_client_disconnect(by_disconnect as *mut kv_client)
+    });
+    assert_eq!(got, KV_ERR_DISCONNECTED);
+    assert_eq!(c_get(by_disconnect)(), KV_ERR_DISCONNECTED);
+    kv_client_destroy(by_disconnect as *mut kv_client);
+    let got = ends_on_close("kv_client_destroy", c_get(by_destroy), || {
+        kv_client_destroy(by_destroy as *mut kv_client)
+    });
+    assert_eq!(got, KV_ERR_DISCONNECTED);
+
+    let got = ends_on_close(
+        "kv_close",
+        move || {
+            let mut value = std::ptr::null_mut();
+            // SAFETY: a C string and a writable pointer; the handle is live
+            // until kv_close.
+            unsafe { kv_get(legacy as *mut c_void, c"k".as_ptr(), &mut value) }
+        },
+        || assert_eq!(kv_close(legacy as *mut c_void), 0),
+    );
+    assert_eq!(got, 1);
+
+    // The server, running again, still serves.
+    // SAFETY: as above.
+    assert_eq!(
+        unsafe { libc::kill(server.child.id() as i32, libc::SIGCONT) },
+        0
+    );
+    let fresh = Client::connect(addr(7705)).unwrap();
+    assert_eq!(fresh.get(b"k").unwrap(), (b"v".to_vec(), 1));
 }

@@ -8,7 +8,7 @@
 //! reply. Calls moving large values take turns (they share one registered
 //! bounce buffer).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::hash::{BuildHasherDefault, Hasher};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -101,24 +101,55 @@ type ById<T> = HashMap<u64, T, BuildHasherDefault<IdHasher>>;
 /// (a waiting caller, or the completion thread).
 #[derive(Default)]
 struct Replies {
-    ready: Mutex<ById<(Reply, Vec<u8>)>>,
+    inbox: Mutex<Inbox>,
     arrived: AtomicU64,
     dead: AtomicBool,
+}
+
+#[derive(Default)]
+struct Inbox {
+    ready: ById<(Reply, Vec<u8>)>,
+    /// Requests whose callers gave up waiting: their replies, if they
+    /// come, are dropped, and what they hold on the server is released.
+    abandoned: HashSet<u64, BuildHasherDefault<IdHasher>>,
+}
+
+impl Replies {
+    /// Gives up on request `id`: returns its reply if it came after all.
+    fn abandon(&self, id: u64) -> Option<(Reply, Vec<u8>)> {
+        let mut inbox = self.inbox.lock().expect("reply lock");
+        let reply = inbox.ready.remove(&id);
+        if reply.is_none() {
+            inbox.abandoned.insert(id);
+        }
+        reply
+    }
 }
 
 struct ReplyHandler(Arc<Replies>);
 
 impl ConnHandler for ReplyHandler {
-    fn recv(&self, _conn: &Connection, data: &[u8], _imm: Option<u32>) {
+    fn recv(&self, conn: &Connection, data: &[u8], _imm: Option<u32>) {
         let Ok((reply, payload)) = Reply::decode(data) else {
             log::warn!("ignoring a malformed reply from the server");
             return;
         };
-        self.0
-            .ready
-            .lock()
-            .expect("reply lock")
-            .insert(reply.req_id, (reply, payload.to_vec()));
+        let mut inbox = self.0.inbox.lock().expect("reply lock");
+        if inbox.abandoned.remove(&reply.req_id) {
+            drop(inbox);
+            // A lease or write target nobody will use: ended now, rather
+            // than held until we disconnect (and counted against our
+            // limit of targets meanwhile).
+            if reply.status == 0 && reply.lease != 0 {
+                let (release, more) = Request::release(&[reply.lease]);
+                // On this connection's polling thread, so it never waits:
+                // a full ring queues it, and losing it costs only memory.
+                let _ = conn.send(&release.encode(&more, &[]));
+            }
+            return;
+        }
+        inbox.ready.insert(reply.req_id, (reply, payload.to_vec()));
+        drop(inbox);
         self.0.arrived.fetch_add(1, Ordering::Release);
     }
 
@@ -297,6 +328,15 @@ pub struct Client {
     timeout: Duration,
 }
 
+/// A request on its way. Its reply's deadline counts from when it was
+/// sent, so the replies of a batch time out together, not one timeout
+/// after another.
+#[derive(Clone, Copy)]
+struct Sent {
+    id: u64,
+    at: Instant,
+}
+
 /// A GET's answer before its value is fetched.
 enum Found {
     Inline(Vec<u8>, u64),
@@ -377,7 +417,7 @@ impl Client {
         self.timeout + Duration::from_secs(bytes as u64 / SLOWEST_BYTES_PER_SEC)
     }
 
-    fn send(&self, req: Request, key: &[u8], inline: &[u8]) -> Result<u64> {
+    fn send(&self, req: Request, key: &[u8], inline: &[u8]) -> Result<Sent> {
         self.send_after(req, key, inline, None)
     }
 
@@ -389,11 +429,12 @@ impl Client {
         key: &[u8],
         inline: &[u8],
         staged: Option<Staged>,
-    ) -> Result<u64> {
+    ) -> Result<Sent> {
         // Ids wrap at 32 bits so replies can carry them in a compact header;
         // far fewer than 2^32 requests are ever outstanding at once.
         let id = self.next_id.fetch_add(1, Ordering::Relaxed) & u64::from(u32::MAX);
         req.req_id = id;
+        let at = Instant::now();
         let msg = req.encode(key, inline);
         let sent = match staged {
             // SAFETY: the bounce buffer stays untouched (the caller holds its
@@ -407,21 +448,27 @@ impl Client {
         };
         match sent {
             0 => Err(KvError::Timeout(self.conn.options().timeout)),
-            _ => Ok(id),
+            _ => Ok(Sent { id, at }),
         }
     }
 
-    /// Waits for the reply to request `id`.
-    fn wait(&self, id: u64, allowed: Duration) -> Result<(Reply, Vec<u8>)> {
+    /// Waits for the reply to `sent`, until `allowed` after it was sent.
+    fn wait(&self, sent: Sent, allowed: Duration) -> Result<(Reply, Vec<u8>)> {
         let mut seen = u64::MAX;
         let mut reply = None;
         let mut ended = false;
-        self.conn.wait_for(Instant::now() + allowed, || {
+        self.conn.wait_for(sent.at + allowed, || {
             // The map is only looked at when something arrived.
             let arrived = self.replies.arrived.load(Ordering::Acquire);
             if arrived != seen {
                 seen = arrived;
-                reply = self.replies.ready.lock().expect("reply lock").remove(&id);
+                reply = self
+                    .replies
+                    .inbox
+                    .lock()
+                    .expect("reply lock")
+                    .ready
+                    .remove(&sent.id);
             }
             ended = self.replies.dead.load(Ordering::Acquire);
             reply.is_some() || ended
@@ -429,7 +476,10 @@ impl Client {
         match reply {
             Some(r) => Ok(r),
             None if ended => Err(KvError::Disconnected("the server went away".into())),
-            None => Err(KvError::Timeout(allowed)),
+            None => self
+                .replies
+                .abandon(sent.id)
+                .ok_or(KvError::Timeout(allowed)),
         }
     }
 
@@ -454,8 +504,8 @@ impl Client {
         staged: Option<Staged>,
         moves: usize,
     ) -> Result<(Reply, Vec<u8>)> {
-        let id = self.send_after(req, key, inline, staged)?;
-        let (reply, payload) = self.wait(id, self.allowance(moves))?;
+        let sent = self.send_after(req, key, inline, staged)?;
+        let (reply, payload) = self.wait(sent, self.allowance(moves))?;
         status(&reply)?;
         Ok((reply, payload))
     }
@@ -676,7 +726,7 @@ impl Client {
         // The server maps and registers memory for it first: time in
         // proportion to its size.
         let (target, _) = self.call(alloc, key, &[], value.len())?;
-        self.with_bounce(value.len(), |b| {
+        let put = self.with_bounce(value.len(), |b| {
             copy::copy(b.bytes(value.len()), value);
             let remote = RemoteAddr {
                 addr: target.addr,
@@ -688,7 +738,13 @@ impl Client {
             };
             self.call(req, key, &[], value.len())
                 .map(|(r, _)| r.version)
-        })
+        });
+        if put.is_err() {
+            // The server takes our requests in order: a release behind a
+            // commit it has not seen yet finds the target already used.
+            self.release(target.lease);
+        }
+        put
     }
 
     /// Deletes `key`.
@@ -721,7 +777,7 @@ impl Client {
         // for us.
         for (n, chunk) in keys.chunks(BATCH_WINDOW).enumerate() {
             let base = n * BATCH_WINDOW;
-            let ids: Vec<Result<u64>> = chunk
+            let ids: Vec<Result<Sent>> = chunk
                 .iter()
                 .map(|key| {
                     check_key(key)?;
@@ -877,10 +933,10 @@ impl Client {
         &self,
         count: usize,
         window: usize,
-        mut start: impl FnMut(usize) -> Result<u64>,
+        mut start: impl FnMut(usize) -> Result<Sent>,
         mut finish: impl FnMut(usize, Reply, Vec<u8>) -> Result<T>,
     ) -> Vec<Result<T>> {
-        let mut ids: Vec<Result<u64>> = Vec::with_capacity(count);
+        let mut ids: Vec<Result<Sent>> = Vec::with_capacity(count);
         let mut results: Vec<Result<T>> = Vec::with_capacity(count);
         for i in 0..count {
             ids.push(start(i));
@@ -899,11 +955,11 @@ impl Client {
     fn collect<T>(
         &self,
         i: usize,
-        id: &Result<u64>,
+        sent: &Result<Sent>,
         finish: &mut impl FnMut(usize, Reply, Vec<u8>) -> Result<T>,
     ) -> Result<T> {
-        let id = id.as_ref().map_err(Clone::clone)?;
-        let (reply, payload) = self.wait(*id, self.timeout)?;
+        let sent = sent.as_ref().map_err(Clone::clone)?;
+        let (reply, payload) = self.wait(*sent, self.timeout)?;
         status(&reply)?;
         finish(i, reply, payload)
     }

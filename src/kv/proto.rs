@@ -56,8 +56,9 @@ pub enum Op {
     /// request buffer); the reply gives its address, rkey and a token.
     Alloc = 4,
     Delete = 5,
-    /// Ends leases of values read remotely: the header's, and any more as
-    /// 8-byte words in the key's place; no reply.
+    /// Ends leases of values read remotely, or write targets not used:
+    /// the header's, and any more as 8-byte words in the key's place; no
+    /// reply.
     Release = 6,
 }
 

@@ -441,9 +441,14 @@ impl Shared {
     ) -> Option<Vec<u8>> {
         let id = req.req_id;
         if req.op == Op::Release {
+            // Leases and write targets are numbered from one counter, so a
+            // number names one or the other.
             let mut leases = client.leases.lock().expect("lease lock");
-            for lease in req.released(key) {
-                leases.remove(&lease);
+            let mut targets = client.targets.lock().expect("target lock");
+            for n in req.released(key) {
+                if leases.remove(&n).is_none() {
+                    targets.remove(&n);
+                }
             }
             return None;
         }

@@ -14,7 +14,7 @@ use snowrdma::ffi::kv::{
     kv_client_get, CONN_MODE_CM, KV_ERR_DISCONNECTED,
 };
 use snowrdma::ffi::kv_strings::{kv_close, kv_get, kv_open};
-use snowrdma::kv::{Client, KvError};
+use snowrdma::kv::{Client, ClientOptions, KvError};
 
 use crate::c_programs::{program, Proc};
 use crate::device_ip;
@@ -334,4 +334,67 @@ fn kv_close_ends_calls_in_flight_on_every_api() {
     );
     let fresh = Client::connect(addr(7705)).unwrap();
     assert_eq!(fresh.get(b"k").unwrap(), (b"v".to_vec(), 1));
+}
+
+#[test]
+#[ignore = "needs an RDMA device: run `make test`"]
+fn kv_timeouts_end_batches_together_and_late_replies_free_the_server() {
+    let server = kv_server(7706, &[]);
+    let opts = ClientOptions {
+        timeout: Duration::from_millis(500),
+        ..ClientOptions::default()
+    };
+    let c = Arc::new(Client::connect_with(addr(7706), &opts).unwrap());
+    // Above the 2 MiB request buffer: PUT through a write target, GET by a
+    // leased READ, and counted in the server's "large values".
+    let big = vec![5u8; 3 << 20];
+    c.put(b"big", &big).unwrap();
+    server.expect_line("large values 3.0 MiB", Duration::from_secs(10));
+    let keys: Vec<Vec<u8>> = (0..64).map(|i| format!("k{i}").into_bytes()).collect();
+    let keys: Vec<&[u8]> = keys.iter().map(Vec::as_slice).collect();
+    let pairs: Vec<(&[u8], &[u8])> = keys.iter().map(|&k| (k, &b"v"[..])).collect();
+
+    // SAFETY: plain syscall on our child.
+    assert_eq!(
+        unsafe { libc::kill(server.child.id() as i32, libc::SIGSTOP) },
+        0
+    );
+    // 64 requests in flight time out together, not 64 timeouts in a row.
+    let start = Instant::now();
+    let gets = c.batch_get(&keys);
+    let puts = c.batch_put(&pairs);
+    let took = start.elapsed();
+    assert!(took < Duration::from_secs(5), "two batches took {took:?}");
+    assert!(gets.iter().all(|r| matches!(r, Err(KvError::Timeout(_)))));
+    assert!(puts.iter().all(|r| matches!(r, Err(KvError::Timeout(_)))));
+    // Calls whose replies would hold something on the server: a leased
+    // GET, and 8 PUTs (the most write targets a client may hold) that time
+    // out waiting for their targets.
+    assert!(matches!(c.get(b"big"), Err(KvError::Timeout(_))));
+    let putters: Vec<_> = (0..8)
+        .map(|i| {
+            let (c, big) = (c.clone(), big.clone());
+            std::thread::spawn(move || c.put(format!("big{i}").as_bytes(), &big))
+        })
+        .collect();
+    for p in putters {
+        let put = p.join().unwrap();
+        assert!(matches!(put, Err(KvError::Timeout(_))), "{put:?}");
+    }
+
+    // Running again, the server answers them all late; the client drops
+    // those replies and releases what they hold.
+    // SAFETY: as above.
+    assert_eq!(
+        unsafe { libc::kill(server.child.id() as i32, libc::SIGCONT) },
+        0
+    );
+    std::thread::sleep(Duration::from_secs(1));
+    assert_eq!(c.get(b"k7").unwrap(), (b"v".to_vec(), 1));
+    // The lease has ended: deleted, the value's memory is freed at once.
+    c.delete(b"big").unwrap();
+    server.expect_line("large values 0.0 MiB", Duration::from_secs(10));
+    // The targets are gone, or this PUT would find none left for it.
+    c.put(b"big-after", &big).unwrap();
+    assert_eq!(c.get(b"big-after").unwrap(), (big, 1));
 }

@@ -220,6 +220,38 @@ fn kv_programs_in_socket_mode() {
     assert!(Client::connect(addr(7704)).is_err());
 }
 
+/// Stops `p` (SIGSTOP) and waits until all its threads have: the signal
+/// reaches them asynchronously, and one still running could answer.
+fn freeze(p: &Proc) {
+    let pid = p.child.id();
+    // SAFETY: plain syscall on our child.
+    assert_eq!(unsafe { libc::kill(pid as i32, libc::SIGSTOP) }, 0);
+    let stopped = || {
+        std::fs::read_dir(format!("/proc/{pid}/task"))
+            .unwrap()
+            .all(|task| {
+                let stat = std::fs::read_to_string(task.unwrap().path().join("stat"));
+                // The state follows the command name, which is in parentheses.
+                stat.unwrap_or_default()
+                    .rsplit(')')
+                    .next()
+                    .and_then(|rest| rest.split_whitespace().next())
+                    == Some("T")
+            })
+    };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !stopped() {
+        assert!(Instant::now() < deadline, "the server did not stop");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// Lets a frozen `p` run again.
+fn thaw(p: &Proc) {
+    // SAFETY: plain syscall on our child.
+    assert_eq!(unsafe { libc::kill(p.child.id() as i32, libc::SIGCONT) }, 0);
+}
+
 /// Runs `call` on a thread and `close` here once the call is waiting; the
 /// call must end within 3 s of the close (its own timeout is 10 s).
 fn ends_on_close<T: Send + 'static>(
@@ -273,11 +305,7 @@ fn kv_close_ends_calls_in_flight_on_every_api() {
     // A stopped server process answers nothing (the kernel's rxe still
     // takes the requests): every call below waits for a reply until its
     // client is closed from another thread.
-    // SAFETY: plain syscall on our child.
-    assert_eq!(
-        unsafe { libc::kill(server.child.id() as i32, libc::SIGSTOP) },
-        0
-    );
+    freeze(&server);
 
     let c = rust.clone();
     let got = ends_on_close("Client::close", move || c.get(b"k"), || rust.close());
@@ -327,11 +355,7 @@ fn kv_close_ends_calls_in_flight_on_every_api() {
     assert_eq!(got, 1);
 
     // The server, running again, still serves.
-    // SAFETY: as above.
-    assert_eq!(
-        unsafe { libc::kill(server.child.id() as i32, libc::SIGCONT) },
-        0
-    );
+    thaw(&server);
     let fresh = Client::connect(addr(7705)).unwrap();
     assert_eq!(fresh.get(b"k").unwrap(), (b"v".to_vec(), 1));
 }
@@ -354,19 +378,21 @@ fn kv_timeouts_end_batches_together_and_late_replies_free_the_server() {
     let keys: Vec<&[u8]> = keys.iter().map(Vec::as_slice).collect();
     let pairs: Vec<(&[u8], &[u8])> = keys.iter().map(|&k| (k, &b"v"[..])).collect();
 
-    // SAFETY: plain syscall on our child.
-    assert_eq!(
-        unsafe { libc::kill(server.child.id() as i32, libc::SIGSTOP) },
-        0
-    );
+    freeze(&server);
     // 64 requests in flight time out together, not 64 timeouts in a row.
     let start = Instant::now();
     let gets = c.batch_get(&keys);
     let puts = c.batch_put(&pairs);
     let took = start.elapsed();
     assert!(took < Duration::from_secs(5), "two batches took {took:?}");
-    assert!(gets.iter().all(|r| matches!(r, Err(KvError::Timeout(_)))));
-    assert!(puts.iter().all(|r| matches!(r, Err(KvError::Timeout(_)))));
+    assert!(
+        gets.iter().all(|r| matches!(r, Err(KvError::Timeout(_)))),
+        "{gets:?}"
+    );
+    assert!(
+        puts.iter().all(|r| matches!(r, Err(KvError::Timeout(_)))),
+        "{puts:?}"
+    );
     // Calls whose replies would hold something on the server: a leased
     // GET, and 8 PUTs (the most write targets a client may hold) that time
     // out waiting for their targets.
@@ -384,11 +410,7 @@ fn kv_timeouts_end_batches_together_and_late_replies_free_the_server() {
 
     // Running again, the server answers them all late; the client drops
     // those replies and releases what they hold.
-    // SAFETY: as above.
-    assert_eq!(
-        unsafe { libc::kill(server.child.id() as i32, libc::SIGCONT) },
-        0
-    );
+    thaw(&server);
     std::thread::sleep(Duration::from_secs(1));
     assert_eq!(c.get(b"k7").unwrap(), (b"v".to_vec(), 1));
     // The lease has ended: deleted, the value's memory is freed at once.

@@ -337,6 +337,27 @@ struct Sent {
     at: Instant,
 }
 
+/// A batch's sends: once one has waited out its time for room in the
+/// server's ring (a server that stopped taking requests), the rest fail
+/// with that error at once instead of each waiting as long again.
+#[derive(Default)]
+struct BatchSends {
+    stuck: Option<KvError>,
+}
+
+impl BatchSends {
+    fn send(&mut self, send: impl FnOnce() -> Result<Sent>) -> Result<Sent> {
+        if let Some(e) = &self.stuck {
+            return Err(e.clone());
+        }
+        let sent = send();
+        if let Err(e @ KvError::Timeout(_)) = &sent {
+            self.stuck = Some(e.clone());
+        }
+        sent
+    }
+}
+
 /// A GET's answer before its value is fetched.
 enum Found {
     Inline(Vec<u8>, u64),
@@ -773,6 +794,7 @@ impl Client {
         keys: &[&[u8]],
         mut each: impl FnMut(usize, Result<(&[u8], u64)>),
     ) {
+        let mut sends = BatchSends::default();
         // A chunk at a time, so the server holds at most a chunk's leases
         // for us.
         for (n, chunk) in keys.chunks(BATCH_WINDOW).enumerate() {
@@ -781,7 +803,7 @@ impl Client {
                 .iter()
                 .map(|key| {
                     check_key(key)?;
-                    self.send(Request::new(Op::Get, 0), key, &[])
+                    sends.send(|| self.send(Request::new(Op::Get, 0), key, &[]))
                 })
                 .collect();
             let mut answer = |i: usize, r: Result<(&[u8], u64)>| each(base + i, r);
@@ -938,8 +960,9 @@ impl Client {
     ) -> Vec<Result<T>> {
         let mut ids: Vec<Result<Sent>> = Vec::with_capacity(count);
         let mut results: Vec<Result<T>> = Vec::with_capacity(count);
+        let mut sends = BatchSends::default();
         for i in 0..count {
-            ids.push(start(i));
+            ids.push(sends.send(|| start(i)));
             if ids.len() - results.len() >= window {
                 let j = results.len();
                 results.push(self.collect(j, &ids[j], &mut finish));

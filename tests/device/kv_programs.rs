@@ -407,6 +407,22 @@ fn kv_timeouts_end_batches_together_and_late_replies_free_the_server() {
         let put = p.join().unwrap();
         assert!(matches!(put, Err(KvError::Timeout(_))), "{put:?}");
     }
+    // 400 requests of 3 KB overfill the server's 1 MiB ring for this client:
+    // once a send has waited its second for room, the rest fail at once.
+    let filler = vec![1u8; 3000];
+    let fill: Vec<Vec<u8>> = (0..400).map(|i| format!("r{i}").into_bytes()).collect();
+    let fill: Vec<(&[u8], &[u8])> = fill.iter().map(|k| (&k[..], &filler[..])).collect();
+    let start = Instant::now();
+    let puts = c.batch_put(&fill);
+    let took = start.elapsed();
+    assert!(
+        took < Duration::from_secs(10),
+        "filling the ring took {took:?}"
+    );
+    assert!(
+        puts.iter().all(|r| matches!(r, Err(KvError::Timeout(_)))),
+        "{puts:?}"
+    );
 
     // Running again, the server answers them all late; the client drops
     // those replies and releases what they hold.

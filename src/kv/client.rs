@@ -496,7 +496,8 @@ impl Client {
         });
         match reply {
             Some(r) => Ok(r),
-            None if ended => Err(KvError::Disconnected("the server went away".into())),
+            // The server went away, or this client was closed.
+            None if ended => Err(KvError::Disconnected("the connection has ended".into())),
             None => self
                 .replies
                 .abandon(sent.id)

@@ -104,6 +104,8 @@ struct Replies {
     inbox: Mutex<Inbox>,
     arrived: AtomicU64,
     dead: AtomicBool,
+    /// Whether `abandoned` may hold ids: spares the sending path the lock.
+    any_abandoned: AtomicBool,
 }
 
 #[derive(Default)]
@@ -121,8 +123,21 @@ impl Replies {
         let reply = inbox.ready.remove(&id);
         if reply.is_none() {
             inbox.abandoned.insert(id);
+            self.any_abandoned.store(true, Ordering::Release);
         }
         reply
+    }
+
+    /// Ids wrap: a request taking the id of one whose reply never came
+    /// must not have its own reply dropped.
+    fn reuse(&self, id: u64) {
+        if self.any_abandoned.load(Ordering::Acquire) {
+            let mut inbox = self.inbox.lock().expect("reply lock");
+            inbox.abandoned.remove(&id);
+            if inbox.abandoned.is_empty() {
+                self.any_abandoned.store(false, Ordering::Release);
+            }
+        }
     }
 }
 
@@ -454,6 +469,7 @@ impl Client {
         // Ids wrap at 32 bits so replies can carry them in a compact header;
         // far fewer than 2^32 requests are ever outstanding at once.
         let id = self.next_id.fetch_add(1, Ordering::Relaxed) & u64::from(u32::MAX);
+        self.replies.reuse(id);
         req.req_id = id;
         let at = Instant::now();
         let msg = req.encode(key, inline);
@@ -1036,4 +1052,35 @@ fn status(reply: &Reply) -> Result<()> {
         _ => reply.value_len,
     };
     Err(KvError::from_code(reply.status, detail))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn reply(id: u64) -> (Reply, Vec<u8>) {
+        let r = Reply {
+            req_id: id,
+            ..Reply::default()
+        };
+        (r, b"late".to_vec())
+    }
+
+    #[test]
+    fn an_abandoned_id_is_remembered_until_reused() {
+        let replies = Replies::default();
+        // A reply that came at the last moment is still taken.
+        replies.inbox.lock().unwrap().ready.insert(1, reply(1));
+        assert_eq!(replies.abandon(1).unwrap().1, b"late");
+        assert!(!replies.any_abandoned.load(Ordering::Acquire));
+        // One that has not come is remembered, so its reply is dropped.
+        assert!(replies.abandon(2).is_none());
+        assert!(replies.inbox.lock().unwrap().abandoned.contains(&2));
+        replies.reuse(3);
+        assert!(replies.inbox.lock().unwrap().abandoned.contains(&2));
+        // Until a new request takes its id after the ids wrap.
+        replies.reuse(2);
+        assert!(replies.inbox.lock().unwrap().abandoned.is_empty());
+        assert!(!replies.any_abandoned.load(Ordering::Acquire));
+    }
 }

@@ -493,14 +493,13 @@ pub unsafe extern "C" fn kv_client_get(
     value_buf: *mut c_void,
     value_len: *mut usize,
 ) -> c_int {
-    guard("kv_client_get", KV_ERR_INTERNAL, || {
-        get_into(
-            client,
-            (key, key_len),
-            (value_buf, value_len, std::ptr::null_mut()),
-            Client::get_into,
-        )
-    })
+    get_into(
+        "kv_client_get",
+        client,
+        (key, key_len),
+        (value_buf, value_len, std::ptr::null_mut()),
+        Client::get_into,
+    )
 }
 
 /// As `kv_client_get`, also reporting the value's version in `*version`
@@ -517,14 +516,13 @@ pub unsafe extern "C" fn kv_client_get_version(
     value_len: *mut usize,
     version: *mut u64,
 ) -> c_int {
-    guard("kv_client_get_version", KV_ERR_INTERNAL, || {
-        get_into(
-            client,
-            (key, key_len),
-            (value_buf, value_len, version),
-            Client::get_into,
-        )
-    })
+    get_into(
+        "kv_client_get_version",
+        client,
+        (key, key_len),
+        (value_buf, value_len, version),
+        Client::get_into,
+    )
 }
 
 /// As `kv_client_get_version`, without the server's CPU: the client READs
@@ -544,51 +542,54 @@ pub unsafe extern "C" fn kv_client_get_onesided(
     value_len: *mut usize,
     version: *mut u64,
 ) -> c_int {
-    guard("kv_client_get_onesided", KV_ERR_INTERNAL, || {
-        get_into(
-            client,
-            (key, key_len),
-            (value_buf, value_len, version),
-            Client::get_one_sided_into,
-        )
-    })
+    get_into(
+        "kv_client_get_onesided",
+        client,
+        (key, key_len),
+        (value_buf, value_len, version),
+        Client::get_one_sided_into,
+    )
 }
 
-/// The body of the single-key GETs: checks the arguments, lets `get` copy
-/// the value into the caller's buffer, and reports length and version.
+/// The body of the single-key GETs, export `name`: checks the arguments,
+/// lets `get` copy the value into the caller's buffer, and reports length
+/// and version.
 unsafe fn get_into(
+    name: &'static str,
     client: *mut kv_client,
     (key, key_len): (*const c_char, usize),
     (value_buf, value_len, version): (*mut c_void, *mut usize, *mut u64),
     get: impl FnOnce(&Client, &[u8], &mut [u8]) -> Result<(usize, u64), KvError>,
 ) -> c_int {
-    with_client(client, |c| {
-        if value_len.is_null() || (value_buf.is_null() && *value_len > 0) {
-            return KV_ERR_INVALID_ARGUMENT;
-        }
-        let k = match self::key(key, key_len) {
-            Ok(k) => k,
-            Err(e) => return e.code(),
-        };
-        let buf: &mut [u8] = if value_buf.is_null() {
-            &mut []
-        } else {
-            std::slice::from_raw_parts_mut(value_buf.cast(), *value_len)
-        };
-        match get(c, k, buf) {
-            Ok((n, v)) => {
-                *value_len = n;
-                if let Some(out) = version.as_mut() {
-                    *out = v;
+    guard(name, KV_ERR_INTERNAL, || {
+        with_client(client, |c| {
+            if value_len.is_null() || (value_buf.is_null() && *value_len > 0) {
+                return KV_ERR_INVALID_ARGUMENT;
+            }
+            let k = match self::key(key, key_len) {
+                Ok(k) => k,
+                Err(e) => return e.code(),
+            };
+            let buf: &mut [u8] = if value_buf.is_null() {
+                &mut []
+            } else {
+                std::slice::from_raw_parts_mut(value_buf.cast(), *value_len)
+            };
+            match get(c, k, buf) {
+                Ok((n, v)) => {
+                    *value_len = n;
+                    if let Some(out) = version.as_mut() {
+                        *out = v;
+                    }
+                    KV_OK
                 }
-                KV_OK
+                Err(KvError::BufferTooSmall { needed }) => {
+                    *value_len = needed as usize;
+                    KV_ERR_BUFFER_TOO_SMALL
+                }
+                Err(e) => code::<()>(Err(e)),
             }
-            Err(KvError::BufferTooSmall { needed }) => {
-                *value_len = needed as usize;
-                KV_ERR_BUFFER_TOO_SMALL
-            }
-            Err(e) => code::<()>(Err(e)),
-        }
+        })
     })
 }
 

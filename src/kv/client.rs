@@ -155,11 +155,10 @@ impl ConnHandler for ReplyHandler {
             // A lease or write target nobody will use: ended now, rather
             // than held until we disconnect (and counted against our
             // limit of targets meanwhile).
+            // On this connection's polling thread the send never waits: a
+            // full ring queues it.
             if reply.status == 0 && reply.lease != 0 {
-                let (release, more) = Request::release(&[reply.lease]);
-                // On this connection's polling thread, so it never waits:
-                // a full ring queues it, and losing it costs only memory.
-                let _ = conn.send(&release.encode(&more, &[]));
+                send_releases(conn, &[reply.lease]);
             }
             return;
         }
@@ -170,6 +169,16 @@ impl ConnHandler for ReplyHandler {
 
     fn disconnected(&self, _conn: &Connection) {
         self.0.dead.store(true, Ordering::Release);
+    }
+}
+
+/// Ends leases or write targets, up to [`RELEASES_PER_MESSAGE`] in one
+/// message. Releases get no reply, so they take no request id; losing one
+/// only keeps the memory a little longer (until we disconnect).
+fn send_releases(conn: &Connection, leases: &[u64]) {
+    for part in leases.chunks(RELEASES_PER_MESSAGE) {
+        let (release, more) = Request::release(part);
+        let _ = conn.send(&release.encode(&more, &[]));
     }
 }
 
@@ -310,7 +319,7 @@ impl BlockReads<'_> {
             };
             each(i, answer);
         }
-        self.client.release_all(&self.leases);
+        send_releases(&self.client.conn, &self.leases);
         self.leases.clear();
         self.used = 0;
     }
@@ -660,17 +669,7 @@ impl Client {
     }
 
     fn release(&self, lease: u64) {
-        self.release_all(&[lease]);
-    }
-
-    /// Ends several leases, up to [`RELEASES_PER_MESSAGE`] in one message.
-    fn release_all(&self, leases: &[u64]) {
-        for part in leases.chunks(RELEASES_PER_MESSAGE) {
-            let (r, more) = Request::release(part);
-            // Without a reply: losing it only keeps the values a little
-            // longer (until we disconnect).
-            let _ = self.send(r, &more, &[]);
-        }
+        send_releases(&self.conn, &[lease]);
     }
 
     /// The value and version of `key`.

@@ -8,7 +8,7 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use clap::Parser;
-use indicatif::{ProgressBar, ProgressStyle};
+use indicatif::{ProgressBar, ProgressFinish, ProgressStyle};
 use rustyline::error::ReadlineError;
 
 use snowrdma::kv::{Client, ClientOptions, ConnMode};
@@ -232,7 +232,11 @@ fn bench(client: &Client, n: &str, size: &str) -> Result<String, String> {
         ),
     ];
     for (name, op) in ops.iter() {
-        let bar = ProgressBar::new(n as u64).with_message(*name);
+        // Cleared when dropped, so an operation that fails midway leaves
+        // only its error on the screen.
+        let bar = ProgressBar::new(n as u64)
+            .with_message(*name)
+            .with_finish(ProgressFinish::AndClear);
         bar.set_style(
             ProgressStyle::with_template("{msg:>14} [{bar:40}] {pos}/{len} {per_sec} eta {eta}")
                 .expect("progress template")
@@ -246,7 +250,6 @@ fn bench(client: &Client, n: &str, size: &str) -> Result<String, String> {
             micros.push(t.elapsed().as_secs_f64() * 1e6);
             bar.inc(1);
         }
-        bar.finish_and_clear();
         phases.push(Phase {
             name,
             micros,

@@ -11,8 +11,9 @@
 use std::collections::{HashMap, HashSet};
 use std::hash::{BuildHasherDefault, Hasher};
 use std::net::SocketAddr;
+use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use crate::copy;
@@ -566,7 +567,9 @@ impl Client {
                 "a callback lent a value called back into the same client".into(),
             ));
         }
-        let mut slot = self.bounce.lock().expect("bounce lock");
+        // Poisoned only by a panic in a user's callback lent a value; the
+        // buffer is scratch space and still whole.
+        let mut slot = self.bounce.lock().unwrap_or_else(PoisonError::into_inner);
         if slot.as_ref().is_none_or(|b| b.len < len) {
             if let Some(old) = slot.take() {
                 self.conn.deregister(old.raw);
@@ -662,10 +665,11 @@ impl Client {
             let block = b.bytes(total);
             let (version, value) =
                 verify_leased_block(block, key).ok_or_else(failed_verification)?;
-            Ok(take(value, version))
+            // A panicking `take` still lets the lease go first.
+            Ok(catch_unwind(AssertUnwindSafe(|| take(value, version))))
         });
         self.release(reply.lease);
-        result
+        result.map(|taken| taken.unwrap_or_else(|payload| resume_unwind(payload)))
     }
 
     fn release(&self, lease: u64) {
@@ -805,11 +809,27 @@ impl Client {
     /// the transfer buffer first: `each` runs once per key, in no
     /// particular order, on the calling thread, under the same rule as
     /// [`Client::get_with`]'s `take`.
+    ///
+    /// Should `each` panic, the batch is still finished without it (every
+    /// reply taken, every value the server lent us given back), and then
+    /// the panic goes on.
     pub fn batch_get_with(
         &self,
         keys: &[&[u8]],
         mut each: impl FnMut(usize, Result<(&[u8], u64)>),
     ) {
+        let mut panic = None;
+        self.batch_get_each(keys, &mut |i, r| {
+            if panic.is_none() {
+                panic = catch_unwind(AssertUnwindSafe(|| each(i, r))).err();
+            }
+        });
+        if let Some(payload) = panic {
+            resume_unwind(payload);
+        }
+    }
+
+    fn batch_get_each(&self, keys: &[&[u8]], each: &mut Each<'_>) {
         let mut sends = BatchSends::default();
         // A chunk at a time, so the server holds at most a chunk's leases
         // for us.

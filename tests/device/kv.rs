@@ -230,15 +230,7 @@ fn all_ops_at_all_sizes(huge: bool, mode: ConnMode) {
     for k in &refs {
         c.delete(k).unwrap();
     }
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while server.stats().pool_used > before {
-        assert!(
-            Instant::now() < deadline,
-            "leased blocks still held: {} bytes over {before}",
-            server.stats().pool_used - before
-        );
-        thread::sleep(Duration::from_millis(10));
-    }
+    pool_back_to(&server, before, "leased blocks");
     drop(c);
     server.stop();
 }
@@ -259,6 +251,87 @@ fn kv_all_ops_all_sizes_socket_mode() {
 #[ignore]
 fn kv_all_ops_all_sizes_huge_pages() {
     all_ops_at_all_sizes(true, ConnMode::Cm);
+}
+
+/// Waits until the server's pool holds no more than `baseline` bytes.
+fn pool_back_to(server: &Server, baseline: u64, what: &str) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while server.stats().pool_used > baseline {
+        assert!(
+            Instant::now() < deadline,
+            "{what}: {} bytes still held over {baseline}",
+            server.stats().pool_used - baseline
+        );
+        thread::sleep(Duration::from_millis(10));
+    }
+}
+
+#[test]
+#[ignore]
+fn kv_a_panicking_value_callback_loses_nothing() {
+    let (server, addr) = kv_server(false);
+    let c = Client::connect(addr).unwrap();
+    c.put(b"small", b"inline").unwrap();
+    let baseline = server.stats().pool_used;
+    // Large enough to be leased and READ through the transfer buffer.
+    let keys: Vec<String> = (0..4).map(|i| format!("lent-{i}")).collect();
+    let values: Vec<Vec<u8>> = (0..4).map(|i| pattern(256 << 10, 60 + i)).collect();
+    for (k, v) in keys.iter().zip(&values) {
+        c.put(k.as_bytes(), v).unwrap();
+    }
+    let message = |payload: Box<dyn std::any::Any + Send>| {
+        payload
+            .downcast_ref::<&str>()
+            .copied()
+            .unwrap_or("?")
+            .to_string()
+    };
+
+    let got = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        c.get_with(b"lent-0", |_| -> () { panic!("deliberate panic in take") })
+    }));
+    assert_eq!(
+        got.map(drop).map_err(message),
+        Err("deliberate panic in take".into())
+    );
+    // Before, the panic poisoned the transfer buffer's lock and every later
+    // large-value call on the client panicked.
+    assert_eq!(c.get(b"lent-0").unwrap().0, values[0]);
+
+    let got = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        c.get_one_sided_with(b"lent-1", |_| -> () {
+            panic!("deliberate panic one-sided")
+        })
+    }));
+    assert!(got.is_err());
+    assert_eq!(c.get_one_sided(b"lent-1").unwrap().0, values[1]);
+
+    // The first answer panics: the batch still takes every reply and gives
+    // back every lease, calls the closure no more, then the panic goes on.
+    let refs: Vec<&[u8]> = keys.iter().map(|k| k.as_bytes()).collect();
+    let mut batch = refs.clone();
+    batch.push(b"small");
+    let mut calls = 0;
+    let got = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        c.batch_get_with(&batch, |_, r| {
+            calls += 1;
+            r.unwrap();
+            panic!("deliberate panic in each");
+        })
+    }));
+    assert_eq!(got.map_err(message), Err("deliberate panic in each".into()));
+    assert_eq!(calls, 1, "the closure is not called after it panicked");
+    for (got, v) in c.batch_get(&batch).into_iter().zip(&values) {
+        assert_eq!(got.unwrap().0, *v, "the client still serves batches");
+    }
+
+    // Nothing the panics interrupted still holds a block on the server.
+    for k in &refs {
+        c.delete(k).unwrap();
+    }
+    pool_back_to(&server, baseline, "after deleting");
+    drop(c);
+    server.stop();
 }
 
 #[test]

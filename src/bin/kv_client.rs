@@ -35,9 +35,17 @@ struct Args {
     commands: Vec<String>,
 }
 
-const HELP: &str =
-    "commands: put <key> <value> | get <key> | del <key> | cas <key> <version> <value> \
-                    | bench <n> [value bytes] | quit";
+const USAGE: [&str; 5] = [
+    "put <key> <value>",
+    "get <key>",
+    "del <key>",
+    "cas <key> <version> <value>",
+    "bench <n> [value bytes]",
+];
+
+fn help() -> String {
+    format!("commands: {} | quit", USAGE.join(" | "))
+}
 
 fn main() -> ExitCode {
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).init();
@@ -69,27 +77,34 @@ fn main() -> ExitCode {
         }
     };
     let ok = if !args.commands.is_empty() {
-        args.commands
-            .iter()
-            .all(|line| run(&client, line) != Outcome::Failed)
+        run_all(&client, args.commands.into_iter())
     } else if std::io::stdin().is_terminal() {
         prompt(&client)
     } else {
-        let mut ok = true;
-        for line in std::io::stdin().lock().lines().map_while(Result::ok) {
-            match run(&client, &line) {
-                Outcome::Quit => break,
-                Outcome::Failed => ok = false,
-                Outcome::Done => {}
-            }
-        }
-        ok
+        run_all(
+            &client,
+            std::io::stdin().lock().lines().map_while(Result::ok),
+        )
     };
     if ok {
         ExitCode::SUCCESS
     } else {
         ExitCode::FAILURE
     }
+}
+
+/// Runs every command up to `quit`, going on after one that failed, as
+/// at the prompt; true if none failed.
+fn run_all(client: &Client, lines: impl Iterator<Item = String>) -> bool {
+    let mut ok = true;
+    for line in lines {
+        match run(client, &line) {
+            Outcome::Quit => break,
+            Outcome::Failed => ok = false,
+            Outcome::Done => {}
+        }
+    }
+    ok
 }
 
 fn prompt(client: &Client) -> bool {
@@ -100,7 +115,7 @@ fn prompt(client: &Client) -> bool {
             return false;
         }
     };
-    println!("{HELP}");
+    println!("{}", help());
     loop {
         match editor.readline("kv> ") {
             Ok(line) => {
@@ -132,7 +147,7 @@ fn run(client: &Client, line: &str) -> Outcome {
     let result: Result<String, String> = match words.as_slice() {
         [] => return Outcome::Done,
         ["quit" | "exit"] => return Outcome::Quit,
-        ["help"] => Ok(HELP.into()),
+        ["help"] => Ok(help()),
         ["put", key, value @ ..] if !value.is_empty() => client
             .put(key.as_bytes(), value.join(" ").as_bytes())
             .map(|v| format!("OK (version {v})"))
@@ -154,7 +169,12 @@ fn run(client: &Client, line: &str) -> Outcome {
         },
         ["bench", n] => bench(client, n, "64"),
         ["bench", n, size] => bench(client, n, size),
-        _ => Err(format!("unknown command; {HELP}")),
+        [command, ..] => Err(
+            match USAGE.iter().find(|u| u.starts_with(&format!("{command} "))) {
+                Some(usage) => format!("usage: {usage}"),
+                None => format!("unknown command {command:?}; {}", help()),
+            },
+        ),
     };
     match result {
         Ok(text) => {

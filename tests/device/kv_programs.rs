@@ -114,6 +114,30 @@ fn kv_programs_c_client_and_kv_client_against_kv_server() {
         !out.status.success(),
         "a failed command makes the exit code nonzero"
     );
+    // As arguments too, a failed command does not stop the ones after it;
+    // a command with the wrong arguments says how it is used.
+    let out = Command::new("timeout")
+        .args(["120", env!("CARGO_BIN_EXE_kv_client")])
+        .args([
+            "-a",
+            &ip,
+            "-p",
+            "7701",
+            "get greeting",
+            "get",
+            "put after failure",
+            "get after",
+        ])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(!out.status.success(), "{text}");
+    assert!(
+        text.contains("error: no such key")
+            && text.contains("error: usage: get <key>")
+            && text.contains("failure (version 1)"),
+        "{text}"
+    );
 }
 
 #[test]

@@ -65,6 +65,8 @@ for rep in $(seq 1 "$reps"); do
     record msg_rate snowrdma "$(ours msg-rate -s 64 -n 20000)"
     record kv_get_lat reference "$(perftest 5 ib_send_lat -s 64 -n 1000)"
     record kv_get_lat snowrdma "$(ours kv-get-lat -s 64 -n 1000)"
+    record kv_get_lat_crowd reference "$(perftest 5 ib_send_lat -s 64 -n 1000)"
+    record kv_get_lat_crowd snowrdma "$(ours kv-get-lat-crowd -s 64 -n 1000)"
     record kv_put_lat reference "$(perftest 5 ib_send_lat -s 64 -n 1000)"
     record kv_put_lat snowrdma "$(ours kv-put-lat -s 64 -n 1000)"
     record kv_onesided_lat reference "$(perftest 5 ib_read_lat -s 64 -n 1000)"

@@ -79,6 +79,9 @@ enum Case {
     MsgRate,
     /// Key-value GET, 16 B key, 64 B value, request and reply (ib_send_lat).
     KvGetLat,
+    /// Key-value GET as KvGetLat, with 127 more clients connected and idle
+    /// (ib_send_lat).
+    KvGetLatCrowd,
     /// Key-value PUT, 16 B key, 64 B value (ib_send_lat).
     KvPutLat,
     /// Key-value one-sided GET of a remembered key: one READ of its block
@@ -425,7 +428,9 @@ fn run(case: Case, iters: usize, size: usize, port: u16) -> f64 {
         Case::EchoLat => echo_lat(iters, size, port),
         Case::StreamBw => stream(iters, size, port).0,
         Case::MsgRate => stream(iters, size, port).1,
-        Case::KvGetLat | Case::KvPutLat | Case::KvOneSidedLat => kv_lat(case, iters, size, port),
+        Case::KvGetLat | Case::KvGetLatCrowd | Case::KvPutLat | Case::KvOneSidedLat => {
+            kv_lat(case, iters, size, port)
+        }
         Case::KvGetBw | Case::KvOneSidedGetBw | Case::KvPutBw => kv_bw(case, iters, size, port),
         Case::KvMix => kv_mix(iters, size, port),
     }
@@ -451,12 +456,21 @@ fn kv_server(port: u16) -> kv::Server {
 /// Median microseconds of one GET, PUT or one-sided GET (16 B key).
 fn kv_lat(case: Case, iters: usize, size: usize, port: u16) -> f64 {
     let server = kv_server(port);
-    let client = kv::Client::connect(server.local_addr().expect("bound")).expect("kv connect");
+    let addr = server.local_addr().expect("bound");
+    let client = kv::Client::connect(addr).expect("kv connect");
+    let idle = if case == Case::KvGetLatCrowd {
+        IDLE_CLIENTS
+    } else {
+        0
+    };
+    let _idle: Vec<kv::Client> = (0..idle)
+        .map(|_| kv::Client::connect(addr).expect("kv connect"))
+        .collect();
     let key = b"bench-key-16byte";
     let value = vec![7u8; size];
     client.put(key, &value).expect("put");
     let op = |c: &kv::Client| match case {
-        Case::KvGetLat => c.get(key).map(drop),
+        Case::KvGetLat | Case::KvGetLatCrowd => c.get(key).map(drop),
         Case::KvPutLat => c.put(key, &value).map(drop),
         _ => c.get_one_sided(key).map(drop),
     };
@@ -511,6 +525,9 @@ fn kv_bw(case: Case, iters: usize, size: usize, port: u16) -> f64 {
     }
     (batches * BW_BATCH * size) as f64 / start.elapsed().as_secs_f64() / 1048576.0
 }
+
+/// Clients connected besides the measuring one in KvGetLatCrowd.
+const IDLE_CLIENTS: usize = 127;
 
 /// Keys per batch in the kv throughput cases.
 const BW_BATCH: usize = 32;
@@ -642,6 +659,14 @@ const ROWS: &[Row] = &[
         unit: "us",
         higher_is_better: false,
         target: "<= 2.30",
+    },
+    Row {
+        case: "kv_get_lat_crowd",
+        what: "kv GET as above, 127 more clients connected",
+        reference: "ib_send_lat (half RTT)",
+        unit: "us",
+        higher_is_better: false,
+        target: "reported",
     },
     Row {
         case: "kv_put_lat",

@@ -1462,6 +1462,12 @@ impl Connection {
     /// Handles everything on both CQs (completion thread, top level), unless
     /// a caller is polling the connection right now.
     pub(crate) fn process_completions(&self) {
+        self.take_cq_event();
+        self.with_recv_poll(|| self.drain_and_arm());
+    }
+
+    /// Takes the completion channel's event, if there is one.
+    fn take_cq_event(&self) {
         let channel = self
             .inner
             .recv_cq
@@ -1472,7 +1478,6 @@ impl Connection {
         }
         // The event may have been the send CQ's, which disarms it.
         self.inner.send_armed.store(false, Ordering::SeqCst);
-        self.with_recv_poll(|| self.drain_and_arm());
     }
 
     fn drain_and_arm(&self) {
@@ -1956,6 +1961,17 @@ impl super::poller::Source for CqSource {
         // A caller-polled connection is left to its waiters (both polling one
         // CQ would only fight over its lock); sleeping ones arm it.
         !self.0.inner.opts.caller_polls && self.0.poll_round()
+    }
+
+    fn woken(&self) -> bool {
+        if self.0.inner.opts.caller_polls {
+            self.ready();
+            return false;
+        }
+        // The spinning thread polls it from now on: no re-arming.
+        self.0.take_cq_event();
+        self.0.poll_round();
+        true
     }
 
     fn tick(&self) {

@@ -1,6 +1,11 @@
-//! A background thread that waits on a set of file descriptors and runs each
-//! one's handler when it becomes readable. The runtime has two: one for RDMA
-//! CM event channels, one for completion channels.
+//! A background thread that waits on a set of file descriptors (with epoll)
+//! and runs each one's handler when it becomes readable. The runtime has
+//! two: one for RDMA CM event channels, one for completion channels.
+//!
+//! After work the completion thread spins, polling only the sources that
+//! had work lately and learning of the others' completions from their
+//! events, so a pass costs the same with two connections or a thousand
+//! idle ones.
 
 use std::collections::HashMap;
 use std::os::fd::RawFd;
@@ -11,6 +16,7 @@ use std::time::{Duration, Instant};
 
 /// Something with a file descriptor to watch.
 pub trait Source: Send + Sync {
+    /// Stays the same while the source is watched (-1: nothing to watch).
     fn fd(&self) -> RawFd;
     /// Called on the poller's thread when `fd` is readable (or on every tick
     /// when the poll times out, so a missed wakeup costs at most one tick).
@@ -20,9 +26,29 @@ pub trait Source: Send + Sync {
     fn poll_once(&self) -> bool {
         false
     }
+    /// Called instead of `ready` when `fd` became readable while the thread
+    /// spins: handles what is pending, and returns true if the thread should
+    /// poll the source with `poll_once` from now on (it then need not be
+    /// re-armed until it goes quiet).
+    fn woken(&self) -> bool {
+        self.ready();
+        false
+    }
     /// Called about once per tick, busy or not.
     fn tick(&self) {}
 }
+
+/// The epoll key of the wake eventfd; sources' keys start at 1.
+const WAKE_KEY: u64 = 0;
+/// Events taken per `epoll_wait`.
+const EVENTS: usize = 64;
+/// Up to this many sources, a spin pass polls them all (no syscall per
+/// pass); beyond, only the recently busy ones, with a look at the events
+/// every [`EVENT_LOOK_EVERY`] passes.
+const FEW: usize = 4;
+const EVENT_LOOK_EVERY: u32 = 4;
+/// Idle ticks between looks at every source.
+const LOOK_ALL_EVERY: u32 = 100;
 
 struct Shared {
     sources: Mutex<HashMap<u64, Arc<dyn Source>>>,
@@ -30,12 +56,67 @@ struct Shared {
     stop: AtomicBool,
     /// An eventfd that wakes the thread when the set changes.
     wake: RawFd,
+    /// Set with every wake, so a spinning thread, which does not read
+    /// `wake`, stops to look (at a new connection, at queued work).
+    pending: AtomicBool,
+    /// Watches `wake` and every source's fd.
+    epoll: RawFd,
 }
 
 impl Drop for Shared {
     fn drop(&mut self) {
-        // SAFETY: the eventfd is ours and closed once.
-        unsafe { libc::close(self.wake) };
+        // SAFETY: the eventfd and the epoll fd are ours and closed once.
+        unsafe {
+            libc::close(self.wake);
+            libc::close(self.epoll);
+        }
+    }
+}
+
+impl Shared {
+    fn watch(&self, fd: RawFd, key: u64, add: bool) {
+        if fd < 0 {
+            return;
+        }
+        let mut ev = libc::epoll_event {
+            events: libc::EPOLLIN as u32,
+            u64: key,
+        };
+        let op = if add {
+            libc::EPOLL_CTL_ADD
+        } else {
+            libc::EPOLL_CTL_DEL
+        };
+        // SAFETY: both fds are open (the source is alive); ev is valid.
+        if unsafe { libc::epoll_ctl(self.epoll, op, fd, &mut ev) } < 0 {
+            log::error!(
+                "epoll_ctl({}) on fd {fd}: {}",
+                if add { "add" } else { "del" },
+                std::io::Error::last_os_error()
+            );
+        }
+    }
+
+    /// Waits up to `timeout_ms` for events; the count, 0 on an interrupt.
+    fn wait(&self, events: &mut [libc::epoll_event], timeout_ms: i32) -> usize {
+        // SAFETY: events has events.len() writable entries.
+        let n = unsafe {
+            libc::epoll_wait(
+                self.epoll,
+                events.as_mut_ptr(),
+                events.len() as i32,
+                timeout_ms,
+            )
+        };
+        if n < 0 {
+            let err = std::io::Error::last_os_error();
+            if err.raw_os_error() != Some(libc::EINTR) {
+                log::error!("epoll_wait failed in the runtime: {err}");
+                std::thread::sleep(Duration::from_millis(timeout_ms.max(1) as u64));
+            }
+            return 0;
+        }
+        n as usize
     }
 }
 
@@ -60,12 +141,23 @@ impl Poller {
         if wake < 0 {
             return Err(std::io::Error::last_os_error());
         }
+        // SAFETY: plain syscall.
+        let epoll = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
+        if epoll < 0 {
+            let err = std::io::Error::last_os_error();
+            // SAFETY: ours, not shared yet.
+            unsafe { libc::close(wake) };
+            return Err(err);
+        }
         let shared = Arc::new(Shared {
             sources: Mutex::new(HashMap::new()),
             next_id: AtomicU64::new(1),
             stop: AtomicBool::new(false),
             wake,
+            pending: AtomicBool::new(false),
+            epoll,
         });
+        shared.watch(wake, WAKE_KEY, true);
         let s = shared.clone();
         let thread = std::thread::Builder::new()
             .name(name.to_string())
@@ -100,6 +192,7 @@ impl Poller {
 
     /// Makes the thread run a round now.
     pub fn wake(&self) {
+        self.shared.pending.store(true, Ordering::SeqCst);
         let one: u64 = 1;
         // SAFETY: writes 8 bytes to our eventfd; EAGAIN (counter full) is fine.
         unsafe { libc::write(self.shared.wake, (&one as *const u64).cast(), 8) };
@@ -128,79 +221,187 @@ impl Drop for Poller {
 fn run(shared: &Shared, tick: Duration, spin: Duration) {
     let tick_ms = tick.as_millis().clamp(1, i32::MAX as u128) as i32;
     let mut last_tick = Instant::now();
+    // The sources in the epoll set, by key. Removed ones are kept until
+    // taken out of the set, so their fds stay open (not yet reused) until
+    // then.
+    let mut watched: HashMap<u64, Arc<dyn Source>> = HashMap::new();
+    // Sources polled while spinning, with when they last had work; while
+    // non-empty the thread spins. With more than FEW sources, every other
+    // source is armed, so its completions raise events.
+    let mut hot: Vec<(u64, Instant)> = Vec::new();
+    let mut events = [libc::epoll_event { events: 0, u64: 0 }; EVENTS];
+    let mut idle_ticks = 0u32;
     while !shared.stop.load(Ordering::SeqCst) {
-        let snapshot: Vec<Arc<dyn Source>> = shared
-            .sources
-            .lock()
-            .expect("poller lock")
-            .values()
-            .cloned()
-            .collect();
-        let mut fds: Vec<libc::pollfd> = Vec::with_capacity(snapshot.len() + 1);
-        fds.push(libc::pollfd {
-            fd: shared.wake,
-            events: libc::POLLIN,
-            revents: 0,
-        });
-        fds.extend(snapshot.iter().map(|s| libc::pollfd {
-            fd: s.fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        }));
-        // SAFETY: fds holds fds.len() valid entries.
-        let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, tick_ms) };
-        if n < 0 {
-            let err = std::io::Error::last_os_error();
-            if err.raw_os_error() != Some(libc::EINTR) {
-                log::error!("poll failed in the runtime: {err}");
-                std::thread::sleep(tick);
-            }
-            continue;
-        }
+        let spinning = !hot.is_empty();
+        let n = shared.wait(&mut events, if spinning { 0 } else { tick_ms });
+        shared.pending.store(false, Ordering::SeqCst);
+        let now = Instant::now();
         let mut changed = false;
-        if fds[0].revents != 0 {
-            let mut buf = 0u64;
-            // SAFETY: reads 8 bytes from our eventfd.
-            unsafe { libc::read(shared.wake, (&mut buf as *mut u64).cast(), 8) };
-            changed = true;
-        }
-        let mut worked = false;
-        for (pfd, source) in fds[1..].iter().zip(&snapshot) {
-            // On a timeout every source gets a look: cheap, and it bounds the
-            // cost of any lost wakeup.
-            if n == 0 || pfd.revents != 0 {
+        for ev in &events[..n] {
+            let key = ev.u64;
+            if key == WAKE_KEY {
+                let mut buf = 0u64;
+                // SAFETY: reads 8 bytes from our eventfd.
+                unsafe { libc::read(shared.wake, (&mut buf as *mut u64).cast(), 8) };
+                changed = true;
+            } else if let Some(source) = watched.get(&key) {
                 source.ready();
-                worked = true;
+                mark_hot(&mut hot, key, now);
             }
         }
         if changed {
-            // A wake may carry work queued by another thread.
-            for source in &snapshot {
-                worked |= source.poll_once();
-            }
-        }
-        if worked && !spin.is_zero() {
-            let mut until = Instant::now() + spin;
-            while Instant::now() < until && !shared.stop.load(Ordering::Relaxed) {
-                let mut any = false;
-                for source in &snapshot {
-                    any |= source.poll_once();
-                }
-                if any {
-                    until = Instant::now() + spin;
-                }
-                std::hint::spin_loop();
-            }
-            // Re-arm before sleeping.
-            for source in &snapshot {
+            for source in update_watched(shared, &mut watched) {
+                // Armed, and whatever came before handled.
                 source.ready();
             }
+            hot.retain(|(key, _)| watched.contains_key(key));
+            // A wake may carry work queued by another thread.
+            for (key, source) in &watched {
+                if source.poll_once() {
+                    mark_hot(&mut hot, *key, now);
+                }
+            }
+        }
+        if n == 0 && !spinning {
+            idle_ticks += 1;
+            if idle_ticks % LOOK_ALL_EVERY == 0 {
+                // Every source gets a look now and then, which bounds the
+                // cost of any lost wakeup; not on every tick, as that
+                // costs a syscall or two per connection.
+                for source in watched.values() {
+                    source.ready();
+                }
+            }
+        }
+        if spin.is_zero() {
+            hot.clear();
+        } else if !hot.is_empty() {
+            spin_passes(shared, &watched, spin, &mut hot, &mut events);
         }
         if last_tick.elapsed() >= tick {
             last_tick = Instant::now();
-            for source in &snapshot {
+            for source in watched.values() {
                 source.tick();
             }
         }
+    }
+}
+
+/// Brings the epoll set in line with the sources; returns the new ones.
+fn update_watched(
+    shared: &Shared,
+    watched: &mut HashMap<u64, Arc<dyn Source>>,
+) -> Vec<Arc<dyn Source>> {
+    let now: HashMap<u64, Arc<dyn Source>> = shared
+        .sources
+        .lock()
+        .expect("poller lock")
+        .iter()
+        .map(|(&key, s)| (key, s.clone()))
+        .collect();
+    // Removals first: a new source may have been given a removed one's fd
+    // number only if that fd was closed, which took it out of the set.
+    watched.retain(|key, source| {
+        let keep = now.contains_key(key);
+        if !keep {
+            shared.watch(source.fd(), *key, false);
+        }
+        keep
+    });
+    let mut added = Vec::new();
+    for (key, source) in now {
+        if let std::collections::hash_map::Entry::Vacant(slot) = watched.entry(key) {
+            shared.watch(source.fd(), key, true);
+            added.push(source.clone());
+            slot.insert(source);
+        }
+    }
+    added
+}
+
+fn mark_hot(hot: &mut Vec<(u64, Instant)>, key: u64, now: Instant) {
+    match hot.iter_mut().find(|(k, _)| *k == key) {
+        Some((_, last)) => *last = now,
+        None => hot.push((key, now)),
+    }
+}
+
+/// How many times `spin` a source stays among those polled on every pass
+/// after its last work, while the thread spins for others: a client that
+/// sends every few hundred microseconds is then found by polling, not by
+/// an event (a syscall or two each way).
+const HOT_FOR_SPINS: u32 = 8;
+
+/// Polls without waiting until no source has had work for `spin` (then
+/// every source is armed and `hot` empty), or until the thread is stopped
+/// or woken (then `hot` is left as it is, for the caller to come straight
+/// back, with the sources not in it armed).
+fn spin_passes(
+    shared: &Shared,
+    watched: &HashMap<u64, Arc<dyn Source>>,
+    spin: Duration,
+    hot: &mut Vec<(u64, Instant)>,
+    events: &mut [libc::epoll_event],
+) {
+    let few = watched.len() <= FEW;
+    let hot_for = spin * HOT_FOR_SPINS;
+    let mut last_work = hot.iter().map(|(_, at)| *at).max();
+    let mut pass = 0u32;
+    loop {
+        let now = Instant::now();
+        if few {
+            for (key, source) in watched {
+                if source.poll_once() {
+                    mark_hot(hot, *key, now);
+                    last_work = Some(now);
+                }
+            }
+        } else {
+            for (key, last) in hot.iter_mut() {
+                if watched[key].poll_once() {
+                    *last = now;
+                    last_work = Some(now);
+                }
+            }
+            if pass % EVENT_LOOK_EVERY == 0 {
+                // The wake is left to the caller: it is level-triggered,
+                // and `pending` ends this loop.
+                let n = shared.wait(events, 0);
+                for ev in &events[..n] {
+                    let key = ev.u64;
+                    match watched.get(&key) {
+                        Some(source) if source.woken() => {
+                            mark_hot(hot, key, now);
+                            last_work = Some(now);
+                        }
+                        _ => {}
+                    }
+                }
+            }
+        }
+        pass = pass.wrapping_add(1);
+        let quiet = last_work.is_none_or(|at| now.duration_since(at) >= spin);
+        hot.retain(|(key, last)| {
+            let keep = !quiet && now.duration_since(*last) < hot_for;
+            if !keep && !few {
+                // Armed, so its next completion raises an event.
+                watched[key].ready();
+            }
+            keep
+        });
+        let stopping = shared.stop.load(Ordering::Relaxed);
+        if hot.is_empty() || stopping || shared.pending.load(Ordering::Relaxed) {
+            if few {
+                // Polled on every pass, so none is armed; the ones still
+                // busy are polled again at once.
+                for (key, source) in watched {
+                    if !hot.iter().any(|(k, _)| k == key) {
+                        source.ready();
+                    }
+                }
+            }
+            return;
+        }
+        std::hint::spin_loop();
     }
 }

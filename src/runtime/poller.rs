@@ -405,3 +405,136 @@ fn spin_passes(
         std::hint::spin_loop();
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::AtomicUsize;
+
+    /// A source over an eventfd: readable once `signal`led; `busy` makes
+    /// every poll find work.
+    struct Probe {
+        fd: RawFd,
+        busy: AtomicBool,
+        readies: AtomicUsize,
+        polls: AtomicUsize,
+    }
+
+    impl Probe {
+        fn new() -> Arc<Probe> {
+            // SAFETY: plain syscall.
+            let fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
+            assert!(fd >= 0);
+            Arc::new(Probe {
+                fd,
+                busy: AtomicBool::new(false),
+                readies: AtomicUsize::new(0),
+                polls: AtomicUsize::new(0),
+            })
+        }
+
+        fn signal(&self) {
+            let one = 1u64;
+            // SAFETY: 8 bytes to our eventfd.
+            unsafe { libc::write(self.fd, (&one as *const u64).cast(), 8) };
+        }
+    }
+
+    impl Drop for Probe {
+        fn drop(&mut self) {
+            // SAFETY: ours, closed once.
+            unsafe { libc::close(self.fd) };
+        }
+    }
+
+    impl Source for Probe {
+        fn fd(&self) -> RawFd {
+            self.fd
+        }
+        fn ready(&self) {
+            let mut buf = 0u64;
+            // SAFETY: 8 bytes from our eventfd (EAGAIN when unsignalled).
+            unsafe { libc::read(self.fd, (&mut buf as *mut u64).cast(), 8) };
+            self.readies.fetch_add(1, Ordering::SeqCst);
+        }
+        fn poll_once(&self) -> bool {
+            self.polls.fetch_add(1, Ordering::SeqCst);
+            self.busy.load(Ordering::SeqCst)
+        }
+        fn woken(&self) -> bool {
+            self.ready();
+            true
+        }
+    }
+
+    fn until(what: &str, done: impl Fn() -> bool) {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while !done() {
+            assert!(Instant::now() < deadline, "timed out waiting: {what}");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
+    #[test]
+    fn a_spinning_thread_polls_the_busy_source_and_hears_the_quiet_ones() {
+        let poller = Poller::start(
+            "test-poller",
+            Duration::from_millis(10),
+            Duration::from_secs(60),
+            || {},
+        )
+        .unwrap();
+        let probes: Vec<Arc<Probe>> = (0..16).map(|_| Probe::new()).collect();
+        for p in &probes {
+            poller.add(p.clone());
+        }
+        let busy = &probes[0];
+        busy.busy.store(true, Ordering::SeqCst);
+        busy.signal();
+        until("the busy source is polled", || {
+            busy.polls.load(Ordering::SeqCst) > 10_000
+        });
+        // Spinning for the busy one; a quiet one's event is still heard.
+        let quiet = &probes[7];
+        let before = quiet.readies.load(Ordering::SeqCst);
+        quiet.signal();
+        until("the quiet source's event is handled", || {
+            quiet.readies.load(Ordering::SeqCst) > before
+        });
+        // And the quiet ones are not polled on every pass.
+        let idle_polls = probes[3].polls.load(Ordering::SeqCst);
+        let busy_polls = busy.polls.load(Ordering::SeqCst);
+        assert!(
+            idle_polls * 100 < busy_polls,
+            "an idle source was polled {idle_polls} times, the busy one {busy_polls}"
+        );
+        busy.busy.store(false, Ordering::SeqCst);
+    }
+
+    #[test]
+    fn a_source_added_while_the_thread_spins_is_served() {
+        let poller = Poller::start(
+            "test-poller",
+            Duration::from_millis(10),
+            Duration::from_secs(60),
+            || {},
+        )
+        .unwrap();
+        let busy = Probe::new();
+        busy.busy.store(true, Ordering::SeqCst);
+        poller.add(busy.clone());
+        busy.signal();
+        until("the busy source is polled", || {
+            busy.polls.load(Ordering::SeqCst) > 10_000
+        });
+        // Before, a spinning thread kept to the sources it started with for
+        // as long as any of them was busy.
+        let late = Probe::new();
+        late.signal();
+        poller.add(late.clone());
+        until("the new source is served", || {
+            late.readies.load(Ordering::SeqCst) > 0
+        });
+        busy.busy.store(false, Ordering::SeqCst);
+    }
+}

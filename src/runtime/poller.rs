@@ -475,8 +475,9 @@ mod tests {
         }
     }
 
-    #[test]
-    fn a_spinning_thread_polls_the_busy_source_and_hears_the_quiet_ones() {
+    /// A poller that spins for good once work came, with `probes` added
+    /// and the first of them busy and being polled.
+    fn spinning_for(probes: &[Arc<Probe>]) -> Poller {
         let poller = Poller::start(
             "test-poller",
             Duration::from_millis(10),
@@ -484,8 +485,7 @@ mod tests {
             || {},
         )
         .unwrap();
-        let probes: Vec<Arc<Probe>> = (0..16).map(|_| Probe::new()).collect();
-        for p in &probes {
+        for p in probes {
             poller.add(p.clone());
         }
         let busy = &probes[0];
@@ -494,7 +494,14 @@ mod tests {
         until("the busy source is polled", || {
             busy.polls.load(Ordering::SeqCst) > 10_000
         });
-        // Spinning for the busy one; a quiet one's event is still heard.
+        poller
+    }
+
+    #[test]
+    fn a_spinning_thread_polls_the_busy_source_and_hears_the_quiet_ones() {
+        let probes: Vec<Arc<Probe>> = (0..16).map(|_| Probe::new()).collect();
+        let _poller = spinning_for(&probes);
+        // A quiet source's event is heard while the thread spins.
         let quiet = &probes[7];
         let before = quiet.readies.load(Ordering::SeqCst);
         quiet.signal();
@@ -503,30 +510,17 @@ mod tests {
         });
         // And the quiet ones are not polled on every pass.
         let idle_polls = probes[3].polls.load(Ordering::SeqCst);
-        let busy_polls = busy.polls.load(Ordering::SeqCst);
+        let busy_polls = probes[0].polls.load(Ordering::SeqCst);
         assert!(
             idle_polls * 100 < busy_polls,
             "an idle source was polled {idle_polls} times, the busy one {busy_polls}"
         );
-        busy.busy.store(false, Ordering::SeqCst);
     }
 
     #[test]
     fn a_source_added_while_the_thread_spins_is_served() {
-        let poller = Poller::start(
-            "test-poller",
-            Duration::from_millis(10),
-            Duration::from_secs(60),
-            || {},
-        )
-        .unwrap();
         let busy = Probe::new();
-        busy.busy.store(true, Ordering::SeqCst);
-        poller.add(busy.clone());
-        busy.signal();
-        until("the busy source is polled", || {
-            busy.polls.load(Ordering::SeqCst) > 10_000
-        });
+        let poller = spinning_for(std::slice::from_ref(&busy));
         // Before, a spinning thread kept to the sources it started with for
         // as long as any of them was busy.
         let late = Probe::new();
@@ -535,6 +529,5 @@ mod tests {
         until("the new source is served", || {
             late.readies.load(Ordering::SeqCst) > 0
         });
-        busy.busy.store(false, Ordering::SeqCst);
     }
 }

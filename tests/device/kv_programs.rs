@@ -39,6 +39,18 @@ pub fn kv_server(port: u16, extra: &[&str]) -> Proc {
     server
 }
 
+/// `kv_client` against the server on `port`, with at most 120 s to run.
+fn kv_client(port: u16) -> Command {
+    let mut c = Command::new("timeout");
+    c.args(["120", env!("CARGO_BIN_EXE_kv_client")]).args([
+        "-a",
+        &device_ip().to_string(),
+        "-p",
+        &port.to_string(),
+    ]);
+    c
+}
+
 fn addr(port: u16) -> SocketAddr {
     SocketAddr::new(IpAddr::V4(device_ip()), port)
 }
@@ -69,13 +81,8 @@ fn kv_programs_c_client_and_kv_client_against_kv_server() {
     assert!(check.wait(Duration::from_secs(30)).success());
 
     // Commands as arguments.
-    let ip = device_ip().to_string();
-    let out = Command::new(env!("CARGO_BIN_EXE_kv_client"))
+    let out = kv_client(7701)
         .args([
-            "-a",
-            &ip,
-            "-p",
-            "7701",
             "put greeting hello world",
             "get greeting",
             "cas greeting 1 bye",
@@ -89,9 +96,7 @@ fn kv_programs_c_client_and_kv_client_against_kv_server() {
         "{text}"
     );
     // Commands on stdin, including a failing one and a short bench.
-    let mut child = Command::new("timeout")
-        .args(["120", env!("CARGO_BIN_EXE_kv_client")])
-        .args(["-a", &ip, "-p", "7701"])
+    let mut child = kv_client(7701)
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .spawn()
@@ -116,18 +121,8 @@ fn kv_programs_c_client_and_kv_client_against_kv_server() {
     );
     // As arguments too, a failed command does not stop the ones after it;
     // a command with the wrong arguments says how it is used.
-    let out = Command::new("timeout")
-        .args(["120", env!("CARGO_BIN_EXE_kv_client")])
-        .args([
-            "-a",
-            &ip,
-            "-p",
-            "7701",
-            "get greeting",
-            "get",
-            "put after failure",
-            "get after",
-        ])
+    let out = kv_client(7701)
+        .args(["get greeting", "get", "put after failure", "get after"])
         .output()
         .unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
@@ -211,13 +206,8 @@ fn kv_client_killed_mid_request_leaves_the_server_serving() {
 fn kv_programs_in_socket_mode() {
     let _server = kv_server(7704, &["-S", "-d", "rxe0"]);
     let ip = device_ip().to_string();
-    let out = Command::new("timeout")
-        .args(["120", env!("CARGO_BIN_EXE_kv_client")])
+    let out = kv_client(7704)
         .args([
-            "-a",
-            &ip,
-            "-p",
-            "7704",
             "-S",
             "-d",
             "rxe0",

@@ -374,6 +374,39 @@ fn kv_cas_counter_ends_at_total_increments() {
 
 #[test]
 #[ignore]
+fn kv_a_hundred_and_twenty_eight_clients_connect_and_are_served() {
+    const CLIENTS: usize = 128;
+    let (server, addr) = kv_server(false);
+    let clients: Vec<Client> = (0..CLIENTS)
+        .map(|i| Client::connect(addr).unwrap_or_else(|e| panic!("client {i}: {e}")))
+        .collect();
+    assert_eq!(server.stats().clients, CLIENTS as u64);
+    for (i, c) in clients.iter().enumerate() {
+        c.put(format!("client-{i}").as_bytes(), &pattern(100 + i, i as u8))
+            .unwrap();
+    }
+    // Each reads its neighbour's key, the last ones first, so the server
+    // answers connections that have been quiet a while.
+    for (i, c) in clients.iter().enumerate().rev() {
+        let j = (i + 1) % CLIENTS;
+        let (value, version) = c.get(format!("client-{j}").as_bytes()).unwrap();
+        assert_eq!((value, version), (pattern(100 + j, j as u8), 1));
+    }
+    drop(clients);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while server.stats().clients > 0 {
+        assert!(
+            Instant::now() < deadline,
+            "{} clients still counted",
+            server.stats().clients
+        );
+        thread::sleep(Duration::from_millis(10));
+    }
+    server.stop();
+}
+
+#[test]
+#[ignore]
 fn kv_eight_clients_match_a_sequential_model() {
     let (server, addr) = kv_server(false);
     let workers: Vec<_> = (0..8u64)

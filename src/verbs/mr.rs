@@ -26,15 +26,65 @@ bitflags! {
 const PAGE: usize = 4096;
 
 /// Page-aligned, zeroed memory owned by a region.
-struct OwnedBuf {
-    ptr: NonNull<u8>,
-    layout: Layout,
+enum OwnedBuf {
+    /// An anonymous mapping: the kernel hands its pages out zeroed as the
+    /// device pins them, so nothing writes them first (zeroing by hand was
+    /// much of setting up a connection under emulation).
+    Mapped { ptr: NonNull<u8>, len: usize },
+    /// Zeroed here: for regions the device may not write, since pinning
+    /// untouched memory read-only could pin the kernel's shared zero page,
+    /// which the program's later writes would not reach.
+    Heap { ptr: NonNull<u8>, layout: Layout },
+}
+
+impl OwnedBuf {
+    fn new(len: usize, device_writes: bool) -> Result<OwnedBuf> {
+        let no_memory = || Error::Verb {
+            verb: "alloc",
+            source: std::io::Error::from_raw_os_error(libc::ENOMEM),
+        };
+        if device_writes {
+            // SAFETY: a fresh private anonymous mapping; checked below.
+            let p = unsafe {
+                libc::mmap(
+                    std::ptr::null_mut(),
+                    len,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                    -1,
+                    0,
+                )
+            };
+            if p == libc::MAP_FAILED {
+                return Err(Error::last_os("mmap"));
+            }
+            let ptr = NonNull::new(p.cast()).ok_or_else(no_memory)?;
+            return Ok(OwnedBuf::Mapped { ptr, len });
+        }
+        let layout = Layout::from_size_align(len, PAGE)
+            .map_err(|_| Error::invalid(format!("{len} bytes is too large to allocate")))?;
+        // SAFETY: layout has non-zero size.
+        let ptr = NonNull::new(unsafe { alloc::alloc_zeroed(layout) }).ok_or_else(no_memory)?;
+        Ok(OwnedBuf::Heap { ptr, layout })
+    }
+
+    fn ptr(&self) -> *mut u8 {
+        match self {
+            OwnedBuf::Mapped { ptr, .. } | OwnedBuf::Heap { ptr, .. } => ptr.as_ptr(),
+        }
+    }
 }
 
 impl Drop for OwnedBuf {
     fn drop(&mut self) {
-        // SAFETY: allocated with this layout in `MemoryRegion::allocate`.
-        unsafe { alloc::dealloc(self.ptr.as_ptr(), self.layout) };
+        match self {
+            // SAFETY: mapped with this length in `OwnedBuf::new`, unmapped once.
+            OwnedBuf::Mapped { ptr, len } => unsafe {
+                libc::munmap(ptr.as_ptr().cast(), *len);
+            },
+            // SAFETY: allocated with this layout in `OwnedBuf::new`.
+            OwnedBuf::Heap { ptr, layout } => unsafe { alloc::dealloc(ptr.as_ptr(), *layout) },
+        }
     }
 }
 
@@ -84,17 +134,9 @@ impl MemoryRegion {
         if len == 0 {
             return Err(Error::invalid("a memory region cannot be empty"));
         }
-        let layout = Layout::from_size_align(len, PAGE)
-            .map_err(|_| Error::invalid(format!("{len} bytes is too large to allocate")))?;
-        // SAFETY: layout has non-zero size.
-        let ptr =
-            NonNull::new(unsafe { alloc::alloc_zeroed(layout) }).ok_or_else(|| Error::Verb {
-                verb: "alloc",
-                source: std::io::Error::from_raw_os_error(libc::ENOMEM),
-            })?;
-        let owned = OwnedBuf { ptr, layout };
+        let owned = OwnedBuf::new(len, access.contains(AccessFlags::LOCAL_WRITE))?;
         // SAFETY: the memory lives as long as the region, which owns it.
-        let mut mr = unsafe { Self::register_raw(pd, ptr.as_ptr(), len, access)? };
+        let mut mr = unsafe { Self::register_raw(pd, owned.ptr(), len, access)? };
         mr.owned = Some(owned);
         Ok(mr)
     }

@@ -43,10 +43,11 @@ const WAKE_KEY: u64 = 0;
 /// Events taken per `epoll_wait`.
 const EVENTS: usize = 64;
 /// Up to this many sources, a spin pass polls them all (no syscall per
-/// pass); beyond, only the recently busy ones, with a look at the events
-/// every [`EVENT_LOOK_EVERY`] passes.
+/// pass); beyond, only the recently busy ones, with a look at the others'
+/// events every [`EVENT_LOOK_INTERVAL`] (time, not passes: a syscall
+/// costs far more than a pass over a few busy connections on hardware).
 const FEW: usize = 4;
-const EVENT_LOOK_EVERY: u32 = 4;
+const EVENT_LOOK_INTERVAL: Duration = Duration::from_micros(20);
 /// Idle ticks between looks at every source.
 const LOOK_ALL_EVERY: u32 = 100;
 
@@ -346,7 +347,7 @@ fn spin_passes(
     let few = watched.len() <= FEW;
     let hot_for = spin * HOT_FOR_SPINS;
     let mut last_work = hot.iter().map(|(_, at)| *at).max();
-    let mut pass = 0u32;
+    let mut last_look: Option<Instant> = None;
     loop {
         let now = Instant::now();
         if few {
@@ -363,7 +364,8 @@ fn spin_passes(
                     last_work = Some(now);
                 }
             }
-            if pass % EVENT_LOOK_EVERY == 0 {
+            if last_look.is_none_or(|at| now.duration_since(at) >= EVENT_LOOK_INTERVAL) {
+                last_look = Some(now);
                 // The wake is left to the caller: it is level-triggered,
                 // and `pending` ends this loop.
                 let n = shared.wait(events, 0);
@@ -379,7 +381,6 @@ fn spin_passes(
                 }
             }
         }
-        pass = pass.wrapping_add(1);
         let quiet = last_work.is_none_or(|at| now.duration_since(at) >= spin);
         hot.retain(|(key, last)| {
             let keep = !quiet && now.duration_since(*last) < hot_for;

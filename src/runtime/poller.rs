@@ -43,10 +43,12 @@ const WAKE_KEY: u64 = 0;
 /// Events taken per `epoll_wait`.
 const EVENTS: usize = 64;
 /// Up to this many sources, a spin pass polls them all (no syscall per
-/// pass); beyond, only the recently busy ones, with a look at the others'
-/// events every [`EVENT_LOOK_INTERVAL`] (time, not passes: a syscall
-/// costs far more than a pass over a few busy connections on hardware).
-const FEW: usize = 4;
+/// pass, and waiters of caller-polled connections are left to themselves,
+/// as a busy in-process mix of clients and server runs fastest that way);
+/// beyond, only the recently busy ones, with a look at the others' events
+/// every [`EVENT_LOOK_INTERVAL`] (time, not passes: a syscall costs far
+/// more than a pass over a few busy connections on hardware).
+const FEW: usize = 16;
 const EVENT_LOOK_INTERVAL: Duration = Duration::from_micros(20);
 /// Idle ticks between looks at every source.
 const LOOK_ALL_EVERY: u32 = 100;
@@ -229,7 +231,7 @@ fn run(shared: &Shared, tick: Duration, spin: Duration) {
     // Sources polled while spinning, with when they last had work; while
     // non-empty the thread spins. With more than FEW sources, every other
     // source is armed, so its completions raise events.
-    let mut hot: Vec<(u64, Instant)> = Vec::new();
+    let mut hot: Vec<Hot> = Vec::new();
     let mut events = [libc::epoll_event { events: 0, u64: 0 }; EVENTS];
     let mut idle_ticks = 0u32;
     while !shared.stop.load(Ordering::SeqCst) {
@@ -247,7 +249,7 @@ fn run(shared: &Shared, tick: Duration, spin: Duration) {
                 changed = true;
             } else if let Some(source) = watched.get(&key) {
                 source.ready();
-                mark_hot(&mut hot, key, now);
+                mark_hot(&mut hot, key, source, now);
             }
         }
         if changed {
@@ -255,11 +257,11 @@ fn run(shared: &Shared, tick: Duration, spin: Duration) {
                 // Armed, and whatever came before handled.
                 source.ready();
             }
-            hot.retain(|(key, _)| watched.contains_key(key));
+            hot.retain(|h| watched.contains_key(&h.key));
             // A wake may carry work queued by another thread.
             for (key, source) in &watched {
                 if source.poll_once() {
-                    mark_hot(&mut hot, *key, now);
+                    mark_hot(&mut hot, *key, source, now);
                 }
             }
         }
@@ -320,10 +322,22 @@ fn update_watched(
     added
 }
 
-fn mark_hot(hot: &mut Vec<(u64, Instant)>, key: u64, now: Instant) {
-    match hot.iter_mut().find(|(k, _)| *k == key) {
-        Some((_, last)) => *last = now,
-        None => hot.push((key, now)),
+/// A source the spinning thread polls on every pass.
+struct Hot {
+    key: u64,
+    source: Arc<dyn Source>,
+    /// When it last had work.
+    last: Instant,
+}
+
+fn mark_hot(hot: &mut Vec<Hot>, key: u64, source: &Arc<dyn Source>, now: Instant) {
+    match hot.iter_mut().find(|h| h.key == key) {
+        Some(h) => h.last = now,
+        None => hot.push(Hot {
+            key,
+            source: source.clone(),
+            last: now,
+        }),
     }
 }
 
@@ -341,26 +355,26 @@ fn spin_passes(
     shared: &Shared,
     watched: &HashMap<u64, Arc<dyn Source>>,
     spin: Duration,
-    hot: &mut Vec<(u64, Instant)>,
+    hot: &mut Vec<Hot>,
     events: &mut [libc::epoll_event],
 ) {
     let few = watched.len() <= FEW;
     let hot_for = spin * HOT_FOR_SPINS;
-    let mut last_work = hot.iter().map(|(_, at)| *at).max();
+    let mut last_work = hot.iter().map(|h| h.last).max();
     let mut last_look: Option<Instant> = None;
     loop {
         let now = Instant::now();
         if few {
             for (key, source) in watched {
                 if source.poll_once() {
-                    mark_hot(hot, *key, now);
+                    mark_hot(hot, *key, source, now);
                     last_work = Some(now);
                 }
             }
         } else {
-            for (key, last) in hot.iter_mut() {
-                if watched[key].poll_once() {
-                    *last = now;
+            for h in hot.iter_mut() {
+                if h.source.poll_once() {
+                    h.last = now;
                     last_work = Some(now);
                 }
             }
@@ -373,7 +387,7 @@ fn spin_passes(
                     let key = ev.u64;
                     match watched.get(&key) {
                         Some(source) if source.woken() => {
-                            mark_hot(hot, key, now);
+                            mark_hot(hot, key, source, now);
                             last_work = Some(now);
                         }
                         _ => {}
@@ -382,11 +396,11 @@ fn spin_passes(
             }
         }
         let quiet = last_work.is_none_or(|at| now.duration_since(at) >= spin);
-        hot.retain(|(key, last)| {
-            let keep = !quiet && now.duration_since(*last) < hot_for;
+        hot.retain(|h| {
+            let keep = !quiet && now.duration_since(h.last) < hot_for;
             if !keep && !few {
                 // Armed, so its next completion raises an event.
-                watched[key].ready();
+                h.source.ready();
             }
             keep
         });
@@ -396,7 +410,7 @@ fn spin_passes(
                 // Polled on every pass, so none is armed; the ones still
                 // busy are polled again at once.
                 for (key, source) in watched {
-                    if !hot.iter().any(|(k, _)| k == key) {
+                    if !hot.iter().any(|h| h.key == *key) {
                         source.ready();
                     }
                 }
@@ -500,7 +514,7 @@ mod tests {
 
     #[test]
     fn a_spinning_thread_polls_the_busy_source_and_hears_the_quiet_ones() {
-        let probes: Vec<Arc<Probe>> = (0..16).map(|_| Probe::new()).collect();
+        let probes: Vec<Arc<Probe>> = (0..2 * FEW).map(|_| Probe::new()).collect();
         let _poller = spinning_for(&probes);
         // A quiet source's event is heard while the thread spins.
         let quiet = &probes[7];

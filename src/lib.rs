@@ -10,5 +10,6 @@
 mod copy;
 pub mod ffi;
 pub mod kv;
+mod mapping;
 pub mod runtime;
 pub mod verbs;

@@ -18,8 +18,9 @@ use std::time::{Duration, Instant};
 pub trait Source: Send + Sync {
     /// Stays the same while the source is watched (-1: nothing to watch).
     fn fd(&self) -> RawFd;
-    /// Called on the poller's thread when `fd` is readable (or on every tick
-    /// when the poll times out, so a missed wakeup costs at most one tick).
+    /// Called on the poller's thread when `fd` is readable (and, when the
+    /// thread has been idle a while, now and then regardless, so a missed
+    /// wakeup costs at most about a second). Re-arms what raises events.
     fn ready(&self);
     /// Handles what is pending without waiting or re-arming; true when there
     /// was something. Called in a loop while the thread spins.
@@ -234,6 +235,7 @@ fn run(shared: &Shared, tick: Duration, spin: Duration) {
     let mut hot: Vec<Hot> = Vec::new();
     let mut events = [libc::epoll_event { events: 0, u64: 0 }; EVENTS];
     let mut idle_ticks = 0u32;
+    let spins = !spin.is_zero();
     while !shared.stop.load(Ordering::SeqCst) {
         let spinning = !hot.is_empty();
         let n = shared.wait(&mut events, if spinning { 0 } else { tick_ms });
@@ -249,7 +251,9 @@ fn run(shared: &Shared, tick: Duration, spin: Duration) {
                 changed = true;
             } else if let Some(source) = watched.get(&key) {
                 source.ready();
-                mark_hot(&mut hot, key, source, now);
+                if spins {
+                    mark_hot(&mut hot, key, source, now);
+                }
             }
         }
         if changed {
@@ -260,7 +264,7 @@ fn run(shared: &Shared, tick: Duration, spin: Duration) {
             hot.retain(|h| watched.contains_key(&h.key));
             // A wake may carry work queued by another thread.
             for (key, source) in &watched {
-                if source.poll_once() {
+                if source.poll_once() && spins {
                     mark_hot(&mut hot, *key, source, now);
                 }
             }
@@ -276,9 +280,7 @@ fn run(shared: &Shared, tick: Duration, spin: Duration) {
                 }
             }
         }
-        if spin.is_zero() {
-            hot.clear();
-        } else if !hot.is_empty() {
+        if !hot.is_empty() {
             spin_passes(shared, &watched, spin, &mut hot, &mut events);
         }
         if last_tick.elapsed() >= tick {
@@ -295,7 +297,7 @@ fn update_watched(
     shared: &Shared,
     watched: &mut HashMap<u64, Arc<dyn Source>>,
 ) -> Vec<Arc<dyn Source>> {
-    let now: HashMap<u64, Arc<dyn Source>> = shared
+    let current: HashMap<u64, Arc<dyn Source>> = shared
         .sources
         .lock()
         .expect("poller lock")
@@ -305,14 +307,14 @@ fn update_watched(
     // Removals first: a new source may have been given a removed one's fd
     // number only if that fd was closed, which took it out of the set.
     watched.retain(|key, source| {
-        let keep = now.contains_key(key);
+        let keep = current.contains_key(key);
         if !keep {
             shared.watch(source.fd(), *key, false);
         }
         keep
     });
     let mut added = Vec::new();
-    for (key, source) in now {
+    for (key, source) in current {
         if let std::collections::hash_map::Entry::Vacant(slot) = watched.entry(key) {
             shared.watch(source.fd(), key, true);
             added.push(source.clone());

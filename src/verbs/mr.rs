@@ -10,6 +10,7 @@ use rdma_sys as sys;
 
 use super::error::{Error, Result};
 use super::pd::ProtectionDomain;
+use crate::mapping::Mapping;
 
 bitflags! {
     /// What the device (and remote peers) may do with a memory region, as
@@ -30,7 +31,7 @@ enum OwnedBuf {
     /// An anonymous mapping: the kernel hands its pages out zeroed as the
     /// device pins them, so nothing writes them first (zeroing by hand was
     /// much of setting up a connection under emulation).
-    Mapped { ptr: NonNull<u8>, len: usize },
+    Mapped(Mapping),
     /// Zeroed here: for regions the device may not write, since pinning
     /// untouched memory read-only could pin the kernel's shared zero page,
     /// which the program's later writes would not reach.
@@ -39,51 +40,36 @@ enum OwnedBuf {
 
 impl OwnedBuf {
     fn new(len: usize, device_writes: bool) -> Result<OwnedBuf> {
-        let no_memory = || Error::Verb {
+        let failed = |source| Error::Verb {
             verb: "alloc",
-            source: std::io::Error::from_raw_os_error(libc::ENOMEM),
+            source,
         };
         if device_writes {
-            // SAFETY: a fresh private anonymous mapping; checked below.
-            let p = unsafe {
-                libc::mmap(
-                    std::ptr::null_mut(),
-                    len,
-                    libc::PROT_READ | libc::PROT_WRITE,
-                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-                    -1,
-                    0,
-                )
-            };
-            if p == libc::MAP_FAILED {
-                return Err(Error::last_os("mmap"));
-            }
-            let ptr = NonNull::new(p.cast()).ok_or_else(no_memory)?;
-            return Ok(OwnedBuf::Mapped { ptr, len });
+            return Mapping::new(len, false)
+                .map(OwnedBuf::Mapped)
+                .map_err(failed);
         }
         let layout = Layout::from_size_align(len, PAGE)
             .map_err(|_| Error::invalid(format!("{len} bytes is too large to allocate")))?;
         // SAFETY: layout has non-zero size.
-        let ptr = NonNull::new(unsafe { alloc::alloc_zeroed(layout) }).ok_or_else(no_memory)?;
+        let ptr = NonNull::new(unsafe { alloc::alloc_zeroed(layout) })
+            .ok_or_else(|| failed(std::io::Error::from_raw_os_error(libc::ENOMEM)))?;
         Ok(OwnedBuf::Heap { ptr, layout })
     }
 
     fn ptr(&self) -> *mut u8 {
         match self {
-            OwnedBuf::Mapped { ptr, .. } | OwnedBuf::Heap { ptr, .. } => ptr.as_ptr(),
+            OwnedBuf::Mapped(map) => map.as_ptr(),
+            OwnedBuf::Heap { ptr, .. } => ptr.as_ptr(),
         }
     }
 }
 
 impl Drop for OwnedBuf {
     fn drop(&mut self) {
-        match self {
-            // SAFETY: mapped with this length in `OwnedBuf::new`, unmapped once.
-            OwnedBuf::Mapped { ptr, len } => unsafe {
-                libc::munmap(ptr.as_ptr().cast(), *len);
-            },
+        if let OwnedBuf::Heap { ptr, layout } = self {
             // SAFETY: allocated with this layout in `OwnedBuf::new`.
-            OwnedBuf::Heap { ptr, layout } => unsafe { alloc::dealloc(ptr.as_ptr(), *layout) },
+            unsafe { alloc::dealloc(ptr.as_ptr(), *layout) };
         }
     }
 }

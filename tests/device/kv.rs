@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::thread;
 use std::time::{Duration, Instant};
 
-use snowrdma::kv::{Client, ClientOptions, ConnMode, KvError, Server, ServerConfig};
+use snowrdma::kv::{Client, ClientOptions, ConnMode, KvError, Server, ServerConfig, Stats};
 use snowrdma::runtime::{ConnHandler, Connection, Options};
 use snowrdma::verbs::selftest::fill_pattern;
 
@@ -253,17 +253,36 @@ fn kv_all_ops_all_sizes_huge_pages() {
     all_ops_at_all_sizes(true, ConnMode::Cm);
 }
 
-/// Waits until the server's pool holds no more than `baseline` bytes.
-fn pool_back_to(server: &Server, baseline: u64, what: &str) {
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while server.stats().pool_used > baseline {
-        assert!(
-            Instant::now() < deadline,
-            "{what}: {} bytes still held over {baseline}",
-            server.stats().pool_used - baseline
-        );
+/// Waits up to `limit` until `counter` of the server's statistics falls
+/// to `target`.
+fn stat_falls_to(
+    server: &Server,
+    counter: fn(&Stats) -> u64,
+    target: u64,
+    limit: Duration,
+    what: &str,
+) {
+    let deadline = Instant::now() + limit;
+    loop {
+        let now = counter(&server.stats());
+        if now <= target {
+            return;
+        }
+        assert!(Instant::now() < deadline, "{what}: {now}, not {target}");
         thread::sleep(Duration::from_millis(10));
     }
+}
+
+/// Waits until the server's pool holds no more than `baseline` bytes.
+fn pool_back_to(server: &Server, baseline: u64, what: &str) {
+    let what = format!("{what}: bytes held in the pool");
+    stat_falls_to(
+        server,
+        |s| s.pool_used,
+        baseline,
+        Duration::from_secs(5),
+        &what,
+    );
 }
 
 #[test]
@@ -393,15 +412,13 @@ fn kv_a_hundred_and_twenty_eight_clients_connect_and_are_served() {
         assert_eq!((value, version), (pattern(100 + j, j as u8), 1));
     }
     drop(clients);
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while server.stats().clients > 0 {
-        assert!(
-            Instant::now() < deadline,
-            "{} clients still counted",
-            server.stats().clients
-        );
-        thread::sleep(Duration::from_millis(10));
-    }
+    stat_falls_to(
+        &server,
+        |s| s.clients,
+        0,
+        Duration::from_secs(10),
+        "clients counted",
+    );
     server.stop();
 }
 

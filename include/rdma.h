@@ -96,11 +96,14 @@ typedef enum RdmaQpCqMapping {
 
 typedef enum RdmaCommMode {
   /**
-   * `rdmaConnSend` waits for room.
+   * `rdmaConnSend` waits for room, up to `rdmaTimeoutms` (at least a
+   * second), then returns 0; inside a callback it queues as
+   * `RDMA_NON_BLOCKING` does.
    */
   RDMA_BLOCKING = 0,
   /**
-   * `rdmaConnSend` returns 0 when there is no room.
+   * `rdmaConnSend` never waits: a message that finds no room is queued
+   * and sent in order as room returns; 0 only when that queue is full.
    */
   RDMA_NON_BLOCKING = 1,
 } RdmaCommMode;
@@ -570,10 +573,17 @@ struct ibv_mr *rdmaConnRegMem(struct RdmaConn *conn, size_t size);
 void rdmaConnDeregMem(struct RdmaConn *conn, struct ibv_mr *mr);
 
 /**
- * Sends a message (copied; `data` may be reused at once). Returns `data_len`,
- * 0 when the peer's buffer has no room right now (non-blocking mode), or
- * `(size_t)-1` on error (NULL, zero length, larger than the peer's buffer,
- * connection ended).
+ * Sends a message (copied; `data` may be reused at once). A message that
+ * finds no room in the peer's buffer now waits in the connection's send
+ * queue and is sent in order as room returns, so a send from a callback is
+ * never lost. Returns `data_len` once the message is sent or queued; 0 when
+ * the send queue is full (`SNOWRDMA_SEND_QUEUE_BYTES`, default 64 MiB per
+ * connection; logged once per episode), when blocking mode waited out its
+ * timeout outside a callback, or when a legacy peer's buffer is used up for
+ * good; `(size_t)-1` on error (NULL, zero length, larger than the peer's
+ * buffer, connection ended). `rdmaConnClose` sends what is queued first,
+ * waiting up to `rdmaTimeoutms` (at least a second) for room; what is left
+ * then is dropped and logged.
  *
  * # Safety
  * `data` must be NULL or readable for `data_len` bytes.
@@ -595,7 +605,10 @@ size_t rdmaConnSendWithImm(struct RdmaConn *conn,
 
 /**
  * Writes `data` into the peer's receive buffer without notifying it; the
- * write callback fires when it completed. Returns as `rdmaConnSend`.
+ * bytes are copied (`data` may be reused at once) and, when no room is free
+ * now, queued in order with the messages, as `rdmaConnSend` does. The write
+ * callback fires, on the calling thread, once the bytes are accepted.
+ * Returns as `rdmaConnSend`.
  *
  * # Safety
  * As `rdmaConnSend`.

@@ -59,6 +59,8 @@ for rep in $(seq 1 "$reps"); do
     record imm_lat snowrdma "$(ours verbs-imm-lat -s 64 -n 1000)"
     record echo_lat reference "$(perftest 5 ib_send_lat -s 64 -n 1000)"
     record echo_lat snowrdma "$(ours echo-lat -s 64 -n 1000)"
+    record echo_legacy_lat reference "$(ours echo-lat -s 64 -n 1000)"
+    record echo_legacy_lat snowrdma "$(ours echo-legacy-lat -s 64 -n 1000)"
     record stream_bw reference "$(perftest 4 ib_write_bw -s 65536 -n 1000)"
     record stream_bw snowrdma "$(ours stream-bw -s 65536 -n 1000)"
     record msg_rate reference "$(perftest 5 ib_write_bw -s 64 -n 20000)"

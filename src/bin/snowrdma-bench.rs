@@ -18,6 +18,7 @@ use std::time::{Duration, Instant};
 use clap::{Parser, Subcommand, ValueEnum};
 use snowrdma::ffi::rdma::*;
 use snowrdma::kv;
+use snowrdma::runtime::legacy_peer::LegacyPeer;
 use snowrdma::verbs::selftest::{ConnectMode, Endpoint, LoopbackPair};
 use snowrdma::verbs::{Completion, Context, RemoteAddr, SendOp, SendRequest};
 
@@ -73,6 +74,10 @@ enum Case {
     SyncWrite,
     /// C API: rdmaConnSend echo, half round trip (ib_send_lat).
     EchoLat,
+    /// C API: rdmaConnSend echo against a raw-verbs peer that speaks the
+    /// legacy protocol (version 0, never returns credit), half round trip
+    /// (the same echo against our own server).
+    EchoLegacyLat,
     /// C API: rdmaConnSend streaming, MiB/s (ib_write_bw).
     StreamBw,
     /// C API: rdmaConnSend message rate, Mpps (ib_write_bw).
@@ -384,6 +389,57 @@ fn echo_lat(iters: usize, size: usize, port: u16) -> f64 {
     median(&mut lat)
 }
 
+/// As [`echo_lat`], against a version-0 echo server on raw verbs (the
+/// wire as a legacy SnowRDMA server speaks it) in a thread of its own.
+fn echo_legacy_lat(iters: usize, size: usize, port: u16) -> f64 {
+    let ip = Context::open(None)
+        .unwrap()
+        .ipv4_address(1)
+        .unwrap()
+        .expect("an IPv4 address");
+    let (tx, rx) = std::sync::mpsc::channel();
+    let server = std::thread::spawn(move || {
+        let mut peer = LegacyPeer::accept(
+            SocketAddr::new(IpAddr::V4(ip), port),
+            Duration::from_secs(10),
+            |a| tx.send(a).expect("bench thread"),
+        )
+        .expect("legacy peer");
+        peer.echo(Instant::now() + Duration::from_secs(120))
+            .expect("legacy echo")
+    });
+    rx.recv_timeout(Duration::from_secs(10))
+        .expect("the legacy peer listens");
+    let ip = CString::new(ip.to_string()).unwrap();
+    let msg = vec![7u8; size];
+    let mut lat = Vec::with_capacity(iters);
+    // SAFETY: zeroed options are the C programs' `{0}`; the connection is
+    // live until closed below; the message is readable.
+    unsafe {
+        let mut copt: RdmaConnOptions = std::mem::zeroed();
+        copt.recv_callback = Some(count);
+        let conn = rdmaConn(&copt);
+        assert_eq!(
+            rdmaConnect(conn, ip.as_ptr() as *mut _, port as i32),
+            RDMA_OK
+        );
+        for _ in 0..iters {
+            let before = RECEIVED.load(Ordering::Acquire);
+            let t = Instant::now();
+            assert_eq!(rdmaConnSend(conn, msg.as_ptr() as *mut _, size), size);
+            let deadline = t + Duration::from_secs(10);
+            while RECEIVED.load(Ordering::Acquire) == before {
+                assert!(Instant::now() < deadline, "the echo was lost");
+                std::hint::spin_loop();
+            }
+            lat.push(us(t.elapsed()) / 2.0);
+        }
+        rdmaConnClose(conn);
+    }
+    server.join().expect("legacy peer thread");
+    median(&mut lat)
+}
+
 /// Streams `iters` messages of `size` bytes to a server that only counts;
 /// returns (MiB/s, Mpps) from the first send until the last byte arrived.
 fn stream(iters: usize, size: usize, port: u16) -> (f64, f64) {
@@ -426,6 +482,7 @@ fn run(case: Case, iters: usize, size: usize, port: u16) -> f64 {
         Case::SyncRead => sync_lat(true, iters, size, port),
         Case::SyncWrite => sync_lat(false, iters, size, port),
         Case::EchoLat => echo_lat(iters, size, port),
+        Case::EchoLegacyLat => echo_legacy_lat(iters, size, port),
         Case::StreamBw => stream(iters, size, port).0,
         Case::MsgRate => stream(iters, size, port).1,
         Case::KvGetLat | Case::KvGetLatCrowd | Case::KvPutLat | Case::KvOneSidedLat => {
@@ -635,6 +692,14 @@ const ROWS: &[Row] = &[
         unit: "us",
         higher_is_better: false,
         target: "<= 1.30",
+    },
+    Row {
+        case: "echo_legacy_lat",
+        what: "rdmaConnSend echo 64 B vs a legacy-protocol peer, half RTT",
+        reference: "echo_lat (ours)",
+        unit: "us",
+        higher_is_better: false,
+        target: "<= 1.0",
     },
     Row {
         case: "stream_bw",

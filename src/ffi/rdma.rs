@@ -56,9 +56,12 @@ pub enum RdmaQpCqMapping {
 #[repr(C)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum RdmaCommMode {
-    /// `rdmaConnSend` waits for room.
+    /// `rdmaConnSend` waits for room, up to `rdmaTimeoutms` (at least a
+    /// second), then returns 0; inside a callback it queues as
+    /// `RDMA_NON_BLOCKING` does.
     RDMA_BLOCKING = 0,
-    /// `rdmaConnSend` returns 0 when there is no room.
+    /// `rdmaConnSend` never waits: a message that finds no room is queued
+    /// and sent in order as room returns; 0 only when that queue is full.
     RDMA_NON_BLOCKING = 1,
 }
 
@@ -391,6 +394,7 @@ unsafe fn resolve_options(opt: *const RdmaOptions) -> Options {
         spin: defaults.spin,
         // C callbacks run on the completion thread, as the legacy ones did.
         caller_polls: false,
+        send_queue_bytes: defaults.send_queue_bytes,
     }
 }
 
@@ -1044,10 +1048,17 @@ unsafe fn bytes<'a>(data: *const c_void, len: usize, func: &str) -> Option<&'a [
     Some(std::slice::from_raw_parts(data.cast::<u8>(), len))
 }
 
-/// Sends a message (copied; `data` may be reused at once). Returns `data_len`,
-/// 0 when the peer's buffer has no room right now (non-blocking mode), or
-/// `(size_t)-1` on error (NULL, zero length, larger than the peer's buffer,
-/// connection ended).
+/// Sends a message (copied; `data` may be reused at once). A message that
+/// finds no room in the peer's buffer now waits in the connection's send
+/// queue and is sent in order as room returns, so a send from a callback is
+/// never lost. Returns `data_len` once the message is sent or queued; 0 when
+/// the send queue is full (`SNOWRDMA_SEND_QUEUE_BYTES`, default 64 MiB per
+/// connection; logged once per episode), when blocking mode waited out its
+/// timeout outside a callback, or when a legacy peer's buffer is used up for
+/// good; `(size_t)-1` on error (NULL, zero length, larger than the peer's
+/// buffer, connection ended). `rdmaConnClose` sends what is queued first,
+/// waiting up to `rdmaTimeoutms` (at least a second) for room; what is left
+/// then is dropped and logged.
 ///
 /// # Safety
 /// `data` must be NULL or readable for `data_len` bytes.
@@ -1093,7 +1104,10 @@ pub unsafe extern "C" fn rdmaConnSendWithImm(
 }
 
 /// Writes `data` into the peer's receive buffer without notifying it; the
-/// write callback fires when it completed. Returns as `rdmaConnSend`.
+/// bytes are copied (`data` may be reused at once) and, when no room is free
+/// now, queued in order with the messages, as `rdmaConnSend` does. The write
+/// callback fires, on the calling thread, once the bytes are accepted.
+/// Returns as `rdmaConnSend`.
 ///
 /// # Safety
 /// As `rdmaConnSend`.

@@ -19,6 +19,7 @@ use crate::verbs::{
 use super::options::{CommMode, Options};
 use super::proto::{Cmd, ExtKind, Opcode, CMD_LEN, EXT_HEADER_LEN, IMM_EXTENDED};
 use super::ring::{RecvRing, SendRing};
+use super::send_queue::{Push, SendQueue, SendQueueStats};
 use super::socket::{handshake, SocketLink, SocketWatch};
 use super::{runtime, Error, Result, Runtime};
 
@@ -37,9 +38,6 @@ const PEER_CMD_RESERVE: u64 = 16;
 const MAX_POLL_BATCH: usize = 32;
 /// Every this many data writes, one asks for a completion.
 const SIGNAL_EVERY: u32 = 16;
-/// Bytes a connection queues from inside callbacks (blocking mode) before
-/// `send` there returns 0.
-const MAX_QUEUED_BYTES: usize = 256 << 20;
 /// Bound on a sync operation; on expiry the connection is failed so the
 /// device stops touching the caller's buffer.
 const SYNC_OP_TIMEOUT: Duration = Duration::from_secs(30);
@@ -189,9 +187,12 @@ struct State {
     /// Callbacks owed, in order: messages that arrived while a callback
     /// drove the CQ itself, and completions another thread polled.
     deferred: VecDeque<Deferred>,
-    /// Messages sent from inside callbacks while the ring was full.
-    queued: VecDeque<(Vec<u8>, Option<ExtKind>)>,
-    queued_bytes: usize,
+    /// Messages that found no room, waiting in order to be posted.
+    queue: SendQueue,
+    /// A legacy peer's buffer ran out for good (logged once).
+    legacy_exhausted: bool,
+    /// The send queue's use was logged at the end.
+    queue_use_logged: bool,
     /// Data writes posted without a completion since the last signaled one.
     unsignaled_data: u32,
     rx_msgs_reported: u64,
@@ -253,6 +254,9 @@ pub(crate) struct ConnInner {
     user_mrs: Mutex<HashMap<usize, MemoryRegion>>,
     disconnect_fired: AtomicBool,
     closed_locally: AtomicBool,
+    /// The peer disconnected; the thread that polls completions finishes
+    /// delivering what arrived before, then ends the connection.
+    peer_left: AtomicBool,
     cm_source: AtomicU64,
     cq_source: AtomicU64,
 }
@@ -389,8 +393,9 @@ impl Connection {
                     sync_ops: HashMap::new(),
                     next_op: 1,
                     deferred: VecDeque::new(),
-                    queued: VecDeque::new(),
-                    queued_bytes: 0,
+                    queue: SendQueue::new(opts.send_queue_bytes),
+                    legacy_exhausted: false,
+                    queue_use_logged: false,
                     unsignaled_data: 0,
                     rx_msgs_reported: 0,
                     last_errno: 0,
@@ -403,6 +408,7 @@ impl Connection {
                 user_mrs: Mutex::new(HashMap::new()),
                 disconnect_fired: AtomicBool::new(false),
                 closed_locally: AtomicBool::new(false),
+                peer_left: AtomicBool::new(false),
                 cm_source: AtomicU64::new(0),
                 cq_source: AtomicU64::new(0),
             }),
@@ -836,6 +842,7 @@ impl Connection {
         let ring = self.inner.recv_ring.remote();
         let mut cmd = Cmd::new(Opcode::RegLocalAddr, ring.addr, ring.len as u32, ring.rkey);
         cmd.recv_depth = self.inner.opts.recv_depth.max(2 * PEER_CMD_RESERVE as u32);
+        cmd.ring_use = self.inner.staging.len() as u32;
         let mut st = self.lock();
         if !self.post_cmd(&mut st, cmd)? {
             return Err(Error::InvalidArgument(
@@ -846,10 +853,13 @@ impl Connection {
     }
 
     /// Sends a message: the peer's `recv` callback gets exactly these bytes,
-    /// whole, in order, once. Returns the bytes accepted, or 0 when the
-    /// peer's ring has no room now: at once in non-blocking mode, after up to
-    /// the timeout in blocking mode. Inside a callback, blocking mode queues
-    /// the message (sent in order as room returns) instead of waiting.
+    /// whole, in order, once. Returns the bytes accepted. A message that
+    /// finds no room in the peer's ring now is copied into the connection's
+    /// send queue and posted, in order, as room returns; in blocking mode
+    /// outside callbacks the call first waits for room, up to the timeout.
+    /// 0 when the send queue is full ([`Options::send_queue_bytes`]), in
+    /// blocking mode when the wait timed out, and when a legacy peer's
+    /// buffer is used up for good (legacy peers never return space).
     pub fn send(&self, data: &[u8]) -> Result<usize> {
         self.send_message(data, None, None)
     }
@@ -919,7 +929,7 @@ impl Connection {
         loop {
             self.check_sendable(&st, data.len(), ext)?;
             // Queued messages go first, so order holds.
-            if st.queued.is_empty() {
+            if st.queue.is_empty() {
                 match self.try_post_message(&mut st, data, ext, before) {
                     Ok(true) => return Ok(data.len()),
                     Ok(false) => {}
@@ -934,25 +944,78 @@ impl Connection {
                     }
                 }
             }
-            if on_cq_thread && before.is_none() {
-                // Inside a callback nobody else would hand back room: in
-                // blocking mode the message waits in order in the queue, which
-                // the completion thread drains as credit arrives.
-                if blocking && st.queued_bytes + data.len() <= MAX_QUEUED_BYTES {
-                    st.queued_bytes += data.len();
-                    st.queued.push_back((data.to_vec(), ext));
-                    return Ok(data.len());
-                }
+            // Blocking mode waits for room, except inside a callback, where
+            // nobody else would hand room back.
+            let waits = blocking && !on_cq_thread;
+            if waits && Instant::now() < deadline {
+                st = self.park(st, deadline);
+                continue;
+            }
+            // A write ahead of the message reads the caller's buffer, which
+            // is theirs again once we return: it cannot wait in the queue.
+            if waits || before.is_some() {
                 return Ok(0);
             }
-            let now = Instant::now();
-            // A write cannot wait in the queue (its buffer is the caller's):
-            // inside a callback it is refused like a full non-blocking send.
-            if !blocking || now >= deadline || on_cq_thread {
-                return Ok(0);
-            }
-            st = self.park(st, deadline);
+            return Ok(self.enqueue(st, data, ext, on_cq_thread));
         }
+    }
+
+    /// Queues a message that found no room; returns the bytes accepted (0
+    /// when the queue is full or a legacy peer's buffer is used up).
+    fn enqueue(
+        &self,
+        mut st: MutexGuard<'_, State>,
+        data: &[u8],
+        ext: Option<ExtKind>,
+        on_cq_thread: bool,
+    ) -> usize {
+        // A legacy peer never returns space: once what is sent and queued
+        // fills its buffer, nothing more will ever fit (the legacy contract:
+        // 0, for good).
+        if st.peer_version < 1
+            && st.tx.in_flight() as usize + st.queue.payload_bytes() + data.len() > st.tx.capacity()
+        {
+            if !std::mem::replace(&mut st.legacy_exhausted, true) {
+                log::warn!(
+                    "connection to {:?}: the legacy peer's {} byte buffer is used up; sends return 0 from now on",
+                    self.inner.peer,
+                    st.tx.capacity()
+                );
+            }
+            return 0;
+        }
+        match st.queue.push(data, ext) {
+            Push::Queued => {}
+            Push::Refused { first } => {
+                if first {
+                    log::warn!(
+                        "connection to {:?}: the send queue is full ({} messages, bound {} bytes); \
+                         refusing messages until it drains",
+                        self.inner.peer,
+                        st.queue.len(),
+                        self.inner.opts.send_queue_bytes
+                    );
+                }
+                return 0;
+            }
+        }
+        drop(st);
+        if !on_cq_thread {
+            // The room may come from a send completion, which raises an
+            // event only when the send CQ is armed; one that came before
+            // arming is taken here.
+            self.arm_send();
+            if self.poll_send_here() {
+                self.flush_queued();
+            }
+        }
+        data.len()
+    }
+
+    /// The send queue's counts (messages that waited, were refused, or were
+    /// dropped at the end).
+    pub fn send_queue_stats(&self) -> SendQueueStats {
+        self.lock().queue.stats()
     }
 
     fn check_sendable(&self, st: &State, len: usize, ext: Option<ExtKind>) -> Result<()> {
@@ -1003,21 +1066,30 @@ impl Connection {
         }
     }
 
-    /// Sends queued messages while there is room (completion thread).
+    /// Sends queued messages while there is room.
     fn flush_queued(&self) {
         let mut st = self.lock();
-        while let Some((data, ext)) = st.queued.pop_front() {
-            match self.try_post_message(&mut st, &data, ext, None) {
-                Ok(true) => st.queued_bytes -= data.len(),
+        while let Some(q) = st.queue.pop() {
+            match self.try_post_message(&mut st, &q.data, q.ext, None) {
+                Ok(true) => {}
                 Ok(false) => {
-                    st.queued.push_front((data, ext));
+                    st.queue.unpop(q);
                     return;
                 }
                 Err(e) => {
+                    st.queue.unpop(q);
                     drop(st);
                     return self.fail(&format!("sending a queued message: {e}"));
                 }
             }
+        }
+        if let Some(ep) = st.queue.end_episode() {
+            log::warn!(
+                "connection to {:?}: the send queue drained; {} messages ({} bytes) were refused while it was full",
+                self.inner.peer,
+                ep.refused,
+                ep.refused_bytes
+            );
         }
     }
 
@@ -1500,7 +1572,7 @@ impl Connection {
                 }
                 if self.inner.async_pending.load(Ordering::SeqCst) > 0
                     || self.inner.sleepers.load(Ordering::SeqCst) > 0
-                    || !self.lock().queued.is_empty()
+                    || !self.lock().queue.is_empty()
                 {
                     self.arm_send();
                 }
@@ -1517,7 +1589,8 @@ impl Connection {
         let kind = wc.wr_id() >> KIND_SHIFT;
         let low = wc.wr_id() & LOW_MASK;
         if !wc.is_ok() {
-            let ending = matches!(self.state(), ConnState::Closed | ConnState::Error);
+            let ending = matches!(self.state(), ConnState::Closed | ConnState::Error)
+                || self.inner.peer_left.load(Ordering::SeqCst);
             if kind == K_SYNC {
                 let reason = format!("completed with {}", wc.status());
                 if let Some(slot) = self.lock().sync_ops.get_mut(&low) {
@@ -1559,6 +1632,9 @@ impl Connection {
                 let mut st = self.lock();
                 st.sq_used -= 1;
                 st.cmd_free.push(low as u16);
+                drop(st);
+                // A closing thread waits for its goodbye to complete.
+                self.wake();
             }
             K_WRITE | K_READ => {
                 self.inner.async_pending.fetch_sub(1, Ordering::SeqCst);
@@ -1614,6 +1690,15 @@ impl Connection {
                     let first = matches!(st.state, ConnState::Connected | ConnState::Accepting);
                     if first {
                         st.state = ConnState::MrReady;
+                        // The peer wraps where its staging buffer ends, when
+                        // that is before the end of our ring (RC delivers
+                        // this before any of its messages).
+                        let own = self.inner.recv_ring.len();
+                        let cap = match cmd.ring_use as usize {
+                            0 => own,
+                            n => n.min(own),
+                        };
+                        st.rx = RecvRing::new(cap);
                     }
                     first
                 };
@@ -1760,7 +1845,36 @@ impl Connection {
         self.deliver_deferred();
         self.maybe_send_credit(false);
         self.flush_queued();
+        if self.inner.peer_left.load(Ordering::SeqCst) {
+            self.finish_peer_left();
+        }
         self.wake();
+    }
+
+    /// The peer disconnected (RDMA CM DISCONNECTED, or its socket closed;
+    /// runtime thread). What it sent before is still in the receive CQ:
+    /// the thread that polls completions delivers that first, then ends the
+    /// connection ([`Connection::finish_peer_left`]).
+    pub(crate) fn peer_left(&self) {
+        if self.inner.peer_left.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        if self.inner.cq_source.load(Ordering::SeqCst) == 0 {
+            // Nobody polls: end it here.
+            return self.peer_disconnected();
+        }
+        self.inner.owed.store(true, Ordering::Release);
+        self.inner.rt.cq.wake();
+        self.wake();
+    }
+
+    /// Delivers every message the peer sent before it left, then ends the
+    /// connection (on the thread holding the receive-poll role).
+    fn finish_peer_left(&self) {
+        let mut wcs: [Completion; 16] = Default::default();
+        while self.poll_cq(false, &mut wcs, false) > 0 {}
+        self.deliver_deferred();
+        self.peer_disconnected();
     }
 
     /// One non-blocking pass over both CQs (a spinning thread): returns
@@ -1836,8 +1950,8 @@ impl Connection {
         }
     }
 
-    /// The peer disconnected (RDMA CM DISCONNECTED, or its socket closed).
-    pub(crate) fn peer_disconnected(&self) {
+    /// Ends the connection after the peer left.
+    fn peer_disconnected(&self) {
         let was = {
             let mut st = self.lock();
             let was = st.state;
@@ -1866,7 +1980,7 @@ impl Connection {
     pub(crate) fn on_cm_event(&self, ev: &CmEvent) {
         match ev.kind {
             CmEventKind::ESTABLISHED => self.established(),
-            CmEventKind::DISCONNECTED => self.peer_disconnected(),
+            CmEventKind::DISCONNECTED => self.peer_left(),
             CmEventKind::REJECTED
             | CmEventKind::UNREACHABLE
             | CmEventKind::CONNECT_ERROR
@@ -1889,8 +2003,26 @@ impl Connection {
         }
     }
 
+    /// Says how much the send queue was used, once the connection ended
+    /// (how often messages found no room is a measure of flow control).
+    fn log_queue_use(&self) {
+        let mut st = self.lock();
+        let s = st.queue.stats();
+        if !std::mem::replace(&mut st.queue_use_logged, true) && (s.queued > 0 || s.refused > 0) {
+            log::info!(
+                "connection to {:?}: {} messages waited in the send queue (at most {} bytes at once), {} were refused, {} dropped",
+                self.inner.peer,
+                s.queued,
+                s.peak_bytes,
+                s.refused,
+                s.dropped
+            );
+        }
+    }
+
     /// The runtime lets go of an accepted connection that ended.
     fn retire(&self) {
+        self.log_queue_use();
         self.unwatch();
         self.inner.rt.forget_accepted(self);
         self.handler().retired(self);
@@ -1903,18 +2035,39 @@ impl Connection {
         if self.inner.closed_locally.swap(true, Ordering::SeqCst) {
             return;
         }
-        let was = {
+        let deadline = Instant::now() + self.inner.opts.timeout.max(Duration::from_secs(1));
+        // Queued messages were accepted: they go first, while the peer
+        // returns room (bounded by the timeout).
+        self.wait_closing(deadline, |st| st.queue.is_empty());
+        let (was, goodbye) = {
             let mut st = self.lock();
             let was = st.state;
-            if was == ConnState::MrReady {
-                let _ = self.post_cmd(&mut st, Cmd::new(Opcode::ConnGoodbye, 0, 0, 0));
+            let goodbye = was == ConnState::MrReady
+                && matches!(
+                    self.post_cmd(&mut st, Cmd::new(Opcode::ConnGoodbye, 0, 0, 0)),
+                    Ok(true)
+                );
+            let (n, bytes) = st.queue.drop_all();
+            if n > 0 {
+                log::warn!(
+                    "connection to {:?} closed with {n} messages ({bytes} bytes) still queued: the peer returned no room in time; they are dropped",
+                    self.inner.peer
+                );
             }
+            (was, goodbye)
+        };
+        if goodbye {
+            // The goodbye completes after every message before it has
+            // landed: disconnecting earlier could flush them unsent.
+            self.wait_closing(deadline, |st| st.cmd_free.len() == CMD_SLOTS as usize);
+        }
+        {
+            let mut st = self.lock();
             st.state = ConnState::Closed;
             for slot in st.sync_ops.values_mut() {
                 slot.get_or_insert_with(|| Err("the connection was closed".into()));
             }
-            was
-        };
+        }
         self.wake();
         if matches!(was, ConnState::Connected | ConnState::MrReady) || self.socket_link().is_some()
         {
@@ -1924,6 +2077,29 @@ impl Connection {
         self.unwatch();
         if self.inner.kind == ConnKind::Accepted {
             self.inner.rt.forget_accepted(self);
+        }
+    }
+}
+
+impl Connection {
+    /// While closing: waits until `done` holds, the connection ends, or
+    /// `deadline`, handling completions itself on a callback thread.
+    fn wait_closing(&self, deadline: Instant, done: impl Fn(&State) -> bool) {
+        let on_cq_thread = self.on_callback_thread();
+        loop {
+            self.flush_queued();
+            let st = self.lock();
+            if done(&st) || st.state != ConnState::MrReady || Instant::now() >= deadline {
+                return;
+            }
+            if on_cq_thread {
+                drop(st);
+                if self.drive_inline() == 0 {
+                    std::thread::sleep(Duration::from_micros(20));
+                }
+            } else {
+                drop(self.park(st, deadline));
+            }
         }
     }
 }
@@ -1980,6 +2156,7 @@ impl super::poller::Source for CqSource {
             while self.0.poll_round() {}
         }
         self.0.maybe_send_credit(true);
+        self.0.flush_queued();
     }
 }
 

@@ -9,11 +9,13 @@
 //! the connection's completions itself instead of deadlocking.
 
 mod conn;
+pub mod legacy_peer;
 mod listener;
 mod options;
 mod poller;
 pub mod proto;
 pub mod ring;
+pub mod send_queue;
 mod socket;
 
 use std::collections::HashMap;
@@ -25,7 +27,8 @@ pub use conn::{
     ConnHandler, ConnKind, ConnState, Connection, PdProvider, PendingReads, WeakConnection,
 };
 pub use listener::{AcceptHook, Listener};
-pub use options::{CommMode, Options, DEFAULT_RECV_BUF_LEN};
+pub use options::{CommMode, Options, DEFAULT_RECV_BUF_LEN, SEND_QUEUE_ENV};
+pub use send_queue::SendQueueStats;
 
 use crate::verbs::{self, CmIdRef};
 use poller::Poller;

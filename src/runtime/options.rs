@@ -8,9 +8,13 @@ pub const DEFAULT_RECV_BUF_LEN: usize = 1024 * 1024;
 /// How calls that find no room behave.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum CommMode {
-    /// `send` waits for room (not inside a callback: there it returns 0).
+    /// `send` waits for room up to [`Options::timeout`] (at least a second),
+    /// then returns 0. Inside a callback, where waiting would stall the
+    /// connection, it queues as [`CommMode::NonBlocking`] does.
     Blocking,
-    /// `send` returns 0 when the peer's ring is full.
+    /// `send` never waits: a message that finds no room is queued and sent
+    /// in order as room returns; 0 only when that queue is full
+    /// ([`Options::send_queue_bytes`]).
     NonBlocking,
 }
 
@@ -50,6 +54,25 @@ pub struct Options {
     /// request/reply clients. Callbacks then run on whichever thread polls
     /// and must not wait on the connection themselves.
     pub caller_polls: bool,
+    /// Bound of the queue of messages that wait for room in the peer's ring
+    /// (payload bytes, plus 64 per message); a send that finds it full
+    /// returns 0. Environment: [`SEND_QUEUE_ENV`].
+    pub send_queue_bytes: usize,
+}
+
+/// Environment variable overriding [`Options::send_queue_bytes`], in bytes.
+pub const SEND_QUEUE_ENV: &str = "SNOWRDMA_SEND_QUEUE_BYTES";
+
+/// Default send-queue bound: many rings' worth, so that a peer that keeps
+/// more in flight than both rings hold is served without loss, while a peer
+/// that never returns credit cannot make us buffer without end.
+const DEFAULT_SEND_QUEUE_BYTES: usize = 64 * DEFAULT_RECV_BUF_LEN;
+
+fn default_send_queue_bytes() -> usize {
+    std::env::var(SEND_QUEUE_ENV)
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(DEFAULT_SEND_QUEUE_BYTES)
 }
 
 /// Environment variable overriding [`Options::spin`], in microseconds.
@@ -87,6 +110,7 @@ impl Default for Options {
             recv_buf_len: DEFAULT_RECV_BUF_LEN,
             spin: default_spin(),
             caller_polls: false,
+            send_queue_bytes: default_send_queue_bytes(),
         }
     }
 }

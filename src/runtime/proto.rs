@@ -4,7 +4,7 @@
 //! Legacy peers speak version 0: REG_LOCAL_ADDR, REG_PHYS_ADDR, CONN_GOODBYE,
 //! and data as RDMA WRITE WITH IMM whose immediate is the byte offset in the
 //! receiver's buffer. Version 1 (ours) announces itself in the version byte of
-//! REG_LOCAL_ADDR, with the receive depth in the reserved bytes, and adds
+//! REG_LOCAL_ADDR, with the receive depth and how much of the ring it will use in the reserved bytes, and adds
 //! CREDIT (the receiver returns consumed ring space) and extended data
 //! messages (immediate bit 31 set: an 8-byte header precedes the payload in
 //! the ring). Nothing of version 1 is ever sent to a version-0 peer.
@@ -42,6 +42,10 @@ pub struct Cmd {
     pub opcode: Opcode,
     /// Version 1 REG_LOCAL_ADDR: the sender's receive depth.
     pub recv_depth: u32,
+    /// Version 1 REG_LOCAL_ADDR: the most of the receiver's ring the sender
+    /// will use (its staging buffer's size), so both wrap at the same
+    /// place; 0: all of it.
+    pub ring_use: u32,
     pub addr: u64,
     pub length: u32,
     pub key: u32,
@@ -64,6 +68,7 @@ impl Cmd {
             version: VERSION,
             opcode,
             recv_depth: 0,
+            ring_use: 0,
             addr,
             length,
             key,
@@ -76,6 +81,7 @@ impl Cmd {
         b[1] = self.version;
         b[2] = self.opcode as u8;
         b[3..7].copy_from_slice(&self.recv_depth.to_be_bytes());
+        b[7..11].copy_from_slice(&self.ring_use.to_be_bytes());
         b[16..24].copy_from_slice(&self.addr.to_ne_bytes());
         b[24..28].copy_from_slice(&self.length.to_be_bytes());
         b[28..32].copy_from_slice(&self.key.to_be_bytes());
@@ -103,6 +109,7 @@ impl Cmd {
             opcode,
             // Legacy peers leave the reserved bytes zero.
             recv_depth: if b[1] >= 1 { u32_be(3..7) } else { 0 },
+            ring_use: if b[1] >= 1 { u32_be(7..11) } else { 0 },
             addr: u64::from_ne_bytes(b[16..24].try_into().expect("8 bytes")),
             length: u32_be(24..28),
             key: u32_be(28..32),
@@ -148,8 +155,11 @@ mod tests {
 
     #[test]
     fn commands_have_the_legacy_layout() {
-        let c = Cmd::new(Opcode::RegLocalAddr, 0x1122_3344_5566_7788, 1 << 20, 0xabcd);
+        let mut c = Cmd::new(Opcode::RegLocalAddr, 0x1122_3344_5566_7788, 1 << 20, 0xabcd);
+        c.recv_depth = 1024;
+        c.ring_use = 64 << 10;
         let b = c.encode();
+        assert_eq!(&b[3..11], &[0, 0, 4, 0, 0, 1, 0, 0]);
         assert_eq!(b[0], b'R');
         assert_eq!(b[1], 1);
         assert_eq!(b[2], 0);
@@ -164,10 +174,11 @@ mod tests {
         let mut b = Cmd::new(Opcode::ConnGoodbye, 0, 0, 0).encode();
         b[1] = 0;
         b[3] = 0xff; // reserved garbage from a legacy peer is ignored
+        b[8] = 0xff;
         let c = Cmd::decode(&b).unwrap();
         assert_eq!(
-            (c.version, c.opcode, c.recv_depth),
-            (0, Opcode::ConnGoodbye, 0)
+            (c.version, c.opcode, c.recv_depth, c.ring_use),
+            (0, Opcode::ConnGoodbye, 0, 0)
         );
     }
 

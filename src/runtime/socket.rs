@@ -70,11 +70,11 @@ impl super::poller::Source for SocketWatch {
         let mut buf = [0u8; 64];
         loop {
             match (&link.stream).read(&mut buf) {
-                Ok(0) => return self.0.peer_disconnected(),
+                Ok(0) => return self.0.peer_left(),
                 Ok(_) => continue,
                 Err(e) if e.kind() == ErrorKind::WouldBlock => return,
                 Err(e) if e.kind() == ErrorKind::Interrupted => continue,
-                Err(_) => return self.0.peer_disconnected(),
+                Err(_) => return self.0.peer_left(),
             }
         }
     }

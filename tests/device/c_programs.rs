@@ -75,6 +75,22 @@ impl Proc {
         }
     }
 
+    /// The lines not yet taken that contain one of `needles`, read until the
+    /// output ends or for `within`.
+    pub fn lines_containing(&self, needles: &[&str], within: Duration) -> Vec<String> {
+        let deadline = Instant::now() + within;
+        let mut found = Vec::new();
+        while let Ok(line) = self
+            .lines
+            .recv_timeout(deadline.saturating_duration_since(Instant::now()))
+        {
+            if needles.iter().any(|n| line.contains(n)) {
+                found.push(line);
+            }
+        }
+        found
+    }
+
     pub fn wait(&mut self, timeout: Duration) -> ExitStatus {
         let deadline = Instant::now() + timeout;
         loop {

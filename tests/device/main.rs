@@ -6,6 +6,7 @@
 //! hanging it.
 
 mod c_programs;
+mod echo_load;
 mod kv;
 mod kv_programs;
 mod kv_strings;

@@ -23,7 +23,7 @@ impl ConnHandler for Echo {
 
 /// Collects what arrives.
 #[derive(Default)]
-struct Collect {
+pub struct Collect {
     got: Mutex<(Vec<u8>, Vec<Option<u32>>, usize)>,
     cond: Condvar,
 }

@@ -116,7 +116,7 @@ fn immediates_arrive_with_their_message() {
 
 #[test]
 #[ignore = "needs an RDMA device: run `make test`"]
-fn a_full_ring_returns_zero_in_non_blocking_mode_and_never_overflows() {
+fn a_full_ring_and_send_queue_make_a_non_blocking_send_return_zero() {
     // The server never consumes: its callback parks until released.
     let gate = Arc::new((Mutex::new(false), Condvar::new()));
     struct Park(Arc<(Mutex<bool>, Condvar)>);
@@ -129,8 +129,19 @@ fn a_full_ring_returns_zero_in_non_blocking_mode_and_never_overflows() {
             }
         }
     }
+    // Opens the gate however the test ends: a parked callback would hold
+    // the completion thread every later test needs.
+    struct OpenOnDrop(Arc<(Mutex<bool>, Condvar)>);
+    impl Drop for OpenOnDrop {
+        fn drop(&mut self) {
+            *self.0 .0.lock().unwrap() = true;
+            self.0 .1.notify_all();
+        }
+    }
+    let opener = OpenOnDrop(gate.clone());
     let opts = Options {
         recv_buf_len: 16 << 10,
+        send_queue_bytes: 64 << 10,
         ..Options::default()
     };
     let g = gate.clone();
@@ -157,15 +168,19 @@ fn a_full_ring_returns_zero_in_non_blocking_mode_and_never_overflows() {
         accepted += n;
         assert!(Instant::now() < deadline);
     }
+    // The ring's share, then the send queue's: 61 messages of 1000 bytes
+    // (each charged 64 more) fit in 64 KiB.
+    let queued = 61 * 1000;
     assert!(
-        (8 << 10..=16 << 10).contains(&accepted),
+        (8 << 10) + queued <= accepted && accepted <= (16 << 10) + queued,
         "accepted {accepted}"
     );
+    let stats = conn.send_queue_stats();
+    assert_eq!((stats.queued, stats.refused), (61, 1), "{stats:?}");
     let too_big = vec![0u8; (16 << 10) + 1];
     assert!(conn.send(&too_big).is_err());
     assert!(conn.send(&[]).is_err());
-    *gate.0.lock().unwrap() = true;
-    gate.1.notify_all();
+    drop(opener);
     conn.close();
     server.release();
 }

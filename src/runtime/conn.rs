@@ -191,8 +191,6 @@ struct State {
     queue: SendQueue,
     /// A legacy peer's buffer ran out for good (logged once).
     legacy_exhausted: bool,
-    /// The send queue's use was logged at the end.
-    queue_use_logged: bool,
     /// Data writes posted without a completion since the last signaled one.
     unsignaled_data: u32,
     rx_msgs_reported: u64,
@@ -257,6 +255,8 @@ pub(crate) struct ConnInner {
     /// The peer disconnected; the thread that polls completions finishes
     /// delivering what arrived before, then ends the connection.
     peer_left: AtomicBool,
+    /// The runtime let go of the connection (at most once).
+    retired: AtomicBool,
     cm_source: AtomicU64,
     cq_source: AtomicU64,
 }
@@ -395,7 +395,6 @@ impl Connection {
                     deferred: VecDeque::new(),
                     queue: SendQueue::new(opts.send_queue_bytes),
                     legacy_exhausted: false,
-                    queue_use_logged: false,
                     unsignaled_data: 0,
                     rx_msgs_reported: 0,
                     last_errno: 0,
@@ -409,6 +408,7 @@ impl Connection {
                 disconnect_fired: AtomicBool::new(false),
                 closed_locally: AtomicBool::new(false),
                 peer_left: AtomicBool::new(false),
+                retired: AtomicBool::new(false),
                 cm_source: AtomicU64::new(0),
                 cq_source: AtomicU64::new(0),
             }),
@@ -2006,9 +2006,8 @@ impl Connection {
     /// Says how much the send queue was used, once the connection ended
     /// (how often messages found no room is a measure of flow control).
     fn log_queue_use(&self) {
-        let mut st = self.lock();
-        let s = st.queue.stats();
-        if !std::mem::replace(&mut st.queue_use_logged, true) && (s.queued > 0 || s.refused > 0) {
+        let s = self.lock().queue.stats();
+        if s.queued > 0 || s.refused > 0 {
             log::info!(
                 "connection to {:?}: {} messages waited in the send queue (at most {} bytes at once), {} were refused, {} dropped",
                 self.inner.peer,
@@ -2020,8 +2019,12 @@ impl Connection {
         }
     }
 
-    /// The runtime lets go of an accepted connection that ended.
+    /// The runtime lets go of an accepted connection that ended (once: a
+    /// failure and the peer's disconnect may both get here).
     fn retire(&self) {
+        if self.inner.retired.swap(true, Ordering::SeqCst) {
+            return;
+        }
         self.log_queue_use();
         self.unwatch();
         self.inner.rt.forget_accepted(self);

@@ -34,7 +34,7 @@ check-header:
 	diff -u include/rdma.h target/header-check/rdma.h
 	diff -u include/kv_store.h target/header-check/kv_store.h
 
-C_PROGRAMS := devices layout echo_server client misuse kv_check legacy_echo
+C_PROGRAMS := devices layout echo_server client misuse kv_check
 
 c-examples: lib
 	@mkdir -p $(EXAMPLEDIR)

@@ -1,7 +1,14 @@
 /* Echo server: every message (and its immediate) goes back to its sender.
  * Runs until SIGINT or SIGTERM, then prints how much it echoed.
  *
- *   echo_server <ip> <port>
+ *   echo_server <ip> <port> [legacy | legacy-blocking]
+ *
+ * By default it runs in blocking mode and counts every send that does not
+ * return the message's length as a failure. "legacy" echoes exactly as the
+ * legacy library's sample does: in the default (non-blocking) mode, from
+ * the receive callback, ignoring what rdmaConnSend returns; such programs
+ * rely on a send from a callback never being lost. "legacy-blocking" is the
+ * same in blocking mode.
  *
  * Prints "listening on <ip>:<port>" once it accepts, and a line per
  * connection and disconnection. */
@@ -12,6 +19,7 @@
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 static atomic_ullong echoed_bytes;
 static atomic_ullong echoed_messages;
@@ -28,6 +36,12 @@ static void echo(RdmaConn *conn, void *data, size_t len)
     }
     atomic_fetch_add(&echoed_bytes, len);
     atomic_fetch_add(&echoed_messages, 1);
+}
+
+/* The legacy sample's echo: the return value is ignored. */
+static void echo_ignoring_result(RdmaConn *conn, void *data, size_t len)
+{
+    rdmaConnSend(conn, data, len);
 }
 
 static void echo_imm(RdmaConn *conn, uint32_t imm, void *data, size_t len)
@@ -64,8 +78,11 @@ static void *wait_for_signal(void *arg)
 
 int main(int argc, char **argv)
 {
-    if (argc != 3) {
-        fprintf(stderr, "usage: %s <ip> <port>\n", argv[0]);
+    int legacy = argc == 4 && strncmp(argv[3], "legacy", 6) == 0;
+    int blocking = argc == 3 || (legacy && strcmp(argv[3], "legacy-blocking") == 0);
+    if (argc < 3 || argc > 4 || (argc == 4 && !legacy) ||
+        (legacy && !blocking && strcmp(argv[3], "legacy") != 0)) {
+        fprintf(stderr, "usage: %s <ip> <port> [legacy | legacy-blocking]\n", argv[0]);
         return 2;
     }
     sigset_t set;
@@ -74,9 +91,10 @@ int main(int argc, char **argv)
     sigaddset(&set, SIGTERM);
     pthread_sigmask(SIG_BLOCK, &set, NULL); /* runtime threads inherit the mask */
 
-    rdmaCommMode = RDMA_BLOCKING;
+    if (blocking)
+        rdmaCommMode = RDMA_BLOCKING;
     RdmaServerOptions opt = {0};
-    opt.recv_callback = echo;
+    opt.recv_callback = legacy ? echo_ignoring_result : echo;
     opt.connected_callback = on_connected;
     opt.disconnect_callback = on_disconnect;
     if (rdmaServer(&listener, argv[1], atoi(argv[2]), &opt) != RDMA_OK) {

@@ -369,16 +369,22 @@ fn sync_lat(read: bool, iters: usize, size: usize, port: u16) -> f64 {
 
 fn echo_lat(iters: usize, size: usize, port: u16) -> f64 {
     let p = CPair::new(port, Some(echo_back));
+    // SAFETY: the pair keeps the connection live.
+    unsafe { ping_pong(p.conn, iters, size) }
+}
+
+/// Median half round trip of `iters` messages of `size` bytes that a
+/// server echoes back to `conn` (whose receive callback is `count`).
+///
+/// # Safety
+/// `conn` must be a live connection.
+unsafe fn ping_pong(conn: *mut RdmaConn, iters: usize, size: usize) -> f64 {
     let msg = vec![7u8; size];
     let mut lat = Vec::with_capacity(iters);
     for _ in 0..iters {
         let before = RECEIVED.load(Ordering::Acquire);
         let t = Instant::now();
-        // SAFETY: live connection, readable message.
-        assert_eq!(
-            unsafe { rdmaConnSend(p.conn, msg.as_ptr() as *mut _, size) },
-            size
-        );
+        assert_eq!(rdmaConnSend(conn, msg.as_ptr() as *mut _, size), size);
         let deadline = t + Duration::from_secs(10);
         while RECEIVED.load(Ordering::Acquire) == before {
             assert!(Instant::now() < deadline, "the echo was lost");
@@ -411,11 +417,9 @@ fn echo_legacy_lat(iters: usize, size: usize, port: u16) -> f64 {
     rx.recv_timeout(Duration::from_secs(10))
         .expect("the legacy peer listens");
     let ip = CString::new(ip.to_string()).unwrap();
-    let msg = vec![7u8; size];
-    let mut lat = Vec::with_capacity(iters);
     // SAFETY: zeroed options are the C programs' `{0}`; the connection is
-    // live until closed below; the message is readable.
-    unsafe {
+    // live until closed below.
+    let half_rtt = unsafe {
         let mut copt: RdmaConnOptions = std::mem::zeroed();
         copt.recv_callback = Some(count);
         let conn = rdmaConn(&copt);
@@ -423,21 +427,12 @@ fn echo_legacy_lat(iters: usize, size: usize, port: u16) -> f64 {
             rdmaConnect(conn, ip.as_ptr() as *mut _, port as i32),
             RDMA_OK
         );
-        for _ in 0..iters {
-            let before = RECEIVED.load(Ordering::Acquire);
-            let t = Instant::now();
-            assert_eq!(rdmaConnSend(conn, msg.as_ptr() as *mut _, size), size);
-            let deadline = t + Duration::from_secs(10);
-            while RECEIVED.load(Ordering::Acquire) == before {
-                assert!(Instant::now() < deadline, "the echo was lost");
-                std::hint::spin_loop();
-            }
-            lat.push(us(t.elapsed()) / 2.0);
-        }
+        let half_rtt = ping_pong(conn, iters, size);
         rdmaConnClose(conn);
-    }
+        half_rtt
+    };
     server.join().expect("legacy peer thread");
-    median(&mut lat)
+    half_rtt
 }
 
 /// Streams `iters` messages of `size` bytes to a server that only counts;

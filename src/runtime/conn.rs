@@ -1069,17 +1069,24 @@ impl Connection {
     /// Sends queued messages while there is room.
     fn flush_queued(&self) {
         let mut st = self.lock();
+        if let Err(e) = self.post_queued(&mut st) {
+            drop(st);
+            self.fail(&format!("sending a queued message: {e}"));
+        }
+    }
+
+    /// Posts queued messages while there is room, under the state lock.
+    fn post_queued(&self, st: &mut State) -> Result<()> {
         while let Some(q) = st.queue.pop() {
-            match self.try_post_message(&mut st, &q.data, q.ext, None) {
+            match self.try_post_message(st, &q.data, q.ext, None) {
                 Ok(true) => {}
                 Ok(false) => {
                     st.queue.unpop(q);
-                    return;
+                    return Ok(());
                 }
                 Err(e) => {
                     st.queue.unpop(q);
-                    drop(st);
-                    return self.fail(&format!("sending a queued message: {e}"));
+                    return Err(e);
                 }
             }
         }
@@ -1091,6 +1098,7 @@ impl Connection {
                 ep.refused_bytes
             );
         }
+        Ok(())
     }
 
     fn post_message(
@@ -2019,6 +2027,23 @@ impl Connection {
         }
     }
 
+    /// While closing: waits until `done` holds, the connection ends, or
+    /// `deadline`, posting queued messages as room returns (inside a
+    /// callback no completion round would).
+    fn wait_closing(&self, deadline: Instant, done: impl Fn(&State) -> bool) {
+        let mut failed = None;
+        let _ = self.wait_until(deadline, |st| {
+            if let Err(e) = self.post_queued(st) {
+                failed = Some(e);
+                return Some(());
+            }
+            (done(st) || st.state != ConnState::MrReady).then_some(())
+        });
+        if let Some(e) = failed {
+            self.fail(&format!("sending a queued message: {e}"));
+        }
+    }
+
     /// The runtime lets go of an accepted connection that ended (once: a
     /// failure and the peer's disconnect may both get here).
     fn retire(&self) {
@@ -2084,29 +2109,6 @@ impl Connection {
     }
 }
 
-impl Connection {
-    /// While closing: waits until `done` holds, the connection ends, or
-    /// `deadline`, handling completions itself on a callback thread.
-    fn wait_closing(&self, deadline: Instant, done: impl Fn(&State) -> bool) {
-        let on_cq_thread = self.on_callback_thread();
-        loop {
-            self.flush_queued();
-            let st = self.lock();
-            if done(&st) || st.state != ConnState::MrReady || Instant::now() >= deadline {
-                return;
-            }
-            if on_cq_thread {
-                drop(st);
-                if self.drive_inline() == 0 {
-                    std::thread::sleep(Duration::from_micros(20));
-                }
-            } else {
-                drop(self.park(st, deadline));
-            }
-        }
-    }
-}
-
 /// Connection setup crosses the wire several times; each step gets the
 /// configured timeout, and the whole at least a few seconds.
 fn setup_time(opts: &Options) -> Duration {
@@ -2159,7 +2161,6 @@ impl super::poller::Source for CqSource {
             while self.0.poll_round() {}
         }
         self.0.maybe_send_credit(true);
-        self.0.flush_queued();
     }
 }
 

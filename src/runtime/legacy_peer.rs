@@ -40,7 +40,6 @@ pub struct LegacyPeer {
     peer_ring: Option<RemoteRegion>,
     /// Where the next message goes in the peer's ring; only grows.
     tx_offset: usize,
-    sends: u64,
     unsignaled: u64,
 }
 
@@ -103,7 +102,6 @@ impl LegacyPeer {
             cmds,
             peer_ring: None,
             tx_offset: 0,
-            sends: 0,
             unsignaled: 0,
         };
         for slot in 0..RECV_DEPTH as u64 {
@@ -162,7 +160,6 @@ impl LegacyPeer {
         }
         let at = self.tx_offset;
         self.staging.as_mut_slice()[at..at + data.len()].copy_from_slice(data);
-        self.sends += 1;
         self.unsignaled += 1;
         let sge = [self.staging.sge(at..at + data.len())];
         let mut req = SendRequest::new(
@@ -293,11 +290,6 @@ impl LegacyPeer {
         }
         self.post_recv(slot)?;
         Ok(Some(()))
-    }
-
-    /// Messages sent so far.
-    pub fn sends(&self) -> u64 {
-        self.sends
     }
 }
 

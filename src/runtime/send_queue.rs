@@ -71,7 +71,7 @@ fn charge(q: &Queued) -> usize {
 }
 
 /// Bytes a message takes in the peer's ring.
-pub fn ring_len(q: &Queued) -> usize {
+fn ring_len(q: &Queued) -> usize {
     q.data.len()
         + if q.ext.is_some() {
             super::proto::EXT_HEADER_LEN

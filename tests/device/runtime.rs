@@ -354,10 +354,7 @@ fn stopping_a_server_leaves_other_connections_running() {
 #[test]
 #[ignore = "needs an RDMA device: run `make test`"]
 fn a_legacy_peer_gets_the_legacy_protocol_and_no_extension() {
-    use snowrdma::runtime::proto::{Cmd, Opcode, CMD_LEN};
-    use snowrdma::verbs::{
-        AccessFlags, CmEventKind, CmId, ConnParam, QpCaps, SendOp, SendRequest, WcOpcode,
-    };
+    use snowrdma::runtime::legacy_peer::LegacyPeer;
 
     struct EchoAndTryImm(Mutex<Option<String>>);
     impl ConnHandler for EchoAndTryImm {
@@ -377,119 +374,25 @@ fn a_legacy_peer_gets_the_legacy_protocol_and_no_extension() {
     .unwrap();
     server.start();
 
-    let id = CmId::resolve(server.local_addr().unwrap(), None, TIMEOUT).unwrap();
-    let ctx = id.context().unwrap();
-    let pd = ctx.alloc_pd().unwrap();
-    let cq = ctx
-        .create_cq(256, Some(&ctx.create_comp_channel().unwrap()))
+    // Advertises its ring with version 0, reads each message where its
+    // immediate (the offset, no extension bit) says, and fails on any
+    // command the legacy library did not know, CREDIT among them.
+    let mut peer = LegacyPeer::connect(server.local_addr().unwrap(), TIMEOUT).unwrap();
+    assert_eq!(peer.send(b"hello legacy").unwrap(), 12);
+    let mut echoed = Vec::new();
+    let came = peer
+        .recv(Instant::now() + TIMEOUT, &mut |b| {
+            echoed.extend_from_slice(b)
+        })
         .unwrap();
-    let qp = id.create_qp(&pd, &cq, &cq, &QpCaps::default()).unwrap();
-    let ring = pd.allocate(1 << 20, AccessFlags::all()).unwrap();
-    let mut cmds = pd.allocate(64 * CMD_LEN, AccessFlags::LOCAL_WRITE).unwrap();
-    for slot in 0..64 {
-        unsafe {
-            qp.post_recv(
-                slot as u64,
-                &[cmds.sge(slot * CMD_LEN..(slot + 1) * CMD_LEN)],
-            )
-            .unwrap()
-        };
-    }
-    id.connect(&ConnParam::default()).unwrap();
-    id.expect_event(CmEventKind::ESTABLISHED, TIMEOUT).unwrap();
-
-    // Advertise our ring as the legacy library does: version 0.
-    let mut reg = Cmd::new(
-        Opcode::RegLocalAddr,
-        ring.addr(),
-        ring.len() as u32,
-        ring.rkey(),
-    );
-    reg.version = 0;
-    cmds.as_mut_slice()[63 * CMD_LEN..].copy_from_slice(&reg.encode());
-    let sge = cmds.sge(63 * CMD_LEN..);
-    unsafe {
-        qp.post_send(&[SendRequest::new(1000, SendOp::Send, &[sge])])
-            .unwrap()
-    };
-
-    let mut server_ring = None;
-    let mut echoed = false;
-    let deadline = Instant::now() + TIMEOUT;
-    let quiet_until = |t: Instant| t + Duration::from_millis(700);
-    let mut settle = None;
-    while Instant::now() < deadline && settle.is_none_or(|t| Instant::now() < t) {
-        let wc = match cq.wait_one(Duration::from_millis(100)) {
-            Ok(wc) => wc,
-            Err(e) if e.is_timeout() => continue,
-            Err(e) => panic!("{e}"),
-        };
-        match wc.opcode() {
-            WcOpcode::RECV => {
-                let slot = wc.wr_id() as usize;
-                let cmd =
-                    Cmd::decode(&cmds.as_slice()[slot * CMD_LEN..(slot + 1) * CMD_LEN]).unwrap();
-                assert_ne!(
-                    cmd.opcode,
-                    Opcode::Credit,
-                    "a legacy peer was sent a CREDIT"
-                );
-                if cmd.opcode == Opcode::RegLocalAddr {
-                    server_ring = Some((cmd.addr, cmd.key));
-                    // Send one legacy message: WRITE WITH IMM, immediate = offset.
-                    let msg = b"hello legacy";
-                    let staging = pd.allocate(64, AccessFlags::LOCAL_WRITE).unwrap();
-                    let remote = snowrdma::verbs::RemoteAddr {
-                        addr: cmd.addr,
-                        rkey: cmd.key,
-                    };
-                    unsafe {
-                        std::ptr::copy_nonoverlapping(
-                            msg.as_ptr(),
-                            staging.addr() as *mut u8,
-                            msg.len(),
-                        );
-                        qp.post_send(&[SendRequest::new(
-                            1001,
-                            SendOp::WriteWithImm(remote, 0),
-                            &[staging.sge(..msg.len())],
-                        )])
-                        .unwrap();
-                    }
-                    cq.wait_one(TIMEOUT).unwrap();
-                }
-                unsafe {
-                    qp.post_recv(
-                        slot as u64,
-                        &[cmds.sge(slot * CMD_LEN..(slot + 1) * CMD_LEN)],
-                    )
-                    .unwrap()
-                };
-            }
-            WcOpcode::RECV_RDMA_WITH_IMM => {
-                assert_eq!(
-                    wc.imm(),
-                    Some(0),
-                    "the immediate is the byte offset, without the extension bit"
-                );
-                assert_eq!(wc.byte_len(), 12);
-                assert_eq!(&ring.as_slice()[..12], b"hello legacy");
-                echoed = true;
-                settle = Some(quiet_until(Instant::now()));
-                let slot = wc.wr_id() as usize;
-                unsafe {
-                    qp.post_recv(
-                        slot as u64,
-                        &[cmds.sge(slot * CMD_LEN..(slot + 1) * CMD_LEN)],
-                    )
-                    .unwrap()
-                };
-            }
-            _ => {}
-        }
-    }
-    assert!(server_ring.is_some(), "the server advertised its buffer");
-    assert!(echoed, "the echo came back in the legacy format");
+    assert!(came, "the echo came back in the legacy format");
+    assert_eq!(echoed, b"hello legacy");
+    let more = peer
+        .recv(Instant::now() + Duration::from_millis(700), &mut |b| {
+            panic!("{} more bytes", b.len())
+        })
+        .unwrap();
+    assert!(!more, "nothing else, and no CREDIT");
     let refused = seen
         .0
         .lock()
@@ -497,7 +400,6 @@ fn a_legacy_peer_gets_the_legacy_protocol_and_no_extension() {
         .clone()
         .expect("the server tried an immediate");
     assert!(refused.contains("legacy"), "{refused}");
-    id.disconnect().unwrap();
-    drop(qp);
+    drop(peer);
     server.release();
 }

@@ -503,3 +503,48 @@ fn closing_with_queued_messages_sends_them_first() {
     listener.release();
 }
 
+#[test]
+#[ignore = "needs an RDMA device: run `make test`"]
+fn immediates_and_silent_writes_wait_in_the_queue_in_order() {
+    let (listener, receiver, conn) = sleepy_pair(Options {
+        send_queue_bytes: 1 << 20,
+        ..Options::default()
+    });
+    // In turn: a message, one with an immediate, bytes written silently
+    // (`rdmaConnSend`, `rdmaConnSendWithImm`, `rdmaConnWrite`).
+    let mut accepted = 0u32;
+    loop {
+        let m = numbered(accepted);
+        let n = match accepted % 3 {
+            0 => conn.send(&m),
+            1 => conn.send_with_imm(accepted, &m),
+            _ => conn.write_silent(&m),
+        }
+        .unwrap();
+        if n == 0 {
+            break;
+        }
+        assert_eq!(n, 4096);
+        accepted += 1;
+        assert!(accepted < 10_000, "the queue is not bounded");
+    }
+    let stats = conn.send_queue_stats();
+    assert!(stats.queued > 100 && stats.refused == 1, "{stats:?}");
+    receiver.open();
+    let expected: Vec<(Vec<u8>, Option<u32>)> = (0..accepted)
+        .filter(|i| i % 3 != 2)
+        .map(|i| (numbered(i), (i % 3 == 1).then_some(i)))
+        .collect();
+    let got = receiver.wait_for(expected.len());
+    assert_eq!(got.len(), expected.len(), "every message, nothing else");
+    for (i, (g, e)) in got.iter().zip(&expected).enumerate() {
+        assert!(
+            g == e,
+            "delivery {i} differs: imm {:?}, expected {:?}",
+            g.1,
+            e.1
+        );
+    }
+    conn.close();
+    listener.release();
+}

@@ -1,0 +1,383 @@
+//! Completions: polling the CQs, what each completion means, commands from
+//! the peer, and the callbacks they owe, in order.
+
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use crate::runtime::proto::{Cmd, ExtKind, Opcode, CMD_LEN, EXT_HEADER_LEN, IMM_EXTENDED};
+use crate::runtime::ring::RecvRing;
+use crate::verbs::{Completion, RemoteRegion, WcOpcode, WcStatus};
+
+use super::{
+    ConnState, Connection, Deferred, Delivery, KIND_SHIFT, K_CMD, K_DATA, K_READ, K_RECV, K_SYNC,
+    K_WRITE, LOW_MASK, MAX_POLL_BATCH,
+};
+
+impl Connection {
+    /// Polls one CQ once and dispatches what it got; the send CQ under its
+    /// lock. Returns how many completions there were.
+    pub(super) fn poll_cq(&self, send: bool, wcs: &mut [Completion], inline: bool) -> usize {
+        let _guard = send.then(|| self.inner.send_poll.lock().expect("poll lock"));
+        let cq = if send {
+            &self.inner.send_cq
+        } else {
+            &self.inner.recv_cq
+        };
+        let n = match cq.poll(wcs) {
+            Ok(n) => n,
+            Err(e) => {
+                log::error!("polling the CQ failed: {e}");
+                return 0;
+            }
+        };
+        for wc in &wcs[..n] {
+            self.dispatch(wc, inline);
+        }
+        n
+    }
+
+    /// A waiting thread (not the completion thread) takes its own send
+    /// completions when nobody else is polling; callbacks they owe are left
+    /// to the completion thread.
+    pub(super) fn poll_send_here(&self) -> bool {
+        let Ok(_guard) = self.inner.send_poll.try_lock() else {
+            return false;
+        };
+        let mut wcs: [Completion; 4] = Default::default();
+        let n = match self.inner.send_cq.poll(&mut wcs) {
+            Ok(n) => n,
+            Err(_) => return false,
+        };
+        for wc in &wcs[..n] {
+            self.dispatch(wc, false);
+        }
+        n > 0
+    }
+
+    /// Handles this connection's pending completions from inside a callback;
+    /// callbacks are queued to run after the current one returns.
+    pub(super) fn drive_inline(&self) -> usize {
+        let mut wcs: [Completion; 16] = Default::default();
+        let mut handled = 0;
+        loop {
+            let n = self
+                .with_recv_poll(|| self.poll_cq(false, &mut wcs, true))
+                .unwrap_or(0)
+                + self.poll_cq(true, &mut wcs, true);
+            if n == 0 {
+                return handled;
+            }
+            handled += n;
+        }
+    }
+
+    /// Handles everything on both CQs (completion thread, top level), unless
+    /// a caller is polling the connection right now.
+    pub(crate) fn process_completions(&self) {
+        self.take_cq_event();
+        self.with_recv_poll(|| self.drain_and_arm());
+    }
+
+    /// Takes the completion channel's event, if there is one.
+    pub(super) fn take_cq_event(&self) {
+        let channel = self
+            .inner
+            .recv_cq
+            .channel()
+            .expect("connections have a completion channel");
+        if let Err(e) = channel.get_event(Duration::ZERO) {
+            log::error!("completion channel: {e}");
+        }
+        // The event may have been the send CQ's, which disarms it.
+        self.inner.send_armed.store(false, Ordering::SeqCst);
+    }
+
+    pub(super) fn drain_and_arm(&self) {
+        let mut batch: [Completion; MAX_POLL_BATCH] = Default::default();
+        let take = (self.inner.opts.max_concurrent_work_requests as usize).clamp(1, MAX_POLL_BATCH);
+        let wcs = &mut batch[..take];
+        loop {
+            let mut n = self.poll_cq(false, wcs, false) + self.poll_cq(true, wcs, false);
+            if n == 0 {
+                // Callers poll their own connection while they wait and arm
+                // it when they sleep; unwatched, it is looked at every tick.
+                if self.inner.opts.caller_polls && self.inner.sleepers.load(Ordering::SeqCst) == 0 {
+                    self.after_round();
+                    return;
+                }
+                // Arm, then poll once more: a completion that arrived before
+                // arming would otherwise wait for the next one.
+                if self.inner.recv_cq.arm(false).is_err() {
+                    return;
+                }
+                if self.inner.async_pending.load(Ordering::SeqCst) > 0
+                    || self.inner.sleepers.load(Ordering::SeqCst) > 0
+                    || !self.lock().queue.is_empty()
+                {
+                    self.arm_send();
+                }
+                n = self.poll_cq(false, wcs, false) + self.poll_cq(true, wcs, false);
+            }
+            self.after_round();
+            if n == 0 {
+                return;
+            }
+        }
+    }
+
+    pub(super) fn dispatch(&self, wc: &Completion, inline: bool) {
+        let kind = wc.wr_id() >> KIND_SHIFT;
+        let low = wc.wr_id() & LOW_MASK;
+        if !wc.is_ok() {
+            let ending = matches!(self.state(), ConnState::Closed | ConnState::Error)
+                || self.inner.peer_left.load(Ordering::SeqCst);
+            if kind == K_SYNC {
+                let reason = format!("completed with {}", wc.status());
+                if let Some(slot) = self.lock().sync_ops.get_mut(&low) {
+                    *slot = Some(Err(reason));
+                }
+            }
+            if !(ending && wc.status() == WcStatus::WR_FLUSH_ERR) {
+                self.fail(&format!(
+                    "work request {:#x} completed with {}",
+                    wc.wr_id(),
+                    wc.status()
+                ));
+            }
+            self.wake();
+            return;
+        }
+        match kind {
+            K_RECV => {
+                match wc.opcode() {
+                    WcOpcode::RECV => self.handle_cmd(low as u32, wc.byte_len() as usize),
+                    WcOpcode::RECV_RDMA_WITH_IMM => {
+                        self.handle_message(wc.imm().unwrap_or(0), wc.byte_len() as usize, inline)
+                    }
+                    other => log::warn!("unexpected receive completion {other}"),
+                }
+                if !matches!(self.state(), ConnState::Closed | ConnState::Error) {
+                    if let Err(e) = self.post_recv_slot(low as u32) {
+                        self.fail(&format!("reposting a receive: {e}"));
+                    }
+                }
+            }
+            K_DATA => {
+                let mut st = self.lock();
+                st.sq_used = st.sq_used.saturating_sub(low as u32);
+                drop(st);
+                self.wake();
+            }
+            K_CMD => {
+                let mut st = self.lock();
+                st.sq_used -= 1;
+                st.cmd_free.push(low as u16);
+                drop(st);
+                // A closing thread waits for its goodbye to complete.
+                self.wake();
+            }
+            K_WRITE | K_READ => {
+                self.inner.async_pending.fetch_sub(1, Ordering::SeqCst);
+                self.lock().sq_used -= 1;
+                self.wake();
+                let done = if kind == K_WRITE {
+                    Deferred::WriteDone(low as usize)
+                } else {
+                    Deferred::ReadDone(low as usize)
+                };
+                self.callback(done, inline);
+            }
+            K_SYNC => {
+                let mut st = self.lock();
+                st.sq_used -= 1;
+                if let Some(slot) = st.sync_ops.get_mut(&low) {
+                    *slot = Some(Ok(()));
+                }
+                drop(st);
+                self.wake();
+            }
+            _ => log::error!("completion with unknown work request id {:#x}", wc.wr_id()),
+        }
+    }
+
+    pub(super) fn handle_cmd(&self, slot: u32, len: usize) {
+        let off = slot as usize * CMD_LEN;
+        let bytes = &self.inner.cmd_recv.as_slice()[off..off + CMD_LEN];
+        let cmd = match Cmd::decode(&bytes[..len.min(CMD_LEN)]) {
+            Ok(c) => c,
+            Err(e) => return self.fail(&format!("bad command from the peer: {e}")),
+        };
+        match cmd.opcode {
+            Opcode::RegLocalAddr => {
+                let ring = RemoteRegion {
+                    addr: cmd.addr,
+                    len: cmd.length as u64,
+                    rkey: cmd.key,
+                };
+                let first = {
+                    let mut st = self.lock();
+                    st.peer_ring = Some(ring);
+                    st.peer_version = cmd.version;
+                    st.peer_recv_depth = cmd.recv_depth;
+                    // A REG_LOCAL_ADDR restarts the sender at offset 0; our
+                    // staging buffer bounds how much of the peer's ring we use.
+                    st.tx
+                        .reset((cmd.length as usize).min(self.inner.staging.len()));
+                    st.tx_msgs = 0;
+                    st.tx_msgs_acked = 0;
+                    // On the accepting side the peer's advertisement can be
+                    // handled before the CM thread has seen ESTABLISHED.
+                    let first = matches!(st.state, ConnState::Connected | ConnState::Accepting);
+                    if first {
+                        st.state = ConnState::MrReady;
+                        // The peer wraps where its staging buffer ends, when
+                        // that is before the end of our ring (RC delivers
+                        // this before any of its messages).
+                        let own = self.inner.recv_ring.len();
+                        let cap = match cmd.ring_use as usize {
+                            0 => own,
+                            n => n.min(own),
+                        };
+                        st.rx = RecvRing::new(cap);
+                    }
+                    first
+                };
+                self.wake();
+                let h = self.handler();
+                h.peer_buffer(self, ring);
+                if first {
+                    h.state_changed(self, ConnState::MrReady);
+                    h.connected(self);
+                }
+            }
+            Opcode::RegPhysAddr => {
+                self.lock().peer_pa_rkey = Some(cmd.key);
+                log::info!("peer offers physical-address access (rkey {:#x}); PA operations are unavailable here", cmd.key);
+            }
+            Opcode::ConnGoodbye => log::debug!("peer said goodbye"),
+            Opcode::Credit => {
+                let mut st = self.lock();
+                if !st.tx.ack(cmd.addr) {
+                    drop(st);
+                    return self.fail("the peer returned credit it was never given");
+                }
+                let acked = st.tx_msgs_acked;
+                st.tx_msgs_acked = acked + u64::from(cmd.length.wrapping_sub(acked as u32));
+                drop(st);
+                self.wake();
+            }
+        }
+    }
+
+    pub(super) fn handle_message(&self, imm: u32, len: usize, inline: bool) {
+        let delivery = Delivery {
+            offset: (imm & !IMM_EXTENDED) as usize,
+            len,
+            extended: imm & IMM_EXTENDED != 0,
+        };
+        if delivery.offset + len > self.inner.recv_ring.len() {
+            return self.fail(&format!(
+                "the peer wrote {len} bytes at {} outside the ring",
+                delivery.offset
+            ));
+        }
+        self.callback(Deferred::Message(delivery), inline);
+    }
+
+    /// Runs a callback now when this is the completion thread at top level
+    /// and nothing is owed before it; queues it otherwise (in order), and
+    /// wakes the completion thread when another thread queued it.
+    pub(super) fn callback(&self, cb: Deferred, inline: bool) {
+        let on_cq_thread = self.on_callback_thread();
+        {
+            let mut st = self.lock();
+            if inline || !on_cq_thread || !st.deferred.is_empty() {
+                st.deferred.push_back(cb);
+                drop(st);
+                if !on_cq_thread {
+                    self.inner.owed.store(true, Ordering::Release);
+                    self.inner.rt.cq.wake();
+                }
+                return;
+            }
+        }
+        self.run_callback(cb);
+    }
+
+    pub(super) fn run_callback(&self, cb: Deferred) {
+        match cb {
+            Deferred::Message(d) => self.deliver(d),
+            Deferred::WriteDone(len) => self.handler().write_done(self, len),
+            Deferred::ReadDone(len) => self.handler().read_done(self, len),
+        }
+    }
+
+    pub(super) fn deliver_deferred(&self) {
+        loop {
+            let Some(cb) = self.lock().deferred.pop_front() else {
+                return;
+            };
+            self.run_callback(cb);
+        }
+    }
+
+    pub(super) fn deliver(&self, d: Delivery) {
+        {
+            let mut st = self.lock();
+            if !matches!(st.state, ConnState::MrReady | ConnState::Connected) {
+                return;
+            }
+            if !st.rx.accept(d.offset, d.len) {
+                drop(st);
+                return self.fail(&format!(
+                    "the peer wrote {} bytes at {}, out of order",
+                    d.len, d.offset
+                ));
+            }
+            st.rx_msgs += 1;
+        }
+        let bytes = &self.inner.recv_ring.as_slice()[d.offset..d.offset + d.len];
+        let h = self.handler();
+        if !d.extended {
+            return h.recv(self, bytes, None);
+        }
+        match (ExtKind::decode(bytes), bytes.get(EXT_HEADER_LEN..)) {
+            (Some(ExtKind::Silent), _) => {}
+            (Some(ExtKind::WithImm(imm)), Some(payload)) => h.recv(self, payload, Some(imm)),
+            _ => self.fail("the peer sent a malformed extended message"),
+        }
+    }
+
+    /// After completions were handled: owed callbacks, then credit, then
+    /// messages that waited for room.
+    /// Last, a wake, for callers waiting on what a callback did.
+    pub(super) fn after_round(&self) {
+        self.deliver_deferred();
+        self.maybe_send_credit(false);
+        self.flush_queued();
+        if self.inner.peer_left.load(Ordering::SeqCst) {
+            self.finish_peer_left();
+        }
+        self.wake();
+    }
+
+    /// One non-blocking pass over both CQs (a spinning thread): returns
+    /// whether there was anything; drain with `while poll_round() {}`.
+    pub(crate) fn poll_round(&self) -> bool {
+        self.with_recv_poll(|| {
+            // Small: this runs in spin loops, mostly finding nothing, and the
+            // array is zeroed each time.
+            let mut wcs: [Completion; 4] = Default::default();
+            // One pass, not until empty: the caller's loop comes back at
+            // once, and a waiting caller gets to see its reply a pass sooner.
+            let n = self.poll_cq(false, &mut wcs, false) + self.poll_cq(true, &mut wcs, false);
+            // Checked without the state lock: this runs in the spin loop.
+            let owed = self.inner.owed.swap(false, Ordering::AcqRel);
+            if n > 0 || owed {
+                self.after_round();
+            }
+            n > 0
+        })
+        .unwrap_or(false)
+    }
+}

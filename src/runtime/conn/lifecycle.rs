@@ -1,0 +1,221 @@
+//! How a connection ends: a failure, the peer leaving, or a local close.
+
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use crate::runtime::proto::{Cmd, Opcode};
+use crate::verbs::{CmEvent, CmEventKind, Completion};
+
+use super::{ConnKind, ConnState, Connection, State, CMD_SLOTS};
+
+impl Connection {
+    /// The peer disconnected (RDMA CM DISCONNECTED, or its socket closed;
+    /// runtime thread). What it sent before is still in the receive CQ:
+    /// the thread that polls completions delivers that first, then ends the
+    /// connection ([`Connection::finish_peer_left`]).
+    pub(crate) fn peer_left(&self) {
+        if self.inner.peer_left.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        if self.inner.cq_source.load(Ordering::SeqCst) == 0 {
+            // Nobody polls: end it here.
+            return self.peer_disconnected();
+        }
+        self.inner.owed.store(true, Ordering::Release);
+        self.inner.rt.cq.wake();
+        self.wake();
+    }
+
+    /// Delivers every message the peer sent before it left, then ends the
+    /// connection (on the thread holding the receive-poll role).
+    pub(super) fn finish_peer_left(&self) {
+        let mut wcs: [Completion; 16] = Default::default();
+        while self.poll_cq(false, &mut wcs, false) > 0 {}
+        self.deliver_deferred();
+        self.peer_disconnected();
+    }
+
+    /// Ends the connection after a failure: state Error, waiters woken,
+    /// `disconnected` fired once, the peer told.
+    pub(crate) fn fail(&self, reason: &str) {
+        {
+            let mut st = self.lock();
+            if matches!(st.state, ConnState::Closed | ConnState::Error) {
+                return;
+            }
+            log::warn!("connection to {:?} failed: {reason}", self.inner.peer);
+            st.state = ConnState::Error;
+            st.last_errno = libc::ECONNABORTED;
+            for slot in st.sync_ops.values_mut() {
+                slot.get_or_insert_with(|| Err(reason.to_string()));
+            }
+        }
+        self.wake();
+        self.disconnect_link();
+        self.notify_state(ConnState::Error);
+        self.fire_disconnected();
+        // Again, for waiters whose answer the callback gave.
+        self.wake();
+        if self.inner.kind == ConnKind::Accepted {
+            self.retire();
+        }
+    }
+
+    pub(super) fn fire_disconnected(&self) {
+        if !self.inner.closed_locally.load(Ordering::SeqCst)
+            && !self.inner.disconnect_fired.swap(true, Ordering::SeqCst)
+        {
+            self.handler().disconnected(self);
+        }
+    }
+
+    /// Ends the connection after the peer left.
+    pub(super) fn peer_disconnected(&self) {
+        let was = {
+            let mut st = self.lock();
+            let was = st.state;
+            if !matches!(was, ConnState::Closed | ConnState::Error) {
+                st.state = ConnState::Closed;
+            }
+            for slot in st.sync_ops.values_mut() {
+                slot.get_or_insert_with(|| Err("the peer disconnected".into()));
+            }
+            was
+        };
+        self.wake();
+        // Answer, so the peer's own DISCONNECTED arrives.
+        self.disconnect_link();
+        if !matches!(was, ConnState::Closed | ConnState::Error) {
+            self.notify_state(ConnState::Closed);
+            self.fire_disconnected();
+            self.wake();
+        }
+        if self.inner.kind == ConnKind::Accepted {
+            self.retire();
+        }
+    }
+
+    /// An RDMA CM event for this connection (CM thread).
+    pub(crate) fn on_cm_event(&self, ev: &CmEvent) {
+        match ev.kind {
+            CmEventKind::ESTABLISHED => self.established(),
+            CmEventKind::DISCONNECTED => self.peer_left(),
+            CmEventKind::REJECTED
+            | CmEventKind::UNREACHABLE
+            | CmEventKind::CONNECT_ERROR
+            | CmEventKind::DEVICE_REMOVAL => {
+                self.fail(&format!("{} (status {})", ev.kind, ev.status));
+            }
+            _ => log::debug!("RDMA CM event {} on a connection", ev.kind),
+        }
+    }
+
+    /// Stops the runtime's watch over this connection.
+    pub(super) fn unwatch(&self) {
+        let cm = self.inner.cm_source.swap(0, Ordering::SeqCst);
+        if cm != 0 {
+            self.inner.rt.cm.remove(cm);
+        }
+        let cq = self.inner.cq_source.swap(0, Ordering::SeqCst);
+        if cq != 0 {
+            self.inner.rt.cq.remove(cq);
+        }
+    }
+
+    /// Says how much the send queue was used, once the connection ended
+    /// (how often messages found no room is a measure of flow control).
+    pub(super) fn log_queue_use(&self) {
+        let s = self.lock().queue.stats();
+        if s.queued > 0 || s.refused > 0 {
+            log::info!(
+                "connection to {:?}: {} messages waited in the send queue (at most {} bytes at once), {} were refused, {} dropped",
+                self.inner.peer,
+                s.queued,
+                s.peak_bytes,
+                s.refused,
+                s.dropped
+            );
+        }
+    }
+
+    /// While closing: waits until `done` holds, the connection ends, or
+    /// `deadline`, posting queued messages as room returns (inside a
+    /// callback no completion round would).
+    pub(super) fn wait_closing(&self, deadline: Instant, done: impl Fn(&State) -> bool) {
+        let mut failed = None;
+        let _ = self.wait_until(deadline, |st| {
+            if let Err(e) = self.post_queued(st) {
+                failed = Some(e);
+                return Some(());
+            }
+            (done(st) || st.state != ConnState::MrReady).then_some(())
+        });
+        if let Some(e) = failed {
+            self.fail(&format!("sending a queued message: {e}"));
+        }
+    }
+
+    /// The runtime lets go of an accepted connection that ended (once: a
+    /// failure and the peer's disconnect may both get here).
+    pub(super) fn retire(&self) {
+        if self.inner.retired.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        self.log_queue_use();
+        self.unwatch();
+        self.inner.rt.forget_accepted(self);
+        self.handler().retired(self);
+    }
+
+    /// Closes the connection: says goodbye to the peer, disconnects, and
+    /// frees everything once the last handle is gone. No callback fires for a
+    /// local close; a second close does nothing.
+    pub fn close(&self) {
+        if self.inner.closed_locally.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        let deadline = Instant::now() + self.inner.opts.timeout.max(Duration::from_secs(1));
+        // Queued messages were accepted: they go first, while the peer
+        // returns room (bounded by the timeout).
+        self.wait_closing(deadline, |st| st.queue.is_empty());
+        let (was, goodbye) = {
+            let mut st = self.lock();
+            let was = st.state;
+            let goodbye = was == ConnState::MrReady
+                && matches!(
+                    self.post_cmd(&mut st, Cmd::new(Opcode::ConnGoodbye, 0, 0, 0)),
+                    Ok(true)
+                );
+            let (n, bytes) = st.queue.drop_all();
+            if n > 0 {
+                log::warn!(
+                    "connection to {:?} closed with {n} messages ({bytes} bytes) still queued: the peer returned no room in time; they are dropped",
+                    self.inner.peer
+                );
+            }
+            (was, goodbye)
+        };
+        if goodbye {
+            // The goodbye completes after every message before it has
+            // landed: disconnecting earlier could flush them unsent.
+            self.wait_closing(deadline, |st| st.cmd_free.len() == CMD_SLOTS as usize);
+        }
+        {
+            let mut st = self.lock();
+            st.state = ConnState::Closed;
+            for slot in st.sync_ops.values_mut() {
+                slot.get_or_insert_with(|| Err("the connection was closed".into()));
+            }
+        }
+        self.wake();
+        if matches!(was, ConnState::Connected | ConnState::MrReady) || self.socket_link().is_some()
+        {
+            self.disconnect_link();
+        }
+        self.notify_state(ConnState::Closed);
+        self.unwatch();
+        if self.inner.kind == ConnKind::Accepted {
+            self.inner.rt.forget_accepted(self);
+        }
+    }
+}

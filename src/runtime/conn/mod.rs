@@ -1,0 +1,362 @@
+//! One SnowRDMA connection: an RC QP set up through RDMA CM, the receive ring
+//! the peer writes messages into, the staging buffer our messages leave from,
+//! and the command buffers. Completions are handled on the runtime's
+//! completion thread; RDMA CM events on its CM thread.
+
+mod dispatch;
+mod lifecycle;
+mod one_sided;
+mod park;
+mod send;
+mod setup;
+mod sources;
+
+pub use one_sided::PendingReads;
+pub(crate) use setup::warn_no_phys_addr;
+pub(crate) use sources::{CmSource, CqSource};
+
+use std::collections::{HashMap, VecDeque};
+use std::fmt;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, RwLock};
+use std::time::Duration;
+
+use crate::verbs::{
+    self, CmId, CompletionQueue, MemoryRegion, ProtectionDomain, QueuePair, RemoteRegion,
+};
+
+use super::options::Options;
+use super::ring::{RecvRing, SendRing};
+use super::send_queue::SendQueue;
+use super::socket::SocketLink;
+use super::{Result, Runtime};
+
+/// Send-queue depth of every connection.
+const MAX_SEND_WR: u32 = 1024;
+/// Send-queue slots only commands (credits, goodbye) may use, so returning
+/// credit never waits behind data.
+const CMD_RESERVE: u32 = 16;
+/// Command send buffers.
+const CMD_SLOTS: u16 = CMD_RESERVE as u16;
+/// Receives kept free at the peer for its commands.
+const PEER_CMD_RESERVE: u64 = 16;
+/// Completions taken per poll at most (`rdmaMaxConcurrentWorkRequests`
+/// is capped to this). Small: the batch array is zeroed on every wakeup of
+/// the completion thread, and draining loops until the CQ is empty anyway.
+const MAX_POLL_BATCH: usize = 32;
+/// Every this many data writes, one asks for a completion.
+const SIGNAL_EVERY: u32 = 16;
+/// Bound on a sync operation; on expiry the connection is failed so the
+/// device stops touching the caller's buffer.
+const SYNC_OP_TIMEOUT: Duration = Duration::from_secs(30);
+
+// Work request ids: kind in the top byte, a slot, length or op id below.
+const K_RECV: u64 = 1;
+const K_DATA: u64 = 2;
+const K_CMD: u64 = 3;
+const K_WRITE: u64 = 4;
+const K_READ: u64 = 5;
+const K_SYNC: u64 = 6;
+const KIND_SHIFT: u32 = 56;
+const LOW_MASK: u64 = (1 << KIND_SHIFT) - 1;
+
+fn wr_id(kind: u64, low: u64) -> u64 {
+    (kind << KIND_SHIFT) | (low & LOW_MASK)
+}
+
+thread_local! {
+    static THREAD_MARK: u8 = const { 0 };
+}
+
+/// A number unique to the calling thread while it lives (never 0).
+pub(crate) fn thread_token() -> usize {
+    THREAD_MARK.with(|m| m as *const u8 as usize)
+}
+
+/// Connection state, numbered as the legacy `RdmaConnState`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(i32)]
+pub enum ConnState {
+    None = 0,
+    Connecting = 1,
+    Accepting = 2,
+    /// RDMA CM connected; the peer's receive buffer is not known yet.
+    Connected = 3,
+    /// Data can flow.
+    MrReady = 4,
+    Closed = 5,
+    Error = 6,
+}
+
+/// Which side made the connection, numbered as the legacy `ConnectionType`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(i32)]
+pub enum ConnKind {
+    Accepted = 0,
+    Connected = 1,
+}
+
+/// Gives the protection domain connections on a device are built in, so a
+/// server can share memory registered once among all its connections.
+pub type PdProvider = dyn Fn(&verbs::Context) -> Result<ProtectionDomain> + Send + Sync;
+
+/// What a connection tells its owner. Every method has a default that does
+/// nothing. Data callbacks (`recv`, `write_done`, `read_done`) and
+/// `connected` run on the completion thread; `disconnected` runs on whichever
+/// runtime thread noticed (or on the thread whose sync operation failed).
+/// Callbacks may call any connection method, including blocking ones.
+pub trait ConnHandler: Send + Sync {
+    /// Data can flow (the peer's receive buffer is known).
+    fn connected(&self, _conn: &Connection) {}
+    /// A message arrived; `data` is valid only during the call.
+    fn recv(&self, _conn: &Connection, _data: &[u8], _imm: Option<u32>) {}
+    /// An asynchronous RDMA WRITE of `len` bytes completed.
+    fn write_done(&self, _conn: &Connection, _len: usize) {}
+    /// An asynchronous RDMA READ of `len` bytes completed.
+    fn read_done(&self, _conn: &Connection, _len: usize) {}
+    /// The peer went away or an operation failed; called once, never after a
+    /// local `close`.
+    fn disconnected(&self, _conn: &Connection) {}
+    /// The state changed (for mirrors of it, such as the C struct).
+    fn state_changed(&self, _conn: &Connection, _state: ConnState) {}
+    /// The peer advertised its receive buffer.
+    fn peer_buffer(&self, _conn: &Connection, _buf: RemoteRegion) {}
+    /// The runtime let go of an accepted connection after it ended.
+    fn retired(&self, _conn: &Connection) {}
+}
+
+struct NoHandler;
+impl ConnHandler for NoHandler {}
+
+/// A message to hand to the `recv` callback.
+struct Delivery {
+    offset: usize,
+    len: usize,
+    extended: bool,
+}
+
+/// A callback to run on the completion thread.
+enum Deferred {
+    Message(Delivery),
+    WriteDone(usize),
+    ReadDone(usize),
+}
+
+struct State {
+    state: ConnState,
+    peer_ring: Option<RemoteRegion>,
+    peer_version: u8,
+    peer_recv_depth: u32,
+    peer_pa_rkey: Option<u32>,
+    tx: SendRing,
+    tx_msgs: u64,
+    tx_msgs_acked: u64,
+    rx: RecvRing,
+    rx_msgs: u64,
+    sq_used: u32,
+    cmd_free: Vec<u16>,
+    sync_ops: HashMap<u64, Option<std::result::Result<(), String>>>,
+    next_op: u64,
+    /// Callbacks owed, in order: messages that arrived while a callback
+    /// drove the CQ itself, and completions another thread polled.
+    deferred: VecDeque<Deferred>,
+    /// Messages that found no room, waiting in order to be posted.
+    queue: SendQueue,
+    /// A legacy peer's buffer ran out for good (logged once).
+    legacy_exhausted: bool,
+    /// Data writes posted without a completion since the last signaled one.
+    unsignaled_data: u32,
+    rx_msgs_reported: u64,
+    last_errno: i32,
+}
+
+/// How a connection was set up, and so how its end is noticed.
+pub(crate) enum Link {
+    /// RDMA CM: events arrive on the id's channel.
+    Cm(CmId),
+    /// Socket mode: QP information went over TCP; the TCP connection's end
+    /// is the connection's end.
+    Socket(SocketLink),
+}
+
+pub(crate) struct ConnInner {
+    rt: Arc<Runtime>,
+    link: Link,
+    qp: QueuePair,
+    send_cq: CompletionQueue,
+    recv_cq: CompletionQueue,
+    /// Serialises polling of the send CQ, which a thread waiting for its
+    /// sync operation may do itself instead of waiting for a wakeup.
+    send_poll: Mutex<()>,
+    /// Serialises polling of the receive CQ and the callbacks that runs, so
+    /// messages are delivered one at a time and in order whichever thread
+    /// polls (the completion thread, or a caller with `caller_polls`).
+    recv_poll: Mutex<()>,
+    /// The thread holding `recv_poll` ([`thread_token`]), 0 when none.
+    recv_poller: AtomicUsize,
+    /// Async READs/WRITEs in flight, whose completions owe a callback. The
+    /// send CQ is armed only while there are some (or someone sleeps on a
+    /// send completion): sync operations' waiters poll it themselves, and
+    /// waking the completion thread for them would cost more than the wait.
+    async_pending: AtomicUsize,
+    /// Whether the send CQ may be armed (cleared at each channel event).
+    send_armed: AtomicBool,
+    pd: ProtectionDomain,
+    recv_ring: MemoryRegion,
+    staging: MemoryRegion,
+    cmd_recv: MemoryRegion,
+    cmd_send: MemoryRegion,
+    opts: Options,
+    kind: ConnKind,
+    peer: Option<SocketAddr>,
+    handler: RwLock<Arc<dyn ConnHandler>>,
+    st: Mutex<State>,
+    /// Sleeping waiters wait on `cond` under `sleep_lock` (not the state
+    /// lock, so a wake never has to take that).
+    cond: Condvar,
+    sleep_lock: Mutex<()>,
+    /// Threads asleep on `cond`: a wake makes no system call when there are
+    /// none, which is almost always.
+    sleepers: AtomicUsize,
+    /// Bumped at every wake, so spinning waiters see changes without the lock.
+    wakeups: AtomicU64,
+    /// Another thread queued callbacks for the completion thread.
+    owed: AtomicBool,
+    user_mrs: Mutex<HashMap<usize, MemoryRegion>>,
+    disconnect_fired: AtomicBool,
+    closed_locally: AtomicBool,
+    /// The peer disconnected; the thread that polls completions finishes
+    /// delivering what arrived before, then ends the connection.
+    peer_left: AtomicBool,
+    /// The runtime let go of the connection (at most once).
+    retired: AtomicBool,
+    cm_source: AtomicU64,
+    cq_source: AtomicU64,
+}
+
+/// A SnowRDMA connection. Cheap to clone; all clones are the same
+/// connection.
+#[derive(Clone)]
+pub struct Connection {
+    pub(crate) inner: Arc<ConnInner>,
+}
+
+impl fmt::Debug for Connection {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Connection")
+            .field("peer", &self.inner.peer)
+            .field("kind", &self.inner.kind)
+            .field("state", &self.state())
+            .finish()
+    }
+}
+
+/// A handle that does not keep the connection alive.
+#[derive(Clone)]
+pub struct WeakConnection(std::sync::Weak<ConnInner>);
+
+impl WeakConnection {
+    pub fn upgrade(&self) -> Option<Connection> {
+        self.0.upgrade().map(|inner| Connection { inner })
+    }
+}
+
+impl PartialEq for Connection {
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.inner, &other.inner)
+    }
+}
+
+impl Connection {
+    /// A number that identifies this connection while it lives.
+    pub fn id(&self) -> usize {
+        Arc::as_ptr(&self.inner) as usize
+    }
+
+    pub fn downgrade(&self) -> WeakConnection {
+        WeakConnection(Arc::downgrade(&self.inner))
+    }
+
+    /// Replaces the handler (callbacks already running finish with the old).
+    pub fn set_handler(&self, handler: Arc<dyn ConnHandler>) {
+        *self.inner.handler.write().expect("handler lock") = handler;
+    }
+
+    fn handler(&self) -> Arc<dyn ConnHandler> {
+        self.inner.handler.read().expect("handler lock").clone()
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.inner.st.lock().expect("connection lock")
+    }
+
+    pub fn state(&self) -> ConnState {
+        self.lock().state
+    }
+
+    pub fn kind(&self) -> ConnKind {
+        self.inner.kind
+    }
+
+    /// The peer's address.
+    pub fn peer_addr(&self) -> Option<SocketAddr> {
+        self.inner.peer
+    }
+
+    pub fn options(&self) -> &Options {
+        &self.inner.opts
+    }
+
+    /// The RDMA CM id (`None` in socket mode).
+    pub fn cm_id(&self) -> Option<&CmId> {
+        match &self.inner.link {
+            Link::Cm(id) => Some(id),
+            Link::Socket(_) => None,
+        }
+    }
+
+    pub fn pd(&self) -> &ProtectionDomain {
+        &self.inner.pd
+    }
+
+    /// The receive CQ (messages and commands arrive here).
+    pub fn recv_cq(&self) -> &CompletionQueue {
+        &self.inner.recv_cq
+    }
+
+    /// Our receive ring (peers write messages into it).
+    pub fn recv_ring(&self) -> &MemoryRegion {
+        &self.inner.recv_ring
+    }
+
+    /// The staging buffer our messages are copied into before they leave.
+    pub fn staging(&self) -> &MemoryRegion {
+        &self.inner.staging
+    }
+
+    /// The receive buffers of commands.
+    pub fn cmd_buffers(&self) -> &MemoryRegion {
+        &self.inner.cmd_recv
+    }
+
+    /// The peer's receive buffer, once advertised.
+    pub fn peer_buffer(&self) -> Option<RemoteRegion> {
+        self.lock().peer_ring
+    }
+
+    /// The errno of the last failure on this connection (0: none).
+    pub fn last_errno(&self) -> i32 {
+        self.lock().last_errno
+    }
+
+    fn set_state(&self, state: ConnState) {
+        self.lock().state = state;
+        self.wake();
+        self.notify_state(state);
+    }
+
+    fn notify_state(&self, state: ConnState) {
+        self.handler().state_changed(self, state);
+    }
+}

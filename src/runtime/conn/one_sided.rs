@@ -1,0 +1,353 @@
+//! One-sided operations: the caller's registered buffers, async and sync
+//! RDMA READ and WRITE.
+
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use crate::runtime::{Error, Result};
+use crate::verbs::{AccessFlags, RemoteAddr, SendOp, SendRequest, Sge};
+
+use super::{
+    wr_id, ConnState, Connection, CMD_RESERVE, K_READ, K_SYNC, K_WRITE, MAX_SEND_WR,
+    SYNC_OP_TIMEOUT,
+};
+
+/// READs posted by [`Connection::start_reads`], waited for in posting
+/// order; dropping it waits for the rest, so the device is done with the
+/// buffers before anyone else can use them.
+pub struct PendingReads<'a> {
+    conn: &'a Connection,
+    first: u64,
+    /// Operation ids below this are waited for.
+    done: u64,
+    end: u64,
+}
+
+impl PendingReads<'_> {
+    /// Waits for the READs up to the `i`-th (from 0; past the last: all).
+    /// An error if one of them failed (which also ends the connection).
+    pub fn wait_through(&mut self, i: usize) -> Result<()> {
+        let upto = self
+            .end
+            .min(self.first.saturating_add(i as u64).saturating_add(1));
+        if upto <= self.done {
+            return Ok(());
+        }
+        let ids = self.done..upto;
+        self.done = upto;
+        self.conn.wait_sync_ops(ids)
+    }
+}
+
+impl Drop for PendingReads<'_> {
+    fn drop(&mut self) {
+        // Errors were (or will be) reported to whoever waited; here only the
+        // buffers' release matters.
+        let _ = self.wait_through(usize::MAX);
+    }
+}
+
+impl Connection {
+    /// The lkey of the buffer registered on this connection (by
+    /// [`Connection::register`]) that holds `[addr, addr+len)`.
+    pub fn registered_lkey(&self, addr: u64, len: usize) -> Option<u32> {
+        let mrs = self.inner.user_mrs.lock().expect("mr lock");
+        mrs.values()
+            .find(|mr| addr >= mr.addr() && addr + len as u64 <= mr.addr() + mr.len() as u64)
+            .map(|mr| mr.lkey())
+    }
+
+    /// Registers a zeroed buffer of `size` bytes for local write and remote
+    /// read/write on this connection; it lives until [`Connection::deregister`]
+    /// or the connection's end.
+    pub fn register(&self, size: usize) -> Result<*mut rdma_sys::ibv_mr> {
+        let access =
+            AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_READ;
+        let mr = self.inner.pd.allocate(size, access)?;
+        let raw = mr.as_raw();
+        self.inner
+            .user_mrs
+            .lock()
+            .expect("mr lock")
+            .insert(raw as usize, mr);
+        Ok(raw)
+    }
+
+    /// Deregisters and frees a buffer from [`Connection::register`]; false
+    /// when `mr` is not one of this connection's.
+    pub fn deregister(&self, mr: *mut rdma_sys::ibv_mr) -> bool {
+        self.inner
+            .user_mrs
+            .lock()
+            .expect("mr lock")
+            .remove(&(mr as usize))
+            .is_some()
+    }
+
+    /// Checks that `[addr, addr+len)` lies in a buffer registered on this
+    /// connection under `lkey`.
+    pub(super) fn check_local(&self, addr: u64, lkey: u32, len: u32) -> Result<Sge> {
+        let mrs = self.inner.user_mrs.lock().expect("mr lock");
+        let own = [&self.inner.recv_ring, &self.inner.staging];
+        let found = mrs.values().chain(own).find(|mr| mr.lkey() == lkey);
+        match found {
+            None => Err(Error::InvalidArgument(format!(
+                "lkey {lkey:#x} is not a buffer registered on this connection (rdmaConnRegMem)"
+            ))),
+            Some(mr) if addr < mr.addr() || addr + len as u64 > mr.addr() + mr.len() as u64 => {
+                Err(Error::InvalidArgument(format!(
+                    "{len} bytes at {addr:#x} are outside the registered buffer of lkey {lkey:#x}"
+                )))
+            }
+            Some(_) => Ok(Sge {
+                addr,
+                length: len,
+                lkey,
+            }),
+        }
+    }
+
+    /// Posts one-sided READs or WRITEs with one doorbell; returns the op id
+    /// of the first for sync waits (the others follow it in order). Async
+    /// posts are one at a time.
+    pub(super) fn post_one_sided(
+        &self,
+        read: bool,
+        ops: &[(Sge, RemoteAddr)],
+        sync: bool,
+    ) -> Result<u64> {
+        let n = ops.len() as u32;
+        if ops.iter().any(|(local, _)| local.length == 0) {
+            return Err(Error::InvalidArgument("length 0".into()));
+        }
+        debug_assert!(sync || n == 1);
+        if n > MAX_SEND_WR / 2 {
+            return Err(Error::InvalidArgument(format!(
+                "{n} operations at once (at most {})",
+                MAX_SEND_WR / 2
+            )));
+        }
+        let deadline = Instant::now() + self.inner.opts.timeout.max(Duration::from_secs(1));
+        let mut st = self
+            .wait_until(deadline, |st| match st.state {
+                ConnState::Closed | ConnState::Error => Some(Err(Error::Disconnected)),
+                ConnState::Connected | ConnState::MrReady
+                    if st.sq_used + n <= MAX_SEND_WR - CMD_RESERVE =>
+                {
+                    Some(Ok(()))
+                }
+                ConnState::Connected | ConnState::MrReady => None,
+                _ => Some(Err(Error::NotConnected)),
+            })
+            .and_then(|room| room)
+            .map(|()| self.lock())?;
+        let first = st.next_op;
+        let ids: Vec<u64> = if sync {
+            st.next_op += u64::from(n);
+            (first..first + u64::from(n))
+                .map(|id| {
+                    st.sync_ops.insert(id, None);
+                    wr_id(K_SYNC, id)
+                })
+                .collect()
+        } else {
+            // Armed before posting, so the completion raises an event.
+            self.inner.async_pending.fetch_add(1, Ordering::SeqCst);
+            self.arm_send();
+            vec![wr_id(
+                if read { K_READ } else { K_WRITE },
+                ops[0].0.length as u64,
+            )]
+        };
+        let sges: Vec<[Sge; 1]> = ops.iter().map(|(local, _)| [*local]).collect();
+        let reqs: Vec<SendRequest> = ops
+            .iter()
+            .zip(&sges)
+            .zip(&ids)
+            .map(|(((_, remote), sge), &id)| {
+                let op = if read {
+                    SendOp::Read(*remote)
+                } else {
+                    SendOp::Write(*remote)
+                };
+                SendRequest::new(id, op, sge)
+            })
+            .collect();
+        // SAFETY: the caller's buffers were checked to be registered here;
+        // the C contract (and `read`/`write`'s docs) leave them to the device
+        // until the completion.
+        let posted = unsafe { self.inner.qp.post_send(&reqs) };
+        if let Err(e) = posted {
+            if n > 1 {
+                // A prefix of the list may be posted, and its completions
+                // still come: only the connection's end is safe.
+                drop(st);
+                self.fail(&format!("posting one-sided operations: {e}"));
+            } else if sync {
+                st.sync_ops.remove(&first);
+            } else {
+                self.inner.async_pending.fetch_sub(1, Ordering::SeqCst);
+            }
+            return Err(e.into());
+        }
+        st.sq_used += n;
+        Ok(first)
+    }
+
+    /// Starts an RDMA READ of `len` bytes from `remote` into a buffer
+    /// registered on this connection; `read_done` fires on completion.
+    ///
+    /// # Safety
+    /// The local range must not be read or freed until `read_done`.
+    pub unsafe fn read(
+        &self,
+        local_addr: u64,
+        lkey: u32,
+        remote: RemoteAddr,
+        len: u32,
+    ) -> Result<usize> {
+        self.one_sided_async(true, local_addr, lkey, remote, len)
+    }
+
+    /// Starts an RDMA WRITE; `write_done` fires on completion.
+    ///
+    /// # Safety
+    /// The local range must not be changed or freed until `write_done`.
+    pub unsafe fn write(
+        &self,
+        local_addr: u64,
+        lkey: u32,
+        remote: RemoteAddr,
+        len: u32,
+    ) -> Result<usize> {
+        self.one_sided_async(false, local_addr, lkey, remote, len)
+    }
+
+    pub(super) fn one_sided_async(
+        &self,
+        read: bool,
+        local_addr: u64,
+        lkey: u32,
+        remote: RemoteAddr,
+        len: u32,
+    ) -> Result<usize> {
+        let sge = self.check_local(local_addr, lkey, len)?;
+        self.post_one_sided(read, &[(sge, remote)], false)
+            .map(|_| len as usize)
+    }
+
+    /// RDMA READ that returns once its own completion arrived (an error if
+    /// it failed, which also ends the connection).
+    pub fn read_sync(
+        &self,
+        local_addr: u64,
+        lkey: u32,
+        remote: RemoteAddr,
+        len: u32,
+    ) -> Result<usize> {
+        self.one_sided_sync(true, local_addr, lkey, remote, len)
+    }
+
+    /// Several RDMA READs into one registered buffer (`lkey`), posted with
+    /// one doorbell so they are in flight together; returns once all have
+    /// completed. `ops`: (local address, remote, length) each. An error if
+    /// any failed (which also ends the connection).
+    pub fn read_sync_many(&self, lkey: u32, ops: &[(u64, RemoteAddr, u32)]) -> Result<()> {
+        // SAFETY: waited for before returning (and the guard is not leaked).
+        unsafe { self.start_reads(lkey, ops)? }.wait_through(usize::MAX)
+    }
+
+    /// Posts RDMA READs as [`Connection::read_sync_many`] does (one
+    /// doorbell) and returns without waiting; the guard waits for them one
+    /// by one, in order, so the first values can be used while the rest are
+    /// still in flight.
+    ///
+    /// # Safety
+    /// The local ranges belong to the device until their READ has been
+    /// waited for. The guard waits for all of them when dropped; it must not
+    /// be leaked (`mem::forget`).
+    pub unsafe fn start_reads(
+        &self,
+        lkey: u32,
+        ops: &[(u64, RemoteAddr, u32)],
+    ) -> Result<PendingReads<'_>> {
+        let checked = ops
+            .iter()
+            .map(|&(local, remote, len)| Ok((self.check_local(local, lkey, len)?, remote)))
+            .collect::<Result<Vec<_>>>()?;
+        let first = if checked.is_empty() {
+            0
+        } else {
+            self.post_one_sided(true, &checked, true)?
+        };
+        Ok(PendingReads {
+            conn: self,
+            first,
+            done: first,
+            end: first + checked.len() as u64,
+        })
+    }
+
+    /// RDMA WRITE that returns once its own completion arrived.
+    pub fn write_sync(
+        &self,
+        local_addr: u64,
+        lkey: u32,
+        remote: RemoteAddr,
+        len: u32,
+    ) -> Result<usize> {
+        self.one_sided_sync(false, local_addr, lkey, remote, len)
+    }
+
+    pub(super) fn one_sided_sync(
+        &self,
+        read: bool,
+        local_addr: u64,
+        lkey: u32,
+        remote: RemoteAddr,
+        len: u32,
+    ) -> Result<usize> {
+        let sge = self.check_local(local_addr, lkey, len)?;
+        self.sync_ops(read, &[(sge, remote)]).map(|()| len as usize)
+    }
+
+    pub(super) fn sync_ops(&self, read: bool, ops: &[(Sge, RemoteAddr)]) -> Result<()> {
+        let first = self.post_one_sided(read, ops, true)?;
+        self.wait_sync_ops(first..first + ops.len() as u64)
+    }
+
+    /// Waits for the synchronous operations `ids` and forgets them.
+    pub(super) fn wait_sync_ops(&self, ids: std::ops::Range<u64>) -> Result<()> {
+        let result = self.wait_until(Instant::now() + SYNC_OP_TIMEOUT, |st| {
+            let mut outcome = Ok(());
+            for id in ids.clone() {
+                match st.sync_ops.get(&id) {
+                    Some(Some(Err(reason))) => outcome = outcome.and(Err(reason.clone())),
+                    Some(Some(Ok(()))) => {}
+                    Some(None) => return None,
+                    None => return Some(Err("the connection closed".to_string())),
+                }
+            }
+            for id in ids.clone() {
+                st.sync_ops.remove(&id);
+            }
+            Some(outcome)
+        });
+        match result {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(reason)) => Err(Error::OperationFailed(reason)),
+            Err(e) => {
+                let mut st = self.lock();
+                for id in ids {
+                    st.sync_ops.remove(&id);
+                }
+                drop(st);
+                if matches!(e, Error::Timeout(_)) {
+                    // Stop the device from touching the buffers any later.
+                    self.fail("a synchronous operation timed out");
+                }
+                Err(e)
+            }
+        }
+    }
+}

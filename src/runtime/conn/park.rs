@@ -1,0 +1,182 @@
+//! Waiting on a connection: waking waiters, spinning then sleeping, and
+//! waits that drive the connection's completions themselves inside a
+//! callback (where nobody else would).
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{MutexGuard, TryLockError};
+use std::time::{Duration, Instant};
+
+use crate::runtime::{Error, Result};
+
+use super::{thread_token, Connection, State};
+
+impl Connection {
+    /// Wakes every thread waiting on this connection.
+    pub(super) fn wake(&self) {
+        self.inner.wakeups.fetch_add(1, Ordering::SeqCst);
+        if self.inner.sleepers.load(Ordering::SeqCst) > 0 {
+            // Under the sleep lock: a sleeper checks `wakeups` under it, so
+            // it has either seen this wake or is already waiting.
+            let _guard = self.inner.sleep_lock.lock().expect("sleep lock");
+            self.inner.cond.notify_all();
+        }
+    }
+
+    /// Releases the lock until something changes or `deadline`: spins
+    /// first (`Options::spin`), since completions usually come sooner than a
+    /// sleeping thread can be woken, then sleeps in short bounded waits.
+    pub(super) fn park<'a>(
+        &'a self,
+        st: MutexGuard<'a, State>,
+        deadline: Instant,
+    ) -> MutexGuard<'a, State> {
+        let seen = self.inner.wakeups.load(Ordering::SeqCst);
+        drop(st);
+        let caller_polls = self.inner.opts.caller_polls;
+        let spin_until = Instant::now() + self.inner.opts.spin;
+        while Instant::now() < spin_until.min(deadline) {
+            // A caller-polled connection's round covers the send CQ too.
+            let polled = if caller_polls {
+                self.poll_round()
+            } else {
+                self.poll_send_here()
+            };
+            if polled || self.inner.wakeups.load(Ordering::SeqCst) != seen {
+                return self.lock();
+            }
+            std::hint::spin_loop();
+        }
+        self.sleep(seen, deadline);
+        self.lock()
+    }
+
+    /// Sleeps until a wake after the one numbered `seen`, or `deadline`, or
+    /// 10 ms. With `caller_polls` the CQs are armed first, since a sleeping
+    /// caller leaves its completions to the completion thread.
+    pub(super) fn sleep(&self, seen: u64, deadline: Instant) {
+        self.inner.sleepers.fetch_add(1, Ordering::SeqCst);
+        self.arm_send();
+        if self.inner.opts.caller_polls && self.inner.recv_cq.arm(false).is_err() {
+            log::warn!("arming the receive CQ failed; waiting in 10 ms steps");
+        }
+        // Completions that came before arming raise no event.
+        if self.inner.opts.caller_polls {
+            while self.poll_round() {}
+        } else {
+            self.poll_send_here();
+        }
+        let guard = self.inner.sleep_lock.lock().expect("sleep lock");
+        if self.inner.wakeups.load(Ordering::SeqCst) == seen {
+            let left = deadline
+                .saturating_duration_since(Instant::now())
+                .min(Duration::from_millis(10));
+            drop(
+                self.inner
+                    .cond
+                    .wait_timeout(guard, left)
+                    .expect("sleep lock"),
+            );
+        }
+        self.inner.sleepers.fetch_sub(1, Ordering::SeqCst);
+    }
+
+    /// Waits until `done` returns true (then true) or `deadline` passes (then
+    /// false), for a caller whose answer a callback brings, such as the reply
+    /// to its request. With [`Options::caller_polls`] the caller polls the
+    /// connection itself meanwhile and may run callbacks (see there).
+    pub fn wait_for(&self, deadline: Instant, mut done: impl FnMut() -> bool) -> bool {
+        let spin = self.inner.opts.spin;
+        let mut spin_until = Instant::now() + spin;
+        loop {
+            // Read before `done`, so a wake in between is not slept through.
+            let seen = self.inner.wakeups.load(Ordering::SeqCst);
+            if done() {
+                return true;
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return false;
+            }
+            if now < spin_until {
+                if self.inner.opts.caller_polls {
+                    self.poll_round();
+                }
+                std::hint::spin_loop();
+                continue;
+            }
+            self.sleep(seen, deadline);
+            spin_until = Instant::now() + spin;
+        }
+    }
+
+    /// Arms the send CQ unless it already is.
+    pub(super) fn arm_send(&self) {
+        if !self.inner.send_armed.swap(true, Ordering::SeqCst)
+            && self.inner.send_cq.arm(false).is_err()
+        {
+            self.inner.send_armed.store(false, Ordering::SeqCst);
+            log::warn!("arming the send CQ failed; its completions wait for the next tick");
+        }
+    }
+
+    /// Runs `f` holding the receive-poll role: at once when this thread
+    /// already holds it, `None` when another thread does.
+    pub(super) fn with_recv_poll<R>(&self, f: impl FnOnce() -> R) -> Option<R> {
+        struct Release<'a>(&'a AtomicUsize);
+        impl Drop for Release<'_> {
+            fn drop(&mut self) {
+                self.0.store(0, Ordering::Release);
+            }
+        }
+        let me = thread_token();
+        if self.inner.recv_poller.load(Ordering::Acquire) == me {
+            return Some(f());
+        }
+        let _guard = match self.inner.recv_poll.try_lock() {
+            Ok(g) => g,
+            // A callback panicked while polling: the lock itself is sound.
+            Err(TryLockError::Poisoned(p)) => p.into_inner(),
+            Err(TryLockError::WouldBlock) => return None,
+        };
+        self.inner.recv_poller.store(me, Ordering::Release);
+        let _release = Release(&self.inner.recv_poller);
+        Some(f())
+    }
+
+    /// Whether callbacks of this connection run on this thread: the
+    /// completion thread, or a caller polling it.
+    pub(super) fn on_callback_thread(&self) -> bool {
+        self.inner.rt.cq.is_current()
+            || self.inner.recv_poller.load(Ordering::Acquire) == thread_token()
+    }
+
+    /// Waits until `check` gives a value. On the completion thread (inside a
+    /// callback) it handles this connection's completions itself, since
+    /// nobody else will.
+    pub(super) fn wait_until<T>(
+        &self,
+        deadline: Instant,
+        mut check: impl FnMut(&mut State) -> Option<T>,
+    ) -> Result<T> {
+        let on_cq_thread = self.on_callback_thread();
+        loop {
+            {
+                let mut st = self.lock();
+                if let Some(v) = check(&mut st) {
+                    return Ok(v);
+                }
+                let now = Instant::now();
+                if now >= deadline {
+                    return Err(Error::Timeout("waiting on the connection".into()));
+                }
+                if !on_cq_thread {
+                    drop(self.park(st, deadline));
+                    continue;
+                }
+            }
+            if self.drive_inline() == 0 {
+                std::thread::sleep(Duration::from_micros(20));
+            }
+        }
+    }
+}

@@ -1,0 +1,409 @@
+//! The send path: messages into the peer's ring (RDMA WRITE WITH IMM from
+//! the staging buffer), commands, the send queue for messages that find no
+//! room, and the credit this side returns.
+
+use std::sync::MutexGuard;
+use std::time::{Duration, Instant};
+
+use crate::runtime::options::CommMode;
+use crate::runtime::proto::{Cmd, ExtKind, Opcode, CMD_LEN, EXT_HEADER_LEN, IMM_EXTENDED};
+use crate::runtime::send_queue::{Push, SendQueueStats};
+use crate::runtime::{Error, Result};
+use crate::verbs::{MemoryRegion, RemoteAddr, SendOp, SendRequest, Sge};
+
+use super::{
+    wr_id, ConnState, Connection, State, CMD_RESERVE, K_CMD, K_DATA, MAX_SEND_WR, PEER_CMD_RESERVE,
+    SIGNAL_EVERY,
+};
+
+impl Connection {
+    /// Copies `bytes` into one of our own registered buffers at `offset`.
+    ///
+    /// # Safety
+    /// The range must be inside `mr` and no posted operation may be reading
+    /// it; callers hold the state lock, which owns staging and command slots.
+    pub(super) unsafe fn copy_into(mr: &MemoryRegion, offset: usize, bytes: &[u8]) {
+        debug_assert!(offset + bytes.len() <= mr.len());
+        let dst =
+            std::slice::from_raw_parts_mut((mr.addr() as usize + offset) as *mut u8, bytes.len());
+        crate::copy::copy(dst, bytes);
+    }
+
+    /// Posts a command if a slot and send-queue room are free.
+    pub(super) fn post_cmd(&self, st: &mut State, cmd: Cmd) -> Result<bool> {
+        if st.sq_used >= MAX_SEND_WR {
+            return Ok(false);
+        }
+        let Some(slot) = st.cmd_free.pop() else {
+            return Ok(false);
+        };
+        let off = slot as usize * CMD_LEN;
+        // SAFETY: the slot is free (its previous send completed); we hold the lock.
+        unsafe { Self::copy_into(&self.inner.cmd_send, off, &cmd.encode()) };
+        let sge = self.inner.cmd_send.sge(off..off + CMD_LEN);
+        // SAFETY: the slot stays untouched until the send completes.
+        let posted = unsafe {
+            self.inner.qp.post_send(&[SendRequest::new(
+                wr_id(K_CMD, slot as u64),
+                SendOp::Send,
+                &[sge],
+            )])
+        };
+        match posted {
+            Ok(()) => {
+                st.sq_used += 1;
+                Ok(true)
+            }
+            Err(e) => {
+                st.cmd_free.push(slot);
+                Err(e.into())
+            }
+        }
+    }
+
+    /// Sends a message: the peer's `recv` callback gets exactly these bytes,
+    /// whole, in order, once. Returns the bytes accepted. A message that
+    /// finds no room in the peer's ring now is copied into the connection's
+    /// send queue and posted, in order, as room returns; in blocking mode
+    /// outside callbacks the call first waits for room, up to the timeout.
+    /// 0 when the send queue is full ([`Options::send_queue_bytes`]), in
+    /// blocking mode when the wait timed out, and when a legacy peer's
+    /// buffer is used up for good (legacy peers never return space).
+    pub fn send(&self, data: &[u8]) -> Result<usize> {
+        self.send_message(data, None, None)
+    }
+
+    /// RDMA WRITEs `len` bytes from a buffer registered on this connection to
+    /// `remote`, then sends `data` as [`Connection::send`] does, both with
+    /// one doorbell. The peer has the written bytes when it gets the message
+    /// (same queue pair, in order). The write owes no callback and takes no
+    /// completion of its own; if it fails, the connection ends.
+    ///
+    /// # Safety
+    /// The local range must stay unchanged until the peer has the message
+    /// (for a request, until its reply).
+    pub unsafe fn write_then_send(
+        &self,
+        local_addr: u64,
+        lkey: u32,
+        remote: RemoteAddr,
+        len: u32,
+        data: &[u8],
+    ) -> Result<usize> {
+        if len == 0 {
+            return Err(Error::InvalidArgument("length 0".into()));
+        }
+        let sge = self.check_local(local_addr, lkey, len)?;
+        self.send_message(data, None, Some((sge, remote)))
+    }
+
+    /// Sends a message that also delivers `imm` to the peer's `recv`
+    /// callback. Needs a snowrdma peer (legacy peers cannot receive it).
+    pub fn send_with_imm(&self, imm: u32, data: &[u8]) -> Result<usize> {
+        self.send_message(data, Some(ExtKind::WithImm(imm)), None)
+    }
+
+    /// Writes `data` into the peer's receive buffer without notifying it
+    /// (`rdmaConnWrite`); `write_done` fires when the write completes.
+    pub fn write_silent(&self, data: &[u8]) -> Result<usize> {
+        let legacy = self.lock().peer_version < 1;
+        // A legacy peer's buffer is written as the legacy library did; ours
+        // is told to skip the bytes so its ring stays in step.
+        self.send_message(
+            data,
+            if legacy { None } else { Some(ExtKind::Silent) },
+            None,
+        )
+        .inspect(|&n| {
+            if n > 0 {
+                self.handler().write_done(self, n);
+            }
+        })
+    }
+
+    /// Sends a message, after a one-sided write (`before`) when given.
+    pub(super) fn send_message(
+        &self,
+        data: &[u8],
+        ext: Option<ExtKind>,
+        before: Option<(Sge, RemoteAddr)>,
+    ) -> Result<usize> {
+        if data.is_empty() {
+            return Err(Error::InvalidArgument("a message cannot be empty".into()));
+        }
+        let blocking = self.inner.opts.comm_mode == CommMode::Blocking;
+        let on_cq_thread = self.on_callback_thread();
+        let deadline = Instant::now() + self.inner.opts.timeout.max(Duration::from_secs(1));
+        let mut st = self.lock();
+        loop {
+            self.check_sendable(&st, data.len(), ext)?;
+            // Queued messages go first, so order holds.
+            if st.queue.is_empty() {
+                match self.try_post_message(&mut st, data, ext, before) {
+                    Ok(true) => return Ok(data.len()),
+                    Ok(false) => {}
+                    Err(e) => {
+                        if before.is_some() {
+                            // The write may be posted without the message:
+                            // the send queue's accounting no longer holds.
+                            drop(st);
+                            self.fail(&format!("posting a write and a message: {e}"));
+                        }
+                        return Err(e);
+                    }
+                }
+            }
+            // Blocking mode waits for room, except inside a callback, where
+            // nobody else would hand room back.
+            let waits = blocking && !on_cq_thread;
+            if waits && Instant::now() < deadline {
+                st = self.park(st, deadline);
+                continue;
+            }
+            // A write ahead of the message reads the caller's buffer, which
+            // is theirs again once we return: it cannot wait in the queue.
+            if waits || before.is_some() {
+                return Ok(0);
+            }
+            return Ok(self.enqueue(st, data, ext, on_cq_thread));
+        }
+    }
+
+    /// Queues a message that found no room; returns the bytes accepted (0
+    /// when the queue is full or a legacy peer's buffer is used up).
+    pub(super) fn enqueue(
+        &self,
+        mut st: MutexGuard<'_, State>,
+        data: &[u8],
+        ext: Option<ExtKind>,
+        on_cq_thread: bool,
+    ) -> usize {
+        // A legacy peer never returns space: once what is sent and queued
+        // fills its buffer, nothing more will ever fit (the legacy contract:
+        // 0, for good).
+        if st.peer_version < 1
+            && st.tx.in_flight() as usize + st.queue.payload_bytes() + data.len() > st.tx.capacity()
+        {
+            if !std::mem::replace(&mut st.legacy_exhausted, true) {
+                log::warn!(
+                    "connection to {:?}: the legacy peer's {} byte buffer is used up; sends return 0 from now on",
+                    self.inner.peer,
+                    st.tx.capacity()
+                );
+            }
+            return 0;
+        }
+        match st.queue.push(data, ext) {
+            Push::Queued => {}
+            Push::Refused { first } => {
+                if first {
+                    log::warn!(
+                        "connection to {:?}: the send queue is full ({} messages, bound {} bytes); \
+                         refusing messages until it drains",
+                        self.inner.peer,
+                        st.queue.len(),
+                        self.inner.opts.send_queue_bytes
+                    );
+                }
+                return 0;
+            }
+        }
+        drop(st);
+        if !on_cq_thread {
+            // The room may come from a send completion, which raises an
+            // event only when the send CQ is armed; one that came before
+            // arming is taken here.
+            self.arm_send();
+            if self.poll_send_here() {
+                self.flush_queued();
+            }
+        }
+        data.len()
+    }
+
+    /// The send queue's counts (messages that waited, were refused, or were
+    /// dropped at the end).
+    pub fn send_queue_stats(&self) -> SendQueueStats {
+        self.lock().queue.stats()
+    }
+
+    pub(super) fn check_sendable(
+        &self,
+        st: &State,
+        len: usize,
+        ext: Option<ExtKind>,
+    ) -> Result<()> {
+        match st.state {
+            ConnState::MrReady => {}
+            ConnState::Closed | ConnState::Error => return Err(Error::Disconnected),
+            _ => return Err(Error::NotConnected),
+        }
+        if ext.is_some() && st.peer_version < 1 {
+            return Err(Error::Unsupported(
+                "the peer runs the legacy library, which cannot receive immediates".into(),
+            ));
+        }
+        let header = if ext.is_some() { EXT_HEADER_LEN } else { 0 };
+        let cap = st.tx.capacity();
+        if len + header > cap {
+            return Err(Error::TooLarge {
+                len,
+                max: cap.saturating_sub(header),
+            });
+        }
+        Ok(())
+    }
+
+    /// Posts the message (after the write `before`) if the peer's ring, its
+    /// receive queue and our send queue all have room; false when one of
+    /// them is full.
+    pub(super) fn try_post_message(
+        &self,
+        st: &mut State,
+        data: &[u8],
+        ext: Option<ExtKind>,
+        before: Option<(Sge, RemoteAddr)>,
+    ) -> Result<bool> {
+        let total = data.len() + if ext.is_some() { EXT_HEADER_LEN } else { 0 };
+        let msgs_ok = st.peer_version < 1
+            || st.tx_msgs - st.tx_msgs_acked
+                < u64::from(st.peer_recv_depth).saturating_sub(PEER_CMD_RESERVE);
+        let wrs = 1 + u32::from(before.is_some());
+        if st.sq_used + wrs > MAX_SEND_WR - CMD_RESERVE || !msgs_ok {
+            return Ok(false);
+        }
+        match st.tx.reserve(total) {
+            Some(offset) => self
+                .post_message(st, offset, data, ext, before)
+                .map(|()| true),
+            None => Ok(false),
+        }
+    }
+
+    /// Sends queued messages while there is room.
+    pub(super) fn flush_queued(&self) {
+        let mut st = self.lock();
+        if let Err(e) = self.post_queued(&mut st) {
+            drop(st);
+            self.fail(&format!("sending a queued message: {e}"));
+        }
+    }
+
+    /// Posts queued messages while there is room, under the state lock.
+    pub(super) fn post_queued(&self, st: &mut State) -> Result<()> {
+        while let Some(q) = st.queue.pop() {
+            match self.try_post_message(st, &q.data, q.ext, None) {
+                Ok(true) => {}
+                Ok(false) => {
+                    st.queue.unpop(q);
+                    return Ok(());
+                }
+                Err(e) => {
+                    st.queue.unpop(q);
+                    return Err(e);
+                }
+            }
+        }
+        if let Some(ep) = st.queue.end_episode() {
+            log::warn!(
+                "connection to {:?}: the send queue drained; {} messages ({} bytes) were refused while it was full",
+                self.inner.peer,
+                ep.refused,
+                ep.refused_bytes
+            );
+        }
+        Ok(())
+    }
+
+    pub(super) fn post_message(
+        &self,
+        st: &mut State,
+        offset: usize,
+        data: &[u8],
+        ext: Option<ExtKind>,
+        before: Option<(Sge, RemoteAddr)>,
+    ) -> Result<()> {
+        let peer = st.peer_ring.ok_or(Error::NotConnected)?;
+        let mut len = data.len();
+        // SAFETY: [offset, offset+total) was just reserved, so no in-flight
+        // write reads it; we hold the state lock.
+        unsafe {
+            match ext {
+                Some(kind) => {
+                    Self::copy_into(&self.inner.staging, offset, &kind.encode());
+                    Self::copy_into(&self.inner.staging, offset + EXT_HEADER_LEN, data);
+                    len += EXT_HEADER_LEN;
+                }
+                None => Self::copy_into(&self.inner.staging, offset, data),
+            }
+        }
+        let imm = offset as u32 | if ext.is_some() { IMM_EXTENDED } else { 0 };
+        let sge = self.inner.staging.sge(offset..offset + len);
+        let op = SendOp::WriteWithImm(peer.at(offset as u64), imm);
+        // Only every SIGNAL_EVERY-th message asks for a completion; it
+        // accounts for the unsignaled requests before it (completions are in
+        // order), which saves the completion thread most of the work. A
+        // write ahead of the message is one of those.
+        let wrs = 1 + u32::from(before.is_some());
+        let covered = st.unsignaled_data + wrs;
+        let sges = [sge];
+        let mut req = SendRequest::new(wr_id(K_DATA, covered as u64), op, &sges);
+        let signal = covered >= SIGNAL_EVERY || st.sq_used + wrs >= MAX_SEND_WR - CMD_RESERVE;
+        if !signal {
+            req = req.unsignaled();
+        }
+        // Inline, the device takes the bytes with the work request instead of
+        // fetching them through the staging registration.
+        if len <= self.inner.opts.max_inline_data as usize {
+            req = req.inline();
+        }
+        match before {
+            Some((local, remote)) => {
+                let local = [local];
+                let write =
+                    SendRequest::new(wr_id(K_DATA, 0), SendOp::Write(remote), &local).unsignaled();
+                // SAFETY: the caller keeps the written range unchanged until
+                // the peer has the message; the staging range stays reserved
+                // until the peer returns it, after this write has landed.
+                unsafe { self.inner.qp.post_send(&[write, req])? }
+            }
+            // SAFETY: the staging range stays reserved until the peer
+            // returns it, which is after this write has landed.
+            None => unsafe { self.inner.qp.post_send(&[req])? },
+        }
+        st.unsignaled_data = if signal { 0 } else { covered };
+        st.sq_used += wrs;
+        st.tx_msgs += 1;
+        Ok(())
+    }
+
+    /// Returns consumed ring space to the peer once an eighth of the ring or
+    /// of the receive queue is waiting, or whatever is waiting when `force`d
+    /// (every tick of the completion thread), so a sender never waits longer
+    /// than a tick while one credit message covers many messages.
+    pub(super) fn maybe_send_credit(&self, force: bool) {
+        let mut st = self.lock();
+        if st.peer_version < 1 || st.state != ConnState::MrReady {
+            return;
+        }
+        let unreported = st.rx.unreported();
+        let unreported_msgs = st.rx_msgs - st.rx_msgs_reported;
+        let enough = unreported >= self.inner.recv_ring.len() as u64 / 8
+            || unreported_msgs >= u64::from(self.inner.opts.recv_depth / 8).max(1);
+        if unreported == 0 || !(force || enough) {
+            return;
+        }
+        // No free slot: a command completion will free one, and a later
+        // round sends the credit (still unreported until then).
+        if st.cmd_free.is_empty() || st.sq_used >= MAX_SEND_WR {
+            return;
+        }
+        let consumed = st.rx.take_report();
+        st.rx_msgs_reported = st.rx_msgs;
+        let cmd = Cmd::new(Opcode::Credit, consumed, st.rx_msgs as u32, 0);
+        if let Err(e) = self.post_cmd(&mut st, cmd) {
+            drop(st);
+            self.fail(&format!("returning credit: {e}"));
+        }
+    }
+}

@@ -1,0 +1,339 @@
+//! Setting a connection up: its QP, buffers and posted receives, connecting
+//! (RDMA CM or socket mode), and advertising the receive ring.
+
+use std::collections::{HashMap, VecDeque};
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, RwLock};
+use std::time::{Duration, Instant};
+
+use crate::runtime::options::Options;
+use crate::runtime::proto::{Cmd, Opcode, CMD_LEN};
+use crate::runtime::ring::{RecvRing, SendRing};
+use crate::runtime::send_queue::SendQueue;
+use crate::runtime::socket::{handshake, SocketLink, SocketWatch};
+use crate::runtime::{runtime, Error, Result, Runtime};
+use crate::verbs::{
+    AccessFlags, CmEventKind, CmId, ConnParam, Context, PreparedQp, QpCaps, QpOptions,
+};
+
+use super::{
+    wr_id, CmSource, ConnHandler, ConnInner, ConnKind, ConnState, Connection, CqSource, Link,
+    NoHandler, PdProvider, State, CMD_SLOTS, K_RECV, MAX_SEND_WR, PEER_CMD_RESERVE,
+};
+
+impl Connection {
+    /// Builds the QP, buffers and posted receives on the link's device, in
+    /// the protection domain `pds` gives for that device (a fresh one
+    /// without). A socket-mode QP comes back still to be connected.
+    pub(crate) fn build(
+        rt: Arc<Runtime>,
+        link: Link,
+        opts: &Options,
+        kind: ConnKind,
+        pds: Option<&PdProvider>,
+    ) -> Result<(Connection, Option<PreparedQp>)> {
+        let ctx = match &link {
+            Link::Cm(id) => id
+                .context()
+                .ok_or_else(|| Error::InvalidArgument("the RDMA CM id has no device".into()))?,
+            Link::Socket(s) => s.ctx.clone(),
+        };
+        let pd = match pds {
+            Some(provide) => provide(&ctx)?,
+            None => ctx.alloc_pd()?,
+        };
+        let channel = ctx.create_comp_channel()?;
+        let recv_depth = opts.recv_depth.max(2 * PEER_CMD_RESERVE as u32);
+        let send_cq = ctx.create_cq(MAX_SEND_WR + 16, Some(&channel))?;
+        let recv_cq = ctx.create_cq(recv_depth + 16, Some(&channel))?;
+        let caps = QpCaps {
+            max_send_wr: MAX_SEND_WR,
+            max_recv_wr: recv_depth,
+            max_send_sge: 1,
+            max_recv_sge: 1,
+            max_inline_data: opts.max_inline_data,
+        };
+        let (qp, prepared) = match &link {
+            Link::Cm(id) => (id.create_qp(&pd, &send_cq, &recv_cq, &caps)?, None),
+            Link::Socket(_) => {
+                let qp_opts = QpOptions {
+                    caps,
+                    retry_cnt: opts.retry_count.min(7),
+                    ..QpOptions::default()
+                };
+                let prepared = pd.create_rc_qp(&send_cq, &recv_cq, &qp_opts)?;
+                (prepared.queue_pair().clone(), Some(prepared))
+            }
+        };
+        let peer = match &link {
+            Link::Cm(id) => id.peer_addr(),
+            Link::Socket(s) => Some(s.peer),
+        };
+        let remote =
+            AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_READ;
+        let recv_ring = pd.allocate(opts.recv_buf_len, remote)?;
+        let staging = pd.allocate(opts.recv_buf_len, AccessFlags::LOCAL_WRITE)?;
+        let cmd_recv = pd.allocate(recv_depth as usize * CMD_LEN, AccessFlags::LOCAL_WRITE)?;
+        let cmd_send = pd.allocate(CMD_SLOTS as usize * CMD_LEN, AccessFlags::LOCAL_WRITE)?;
+        if opts.enable_phys_addr_access {
+            warn_no_phys_addr();
+        }
+        let state = if kind == ConnKind::Connected {
+            ConnState::Connecting
+        } else {
+            ConnState::Accepting
+        };
+        let conn = Connection {
+            inner: Arc::new(ConnInner {
+                rt,
+                peer,
+                link,
+                qp,
+                send_cq,
+                recv_cq,
+                send_poll: Mutex::new(()),
+                recv_poll: Mutex::new(()),
+                recv_poller: AtomicUsize::new(0),
+                async_pending: AtomicUsize::new(0),
+                send_armed: AtomicBool::new(false),
+                pd,
+                recv_ring,
+                staging,
+                cmd_recv,
+                cmd_send,
+                opts: opts.clone(),
+                kind,
+                handler: RwLock::new(Arc::new(NoHandler)),
+                st: Mutex::new(State {
+                    state,
+                    peer_ring: None,
+                    peer_version: 0,
+                    peer_recv_depth: 0,
+                    peer_pa_rkey: None,
+                    tx: SendRing::default(),
+                    tx_msgs: 0,
+                    tx_msgs_acked: 0,
+                    rx: RecvRing::new(opts.recv_buf_len),
+                    rx_msgs: 0,
+                    sq_used: 0,
+                    cmd_free: (0..CMD_SLOTS).collect(),
+                    sync_ops: HashMap::new(),
+                    next_op: 1,
+                    deferred: VecDeque::new(),
+                    queue: SendQueue::new(opts.send_queue_bytes),
+                    legacy_exhausted: false,
+                    unsignaled_data: 0,
+                    rx_msgs_reported: 0,
+                    last_errno: 0,
+                }),
+                cond: Condvar::new(),
+                sleep_lock: Mutex::new(()),
+                sleepers: AtomicUsize::new(0),
+                wakeups: AtomicU64::new(0),
+                owed: AtomicBool::new(false),
+                user_mrs: Mutex::new(HashMap::new()),
+                disconnect_fired: AtomicBool::new(false),
+                closed_locally: AtomicBool::new(false),
+                peer_left: AtomicBool::new(false),
+                retired: AtomicBool::new(false),
+                cm_source: AtomicU64::new(0),
+                cq_source: AtomicU64::new(0),
+            }),
+        };
+        for slot in 0..recv_depth {
+            conn.post_recv_slot(slot)?;
+        }
+        Ok((conn, prepared))
+    }
+
+    /// Connects to a SnowRDMA server at `addr`; returns once data can flow.
+    /// Fails with an error when the server rejects, is unreachable, or does
+    /// not answer within `opts.timeout` per step.
+    pub fn connect(
+        addr: SocketAddr,
+        opts: &Options,
+        handler: Arc<dyn ConnHandler>,
+    ) -> Result<Connection> {
+        let rt = runtime()?;
+        let id = CmId::resolve(addr, None, opts.timeout)?;
+        let (conn, _) =
+            Connection::build(rt, Link::Cm(id.clone()), opts, ConnKind::Connected, None)?;
+        conn.set_handler(handler);
+        conn.notify_state(ConnState::Connecting);
+        id.connect(&conn.conn_param())?;
+        let setup = setup_time(opts);
+        if let Err(e) = id.expect_event(CmEventKind::ESTABLISHED, setup) {
+            conn.set_state(ConnState::Error);
+            return Err(e.into());
+        }
+        conn.finish_connect(Arc::new(CmSource::Client(conn.clone())), setup)
+    }
+
+    /// Connects in socket mode: QP information goes over a TCP connection to
+    /// `addr` (a socket-mode listener); the QP is on `device` (a name, or the
+    /// first device, `SNOWRDMA_DEVICE`). Returns once data can flow.
+    pub fn connect_socket(
+        addr: SocketAddr,
+        device: Option<&str>,
+        opts: &Options,
+        handler: Arc<dyn ConnHandler>,
+    ) -> Result<Connection> {
+        let rt = runtime()?;
+        let setup = setup_time(opts);
+        let stream = std::net::TcpStream::connect_timeout(&addr, setup)
+            .map_err(|e| Error::Socket(format!("connecting to {addr}: {e}")))?;
+        let _ = stream.set_nodelay(true);
+        let link = SocketLink {
+            stream: stream
+                .try_clone()
+                .map_err(|e| Error::Socket(format!("duplicating the socket: {e}")))?,
+            peer: addr,
+            ctx: Context::open(device)?,
+        };
+        let (conn, prepared) =
+            Connection::build(rt, Link::Socket(link), opts, ConnKind::Connected, None)?;
+        conn.set_handler(handler);
+        conn.notify_state(ConnState::Connecting);
+        let prepared = prepared.expect("socket-mode connections come back prepared");
+        if let Err(e) = handshake(&stream, prepared, setup) {
+            conn.set_state(ConnState::Error);
+            return Err(e);
+        }
+        conn.finish_connect(Arc::new(SocketWatch(conn.clone())), setup)
+    }
+
+    /// The common end of connecting: watch the link for its end, take
+    /// completions, advertise our ring and wait for the peer's.
+    pub(super) fn finish_connect(
+        &self,
+        watch: Arc<dyn crate::runtime::poller::Source>,
+        setup: Duration,
+    ) -> Result<Connection> {
+        self.set_state(ConnState::Connected);
+        let cm_key = self.inner.rt.cm.add(watch);
+        self.inner.cm_source.store(cm_key, Ordering::SeqCst);
+        self.start_completions();
+        self.send_reg_local_addr()?;
+        let waited = self.wait_until(Instant::now() + setup, |st| match st.state {
+            ConnState::MrReady => Some(Ok(())),
+            ConnState::Closed | ConnState::Error => Some(Err(Error::Disconnected)),
+            _ => None,
+        });
+        if let Err(e) = waited {
+            self.close();
+            return Err(e);
+        }
+        Ok(self.clone())
+    }
+
+    /// An accepted socket-mode connection whose QP is connected: watch its
+    /// socket and start as RDMA CM's ESTABLISHED would (CM thread).
+    pub(crate) fn socket_accepted(&self) {
+        let key = self.inner.rt.cm.add(Arc::new(SocketWatch(self.clone())));
+        self.inner.cm_source.store(key, Ordering::SeqCst);
+        self.start_completions();
+        self.established();
+    }
+
+    pub(crate) fn socket_link(&self) -> Option<&SocketLink> {
+        match &self.inner.link {
+            Link::Socket(s) => Some(s),
+            Link::Cm(_) => None,
+        }
+    }
+
+    /// Tells the peer we are going (RDMA CM disconnect, or the socket shut).
+    pub(super) fn disconnect_link(&self) {
+        match &self.inner.link {
+            Link::Cm(id) => {
+                let _ = id.disconnect();
+            }
+            Link::Socket(s) => s.shutdown(),
+        }
+    }
+
+    pub(crate) fn conn_param(&self) -> ConnParam {
+        let rd = match self.inner.opts.max_outstanding_rd_atomic {
+            0 => u8::MAX, // capped to the device's maximum by the verbs layer
+            n => n.min(255) as u8,
+        };
+        ConnParam {
+            responder_resources: rd,
+            initiator_depth: rd,
+            retry_count: self.inner.opts.retry_count,
+            rnr_retry_count: self.inner.opts.rnr_retry_count,
+            private_data: Vec::new(),
+        }
+    }
+
+    pub(crate) fn start_completions(&self) {
+        let key = self.inner.rt.cq.add(Arc::new(CqSource(self.clone())));
+        self.inner.cq_source.store(key, Ordering::SeqCst);
+    }
+
+    pub(super) fn post_recv_slot(&self, slot: u32) -> Result<()> {
+        let sge = self
+            .inner
+            .cmd_recv
+            .sge(slot as usize * CMD_LEN..(slot as usize + 1) * CMD_LEN);
+        // SAFETY: the slot is only read after its receive completes and is
+        // reposted only after that; the MR lives as long as the QP.
+        unsafe {
+            self.inner
+                .qp
+                .post_recv(wr_id(K_RECV, slot as u64), &[sge])?
+        };
+        Ok(())
+    }
+
+    pub(super) fn send_reg_local_addr(&self) -> Result<()> {
+        let ring = self.inner.recv_ring.remote();
+        let mut cmd = Cmd::new(Opcode::RegLocalAddr, ring.addr, ring.len as u32, ring.rkey);
+        cmd.recv_depth = self.inner.opts.recv_depth.max(2 * PEER_CMD_RESERVE as u32);
+        cmd.ring_use = self.inner.staging.len() as u32;
+        let mut st = self.lock();
+        if !self.post_cmd(&mut st, cmd)? {
+            return Err(Error::InvalidArgument(
+                "no room to advertise the receive buffer".into(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// The QPs are connected: an accepted connection moves on, and each
+    /// side advertises its ring.
+    pub(super) fn established(&self) {
+        let upgraded = {
+            let mut st = self.lock();
+            let accepting = st.state == ConnState::Accepting;
+            if accepting {
+                st.state = ConnState::Connected;
+            }
+            accepting
+        };
+        if upgraded {
+            self.notify_state(ConnState::Connected);
+        }
+        if let Err(e) = self.send_reg_local_addr() {
+            self.fail(&format!("advertising the receive buffer: {e}"));
+        }
+    }
+}
+
+/// Connection setup crosses the wire several times; each step gets the
+/// configured timeout, and the whole at least a few seconds.
+fn setup_time(opts: &Options) -> Duration {
+    (opts.timeout * 4).max(Duration::from_secs(5))
+}
+
+/// Logs once per process that physical-address access is unavailable.
+pub(crate) fn warn_no_phys_addr() {
+    static WARNED: std::sync::Once = std::sync::Once::new();
+    WARNED.call_once(|| {
+        log::warn!(
+            "physical-address access needs MLNX_OFED experimental verbs (ibv_exp_reg_mr), which this \
+             rdma-core stack lacks: PA operations will fail with RDMA_ERR"
+        )
+    });
+}

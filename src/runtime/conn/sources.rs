@@ -1,0 +1,89 @@
+//! What the runtime's threads watch: a connection's completion channel, and
+//! RDMA CM event channels.
+
+use std::time::Duration;
+
+use crate::verbs::{self};
+
+use super::Connection;
+
+/// The completion channel of one connection, watched by the completion thread.
+pub(crate) struct CqSource(pub(crate) Connection);
+
+impl crate::runtime::poller::Source for CqSource {
+    fn fd(&self) -> std::os::fd::RawFd {
+        self.0.inner.recv_cq.channel().map_or(-1, |c| c.fd())
+    }
+
+    fn ready(&self) {
+        self.0.process_completions();
+    }
+
+    fn poll_once(&self) -> bool {
+        // A caller-polled connection is left to its waiters (both polling one
+        // CQ would only fight over its lock); sleeping ones arm it.
+        !self.0.inner.opts.caller_polls && self.0.poll_round()
+    }
+
+    fn woken(&self) -> bool {
+        if self.0.inner.opts.caller_polls {
+            self.ready();
+            return false;
+        }
+        // The spinning thread polls it from now on: no re-arming.
+        self.0.take_cq_event();
+        self.0.poll_round();
+        true
+    }
+
+    fn tick(&self) {
+        if self.0.inner.opts.caller_polls {
+            // Nobody may be waiting on it: what came meanwhile is handled now.
+            while self.0.poll_round() {}
+        }
+        self.0.maybe_send_credit(true);
+    }
+}
+
+/// RDMA CM event sources: a client connection's own channel, or a listener's
+/// (which also carries its accepted connections' events).
+pub(crate) enum CmSource {
+    Client(Connection),
+    Listener(crate::runtime::listener::Listener),
+}
+
+impl crate::runtime::poller::Source for CmSource {
+    fn fd(&self) -> std::os::fd::RawFd {
+        match self {
+            CmSource::Client(c) => c.cm_id().map_or(-1, |id| id.channel().fd()),
+            CmSource::Listener(l) => l.fd(),
+        }
+    }
+
+    fn ready(&self) {
+        let channel = match self {
+            CmSource::Client(c) => match c.cm_id() {
+                Some(id) => id.channel().clone(),
+                None => return,
+            },
+            CmSource::Listener(l) => match l.cm_id() {
+                Some(id) => id.channel().clone(),
+                None => return l.accept_sockets(),
+            },
+        };
+        loop {
+            let ev = match channel.get_event(Duration::ZERO) {
+                Ok(ev) => ev,
+                Err(verbs::Error::Timeout { .. }) => return,
+                Err(e) => {
+                    log::error!("RDMA CM event channel: {e}");
+                    return;
+                }
+            };
+            match self {
+                CmSource::Client(c) => c.on_cm_event(&ev),
+                CmSource::Listener(l) => l.on_cm_event(ev),
+            }
+        }
+    }
+}

@@ -1,0 +1,208 @@
+//! The cases through the public C API: sync one-sided operations, echoes
+//! (against our server and against a legacy-protocol peer), streaming.
+
+use std::ffi::{c_void, CString};
+use std::net::{IpAddr, SocketAddr};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use snowrdma::ffi::rdma::*;
+use snowrdma::runtime::legacy_peer::LegacyPeer;
+use snowrdma::verbs::Context;
+
+use super::{median, us};
+
+static RECEIVED: AtomicU64 = AtomicU64::new(0);
+static RECEIVED_BYTES: AtomicU64 = AtomicU64::new(0);
+
+unsafe extern "C" fn echo_back(conn: *mut RdmaConnFwd, data: *mut c_void, len: usize) {
+    rdmaConnSend(conn.cast(), data, len);
+}
+
+unsafe extern "C" fn count(_conn: *mut RdmaConnFwd, _data: *mut c_void, len: usize) {
+    RECEIVED.fetch_add(1, Ordering::Release);
+    RECEIVED_BYTES.fetch_add(len as u64, Ordering::Release);
+}
+
+/// An in-process server and a connected client through the public C API.
+struct CPair {
+    listener: *mut RdmaListener,
+    conn: *mut RdmaConn,
+    server: Option<std::thread::JoinHandle<()>>,
+}
+
+impl CPair {
+    fn new(port: u16, server_recv: RdmaRecvCallbackFunc) -> CPair {
+        let ip = Context::open(None)
+            .unwrap()
+            .ipv4_address(1)
+            .unwrap()
+            .expect("an IPv4 address");
+        let ip = CString::new(ip.to_string()).unwrap();
+        // SAFETY: zeroed options are the C programs' `{0}`.
+        unsafe {
+            rdmaCommMode = RdmaCommMode::RDMA_BLOCKING;
+            let mut opt: RdmaServerOptions = std::mem::zeroed();
+            opt.recv_callback = server_recv;
+            let mut listener = std::ptr::null_mut();
+            assert_eq!(
+                rdmaServer(&mut listener, ip.as_ptr(), port as i32, &opt),
+                RDMA_OK
+            );
+            let l = listener as usize;
+            let server = std::thread::spawn(move || {
+                rdmaServerStart(l as *mut RdmaListener);
+            });
+            let mut copt: RdmaConnOptions = std::mem::zeroed();
+            copt.recv_callback = Some(count);
+            let conn = rdmaConn(&copt);
+            std::thread::sleep(Duration::from_millis(50));
+            assert_eq!(
+                rdmaConnect(conn, ip.as_ptr() as *mut _, port as i32),
+                RDMA_OK
+            );
+            CPair {
+                listener,
+                conn,
+                server: Some(server),
+            }
+        }
+    }
+}
+
+impl Drop for CPair {
+    fn drop(&mut self) {
+        // SAFETY: handles from CPair::new.
+        unsafe {
+            rdmaConnClose(self.conn);
+            rdmaServerStop(self.listener);
+            if let Some(t) = self.server.take() {
+                let _ = t.join();
+            }
+            rdmaServerRelease(self.listener);
+        }
+    }
+}
+
+pub(crate) fn sync_lat(read: bool, iters: usize, size: usize, port: u16) -> f64 {
+    let p = CPair::new(port, None);
+    // SAFETY: the connection is live; the MR is ours.
+    unsafe {
+        let mr = rdmaConnRegMem(p.conn, size.max(64));
+        let (local, lkey) = ((*mr).addr as u64, (*mr).lkey);
+        let (remote, rkey) = ((*p.conn).tx_addr as u64, (*p.conn).tx_key);
+        let mut lat = Vec::with_capacity(iters);
+        for _ in 0..iters {
+            let t = Instant::now();
+            let r = if read {
+                rdmaSyncReadSignaled(p.conn, local, lkey, remote, rkey, size as u32)
+            } else {
+                rdmaSyncWriteSignaled(p.conn, local, lkey, remote, rkey, size as u32)
+            };
+            assert_eq!(r, size as i32);
+            lat.push(us(t.elapsed()));
+        }
+        rdmaConnDeregMem(p.conn, mr);
+        median(&mut lat)
+    }
+}
+
+pub(crate) fn echo_lat(iters: usize, size: usize, port: u16) -> f64 {
+    let p = CPair::new(port, Some(echo_back));
+    // SAFETY: the pair keeps the connection live.
+    unsafe { ping_pong(p.conn, iters, size) }
+}
+
+/// Median half round trip of `iters` messages of `size` bytes that a
+/// server echoes back to `conn` (whose receive callback is `count`).
+///
+/// # Safety
+/// `conn` must be a live connection.
+unsafe fn ping_pong(conn: *mut RdmaConn, iters: usize, size: usize) -> f64 {
+    let msg = vec![7u8; size];
+    let mut lat = Vec::with_capacity(iters);
+    for _ in 0..iters {
+        let before = RECEIVED.load(Ordering::Acquire);
+        let t = Instant::now();
+        assert_eq!(rdmaConnSend(conn, msg.as_ptr() as *mut _, size), size);
+        let deadline = t + Duration::from_secs(10);
+        while RECEIVED.load(Ordering::Acquire) == before {
+            assert!(Instant::now() < deadline, "the echo was lost");
+            std::hint::spin_loop();
+        }
+        lat.push(us(t.elapsed()) / 2.0);
+    }
+    median(&mut lat)
+}
+
+/// As [`echo_lat`], against a version-0 echo server on raw verbs (the
+/// wire as a legacy SnowRDMA server speaks it) in a thread of its own.
+pub(crate) fn echo_legacy_lat(iters: usize, size: usize, port: u16) -> f64 {
+    let ip = Context::open(None)
+        .unwrap()
+        .ipv4_address(1)
+        .unwrap()
+        .expect("an IPv4 address");
+    let (tx, rx) = std::sync::mpsc::channel();
+    let server = std::thread::spawn(move || {
+        let mut peer = LegacyPeer::accept(
+            SocketAddr::new(IpAddr::V4(ip), port),
+            Duration::from_secs(10),
+            |a| tx.send(a).expect("bench thread"),
+        )
+        .expect("legacy peer");
+        peer.echo(Instant::now() + Duration::from_secs(120))
+            .expect("legacy echo")
+    });
+    rx.recv_timeout(Duration::from_secs(10))
+        .expect("the legacy peer listens");
+    let ip = CString::new(ip.to_string()).unwrap();
+    // SAFETY: zeroed options are the C programs' `{0}`; the connection is
+    // live until closed below.
+    let half_rtt = unsafe {
+        let mut copt: RdmaConnOptions = std::mem::zeroed();
+        copt.recv_callback = Some(count);
+        let conn = rdmaConn(&copt);
+        assert_eq!(
+            rdmaConnect(conn, ip.as_ptr() as *mut _, port as i32),
+            RDMA_OK
+        );
+        let half_rtt = ping_pong(conn, iters, size);
+        rdmaConnClose(conn);
+        half_rtt
+    };
+    server.join().expect("legacy peer thread");
+    half_rtt
+}
+
+/// Streams `iters` messages of `size` bytes to a server that only counts;
+/// returns (MiB/s, Mpps) from the first send until the last byte arrived.
+pub(crate) fn stream(iters: usize, size: usize, port: u16) -> (f64, f64) {
+    unsafe extern "C" fn sink(_c: *mut RdmaConnFwd, _d: *mut c_void, len: usize) {
+        RECEIVED.fetch_add(1, Ordering::Release);
+        RECEIVED_BYTES.fetch_add(len as u64, Ordering::Release);
+    }
+    let p = CPair::new(port, Some(sink));
+    let msg = vec![1u8; size];
+    RECEIVED.store(0, Ordering::Release);
+    let t = Instant::now();
+    let mut sent = 0;
+    while sent < iters {
+        // SAFETY: live connection, readable message.
+        match unsafe { rdmaConnSend(p.conn, msg.as_ptr() as *mut _, size) } {
+            0 => std::hint::spin_loop(),
+            n if n == size => sent += 1,
+            n => panic!("rdmaConnSend returned {n}"),
+        }
+    }
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while RECEIVED.load(Ordering::Acquire) < iters as u64 {
+        assert!(Instant::now() < deadline, "messages were lost");
+        std::hint::spin_loop();
+    }
+    let secs = t.elapsed().as_secs_f64();
+    (
+        (iters * size) as f64 / secs / (1 << 20) as f64,
+        iters as f64 / secs / 1e6,
+    )
+}

@@ -1,0 +1,142 @@
+//! The key-value cases: latency, throughput in batches, and the GET/PUT mix.
+
+use std::net::{IpAddr, SocketAddr};
+use std::time::Instant;
+
+use snowrdma::kv;
+use snowrdma::verbs::Context;
+
+use super::{median, us, Case};
+
+/// A key-value server on the device, for the kv cases.
+fn kv_server(port: u16) -> kv::Server {
+    let ip = Context::open(None)
+        .and_then(|c| c.ipv4_address(1))
+        .expect("an RDMA device")
+        .expect("an IPv4 address on the device");
+    let server = kv::Server::new(kv::ServerConfig {
+        addr: SocketAddr::new(IpAddr::V4(ip), port),
+        memory_size: 256 << 20,
+        table_size: 65536,
+        ..kv::ServerConfig::default()
+    })
+    .expect("kv server");
+    server.start().expect("kv server start");
+    server
+}
+
+/// Median microseconds of one GET, PUT or one-sided GET (16 B key).
+pub(crate) fn kv_lat(case: Case, iters: usize, size: usize, port: u16) -> f64 {
+    let server = kv_server(port);
+    let addr = server.local_addr().expect("bound");
+    let client = kv::Client::connect(addr).expect("kv connect");
+    let idle = if case == Case::KvGetLatCrowd {
+        IDLE_CLIENTS
+    } else {
+        0
+    };
+    let _idle: Vec<kv::Client> = (0..idle)
+        .map(|_| kv::Client::connect(addr).expect("kv connect"))
+        .collect();
+    let key = b"bench-key-16byte";
+    let value = vec![7u8; size];
+    client.put(key, &value).expect("put");
+    let op = |c: &kv::Client| match case {
+        Case::KvGetLat | Case::KvGetLatCrowd => c.get(key).map(drop),
+        Case::KvPutLat => c.put(key, &value).map(drop),
+        _ => c.get_one_sided(key).map(drop),
+    };
+    for _ in 0..iters / 10 {
+        op(&client).expect("warm-up");
+    }
+    let mut lat: Vec<f64> = (0..iters)
+        .map(|_| {
+            let t = Instant::now();
+            op(&client).expect("kv op");
+            us(t.elapsed())
+        })
+        .collect();
+    median(&mut lat)
+}
+
+/// MiB/s of GETs (through the server or one-sided) or PUTs of `size`-byte
+/// values, in batches of [`BW_BATCH`] keys (several in flight, as perftest
+/// keeps its queue full).
+pub(crate) fn kv_bw(case: Case, iters: usize, size: usize, port: u16) -> f64 {
+    let server = kv_server(port);
+    let client = kv::Client::connect(server.local_addr().expect("bound")).expect("kv connect");
+    let value = vec![7u8; size];
+    let keys: Vec<String> = (0..BW_BATCH).map(|i| format!("bw-{i}")).collect();
+    let pairs: Vec<(&[u8], &[u8])> = keys.iter().map(|k| (k.as_bytes(), &value[..])).collect();
+    let key_refs: Vec<&[u8]> = keys.iter().map(|k| k.as_bytes()).collect();
+    let batch = || {
+        let ok = match case {
+            Case::KvGetBw => client.batch_get(&key_refs).iter().all(Result::is_ok),
+            Case::KvOneSidedGetBw => client
+                .batch_get_one_sided(&key_refs)
+                .iter()
+                .all(Result::is_ok),
+            _ => client.batch_put(&pairs).iter().all(Result::is_ok),
+        };
+        assert!(ok, "a batched kv operation failed");
+    };
+    // Untimed, as perftest registers its buffers before its clock starts:
+    // the first batch registers the client's bounce buffer (4 MiB, about a
+    // batch's time under emulation) and first touches the values' memory.
+    // For the GETs, it is a PUT first, to have something to get.
+    let stored = client.batch_put(&pairs);
+    assert!(
+        stored.iter().all(Result::is_ok),
+        "the values were not stored"
+    );
+    batch();
+    let batches = iters.div_ceil(BW_BATCH);
+    let start = Instant::now();
+    for _ in 0..batches {
+        batch();
+    }
+    (batches * BW_BATCH * size) as f64 / start.elapsed().as_secs_f64() / 1048576.0
+}
+
+/// Clients connected besides the measuring one in KvGetLatCrowd.
+const IDLE_CLIENTS: usize = 127;
+
+/// Keys per batch in the kv throughput cases.
+const BW_BATCH: usize = 32;
+
+/// Clients in the kv mix case, each on its own thread.
+const MIX_CLIENTS: usize = 4;
+
+/// Million operations per second of 4 clients doing 95% GETs, 5% PUTs.
+pub(crate) fn kv_mix(iters: usize, size: usize, port: u16) -> f64 {
+    let server = kv_server(port);
+    let addr = server.local_addr().expect("bound");
+    let value = vec![7u8; size];
+    let seed = kv::Client::connect(addr).expect("kv connect");
+    for i in 0..1000 {
+        seed.put(format!("mix-{i}").as_bytes(), &value)
+            .expect("put");
+    }
+    // Connected before the clock starts, as perftest sets up before its own
+    // (a connection takes tens of ms under emulation).
+    let clients: Vec<kv::Client> = (0..MIX_CLIENTS)
+        .map(|_| kv::Client::connect(addr).expect("kv connect"))
+        .collect();
+    let start = Instant::now();
+    std::thread::scope(|s| {
+        for (t, c) in clients.iter().enumerate() {
+            let value = &value;
+            s.spawn(move || {
+                for i in 0..iters / MIX_CLIENTS {
+                    let key = format!("mix-{}", (i * 7 + t * 251) % 1000);
+                    if i % 20 == 0 {
+                        c.put(key.as_bytes(), value).expect("put");
+                    } else {
+                        c.get(key.as_bytes()).expect("get");
+                    }
+                }
+            });
+        }
+    });
+    (iters / MIX_CLIENTS * MIX_CLIENTS) as f64 / start.elapsed().as_secs_f64() / 1e6
+}

@@ -34,6 +34,19 @@ ours() {
     timeout 300 $bench run "$@" --port "$port"
 }
 
+# remote_echo <server command with PORT>: starts the server in its own
+# process, then our C echo client against it; prints the client's figure.
+remote_echo() {
+    port=$((port + 1))
+    local args=("${@//PORT/$port}")
+    timeout 300 "${args[@]}" >/dev/null 2>&1 &
+    local server=$!
+    sleep 0.5
+    timeout 300 $bench run echo-remote-lat -s 64 -n 1000 --port "$port"
+    kill "$server" 2>/dev/null
+    wait "$server" 2>/dev/null
+}
+
 record() {
     local case=$1 side=$2 value=$3
     if [ -z "$value" ]; then
@@ -59,8 +72,10 @@ for rep in $(seq 1 "$reps"); do
     record imm_lat snowrdma "$(ours verbs-imm-lat -s 64 -n 1000)"
     record echo_lat reference "$(perftest 5 ib_send_lat -s 64 -n 1000)"
     record echo_lat snowrdma "$(ours echo-lat -s 64 -n 1000)"
-    record echo_legacy_lat reference "$(ours echo-lat -s 64 -n 1000)"
-    record echo_legacy_lat snowrdma "$(ours echo-legacy-lat -s 64 -n 1000)"
+    # The same client, in its own process, against our echo_server (as the
+    # legacy sample echoes) and against a legacy-protocol peer.
+    record echo_legacy_lat reference "$(remote_echo target/c-examples/echo_server "$ip" PORT legacy)"
+    record echo_legacy_lat snowrdma "$(remote_echo $bench legacy-peer --port PORT)"
     record stream_bw reference "$(perftest 4 ib_write_bw -s 65536 -n 1000)"
     record stream_bw snowrdma "$(ours stream-bw -s 65536 -n 1000)"
     record msg_rate reference "$(perftest 5 ib_write_bw -s 64 -n 20000)"

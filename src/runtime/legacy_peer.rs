@@ -22,8 +22,6 @@ const RECV_DEPTH: u32 = 1024;
 const SEND_DEPTH: u32 = 1024;
 /// One signaled send per this many, so the send queue never fills.
 const SIGNAL_EVERY: u64 = 64;
-/// How long a wait polls before it sleeps on the completion channel.
-const SPIN: Duration = Duration::from_millis(1);
 /// Work request id of sends; receives use their command slot.
 const SEND_WR: u64 = u64::MAX;
 
@@ -218,29 +216,19 @@ impl LegacyPeer {
     }
 
     /// Takes one completion, sleeping on the completion channel while there
-    /// is none; a data message goes to `got`. `None` when nothing came by
-    /// `deadline`.
+    /// is none (the legacy library never spins); a data message goes to
+    /// `got`. `None` when nothing came by `deadline`.
     fn poll(
         &mut self,
         deadline: Instant,
         got: &mut dyn FnMut(&[u8]) -> Result<()>,
     ) -> Result<Option<()>> {
         let mut wc = [Completion::default()];
-        // Spin a little first (a reply usually comes sooner than a sleeping
-        // thread wakes), then sleep on the channel.
-        let spin_until = Instant::now() + SPIN;
-        let mut n = self.cq.poll(&mut wc)?;
-        while n == 0 && Instant::now() < spin_until.min(deadline) {
-            std::hint::spin_loop();
-            n = self.cq.poll(&mut wc)?;
-        }
-        if n == 0 {
-            let left = deadline.saturating_duration_since(Instant::now());
-            match self.cq.wait(&mut wc, left) {
-                Ok(_) => {}
-                Err(e) if e.is_timeout() => return Ok(None),
-                Err(e) => return Err(e.into()),
-            }
+        let left = deadline.saturating_duration_since(Instant::now());
+        match self.cq.wait(&mut wc, left) {
+            Ok(_) => {}
+            Err(e) if e.is_timeout() => return Ok(None),
+            Err(e) => return Err(e.into()),
         }
         let wc = &wc[0];
         if !wc.is_ok() {

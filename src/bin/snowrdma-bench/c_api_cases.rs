@@ -33,12 +33,7 @@ struct CPair {
 
 impl CPair {
     fn new(port: u16, server_recv: RdmaRecvCallbackFunc) -> CPair {
-        let ip = Context::open(None)
-            .unwrap()
-            .ipv4_address(1)
-            .unwrap()
-            .expect("an IPv4 address");
-        let ip = CString::new(ip.to_string()).unwrap();
+        let ip = CString::new(device_ip().to_string()).unwrap();
         // SAFETY: zeroed options are the C programs' `{0}`.
         unsafe {
             rdmaCommMode = RdmaCommMode::RDMA_BLOCKING;
@@ -135,31 +130,13 @@ unsafe fn ping_pong(conn: *mut RdmaConn, iters: usize, size: usize) -> f64 {
     median(&mut lat)
 }
 
-/// As [`echo_lat`], against a version-0 echo server on raw verbs (the
-/// wire as a legacy SnowRDMA server speaks it) in a thread of its own.
-pub(crate) fn echo_legacy_lat(iters: usize, size: usize, port: u16) -> f64 {
-    let ip = Context::open(None)
-        .unwrap()
-        .ipv4_address(1)
-        .unwrap()
-        .expect("an IPv4 address");
-    let (tx, rx) = std::sync::mpsc::channel();
-    let server = std::thread::spawn(move || {
-        let mut peer = LegacyPeer::accept(
-            SocketAddr::new(IpAddr::V4(ip), port),
-            Duration::from_secs(10),
-            |a| tx.send(a).expect("bench thread"),
-        )
-        .expect("legacy peer");
-        peer.echo(Instant::now() + Duration::from_secs(120))
-            .expect("legacy echo")
-    });
-    rx.recv_timeout(Duration::from_secs(10))
-        .expect("the legacy peer listens");
-    let ip = CString::new(ip.to_string()).unwrap();
+/// As [`echo_lat`], against an echo server another process runs on the
+/// device at `port`.
+pub(crate) fn echo_remote_lat(iters: usize, size: usize, port: u16) -> f64 {
+    let ip = CString::new(device_ip().to_string()).unwrap();
     // SAFETY: zeroed options are the C programs' `{0}`; the connection is
     // live until closed below.
-    let half_rtt = unsafe {
+    unsafe {
         let mut copt: RdmaConnOptions = std::mem::zeroed();
         copt.recv_callback = Some(count);
         let conn = rdmaConn(&copt);
@@ -170,9 +147,26 @@ pub(crate) fn echo_legacy_lat(iters: usize, size: usize, port: u16) -> f64 {
         let half_rtt = ping_pong(conn, iters, size);
         rdmaConnClose(conn);
         half_rtt
-    };
-    server.join().expect("legacy peer thread");
-    half_rtt
+    }
+}
+
+/// Accepts one client on `port` as a legacy-protocol peer and echoes what
+/// it sends until it leaves (or two minutes pass).
+pub(crate) fn serve_legacy_peer(port: u16) -> snowrdma::runtime::Result<()> {
+    let addr = SocketAddr::new(IpAddr::V4(device_ip()), port);
+    let mut peer = LegacyPeer::accept(addr, Duration::from_secs(30), |a| {
+        println!("listening on {a}")
+    })?;
+    peer.echo(Instant::now() + Duration::from_secs(120))?;
+    Ok(())
+}
+
+fn device_ip() -> std::net::Ipv4Addr {
+    Context::open(None)
+        .unwrap()
+        .ipv4_address(1)
+        .unwrap()
+        .expect("an IPv4 address")
 }
 
 /// Streams `iters` messages of `size` bytes to a server that only counts;

@@ -12,7 +12,7 @@ mod kv_cases;
 mod report;
 mod verbs_cases;
 
-use c_api_cases::{echo_lat, echo_legacy_lat, stream, sync_lat};
+use c_api_cases::{echo_lat, echo_remote_lat, serve_legacy_peer, stream, sync_lat};
 use kv_cases::{kv_bw, kv_lat, kv_mix};
 use report::report;
 use verbs_cases::{verbs_imm_lat, verbs_op_lat, verbs_write_lat};
@@ -49,6 +49,12 @@ enum Cmd {
         #[arg(short, long, default_value_t = 7700)]
         port: u16,
     },
+    /// Serve as a peer that speaks only the legacy protocol (version 0, on
+    /// raw verbs): accept one client on `port`, echo until it leaves.
+    LegacyPeer {
+        #[arg(short, long)]
+        port: u16,
+    },
     /// Summarise a results file (lines: case, side, value) as a table and JSON.
     Report {
         results: PathBuf,
@@ -77,10 +83,10 @@ enum Case {
     SyncWrite,
     /// C API: rdmaConnSend echo, half round trip (ib_send_lat).
     EchoLat,
-    /// C API: rdmaConnSend echo against a raw-verbs peer that speaks the
-    /// legacy protocol (version 0, never returns credit), half round trip
-    /// (the same echo against our own server).
-    EchoLegacyLat,
+    /// C API: rdmaConnSend echo against a server in another process on
+    /// `--port` (the bench starts our `echo_server` or a legacy-protocol
+    /// peer there), half round trip.
+    EchoRemoteLat,
     /// C API: rdmaConnSend streaming, MiB/s (ib_write_bw).
     StreamBw,
     /// C API: rdmaConnSend message rate, Mpps (ib_write_bw).
@@ -124,7 +130,7 @@ fn run(case: Case, iters: usize, size: usize, port: u16) -> f64 {
         Case::SyncRead => sync_lat(true, iters, size, port),
         Case::SyncWrite => sync_lat(false, iters, size, port),
         Case::EchoLat => echo_lat(iters, size, port),
-        Case::EchoLegacyLat => echo_legacy_lat(iters, size, port),
+        Case::EchoRemoteLat => echo_remote_lat(iters, size, port),
         Case::StreamBw => stream(iters, size, port).0,
         Case::MsgRate => stream(iters, size, port).1,
         Case::KvGetLat | Case::KvGetLatCrowd | Case::KvPutLat | Case::KvOneSidedLat => {
@@ -159,6 +165,12 @@ fn main() -> ExitCode {
             size,
             port,
         } => println!("{:.4}", run(case, iters, size, port)),
+        Cmd::LegacyPeer { port } => {
+            if let Err(e) = serve_legacy_peer(port) {
+                eprintln!("legacy peer: {e}");
+                return ExitCode::FAILURE;
+            }
+        }
         Cmd::Report { results, json } => {
             if let Err(e) = report(&results, &json) {
                 eprintln!("report: {e}");

@@ -73,8 +73,8 @@ const ROWS: &[Row] = &[
     },
     Row {
         case: "echo_legacy_lat",
-        what: "rdmaConnSend echo 64 B vs a legacy-protocol peer, half RTT",
-        reference: "echo_lat (ours)",
+        what: "rdmaConnSend echo 64 B vs legacy-protocol peer, 2 procs",
+        reference: "echo_server, 2 procs",
         unit: "us",
         higher_is_better: false,
         target: "<= 1.0",

@@ -324,7 +324,7 @@ fn legacy_echo_serves_a_version_0_peer_its_whole_lifetime() {
 
 #[test]
 #[ignore = "needs an RDMA device: run `make test`"]
-fn our_client_against_a_version_0_echo_server_is_not_slow() {
+fn our_client_is_echoed_whole_by_a_version_0_echo_server() {
     let (tx, rx) = std::sync::mpsc::channel();
     let server = thread::spawn(move || {
         let mut peer =

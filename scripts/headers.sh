@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Generates the C headers from src/ffi with the pinned cbindgen:
-#   include/rdma.h      <- src/ffi/mod.rs, src/ffi/rdma.rs (cbindgen.toml)
+#   include/rdma.h      <- src/ffi/mod.rs, src/ffi/rdma/ (cbindgen.toml)
 #   include/kv_store.h  <- src/ffi/kv.rs, kv_strings.rs    (cbindgen-kv.toml)
 # cbindgen sees the whole crate, so each header's config excludes the items
 # the other header declares and the constants of the Rust layers (its
@@ -18,7 +18,7 @@ items() {
 internal=$(grep -rhoE '^ *pub (const|static) [A-Za-z0-9_]+' src/kv src/runtime src/verbs \
     | awk '{print "\"" $NF "\""}' | sort -u | paste -sd, -)
 kv_items=$(items src/ffi/kv.rs src/ffi/kv_strings.rs),$internal
-rdma_items=$(items src/ffi/mod.rs src/ffi/rdma.rs),$internal
+rdma_items=$(items src/ffi/mod.rs src/ffi/rdma/*.rs),$internal
 sed "s/\"@FOREIGN@\"/$kv_items/" cbindgen.toml >target/headers/rdma.toml
 sed "s/\"@FOREIGN@\"/$rdma_items/" cbindgen-kv.toml >target/headers/kv.toml
 cbindgen -q --config target/headers/rdma.toml --crate snowrdma --output "$out/rdma.h"

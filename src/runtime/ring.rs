@@ -81,6 +81,17 @@ impl SendRing {
     }
 }
 
+/// Where a receiver's ring wraps for one sender: at the end of the ring, or
+/// sooner when the sender says it uses less of it (`ring_use`, its staging
+/// size; 0 from legacy peers, which never wrap). A sender cannot make it
+/// larger than the ring.
+pub fn wrap_point(ring_len: usize, ring_use: u32) -> usize {
+    match ring_use as usize {
+        0 => ring_len,
+        n => n.min(ring_len),
+    }
+}
+
 /// Receiver side: checks where messages land and counts what is consumed.
 #[derive(Debug, Clone, Default)]
 pub struct RecvRing {
@@ -183,6 +194,26 @@ mod tests {
         assert!(rx.accept(0, 60));
         assert!(rx.accept(0, 8), "wrapped: skips 4 bytes");
         assert_eq!(rx.unreported(), 72);
+    }
+
+    #[test]
+    fn a_sender_with_a_smaller_staging_buffer_wraps_both_sides_in_step() {
+        assert_eq!(wrap_point(1000, 0), 1000, "legacy: the whole ring");
+        assert_eq!(wrap_point(1000, u32::MAX), 1000, "never past the ring");
+        let cap = wrap_point(1000, 300);
+        assert_eq!(cap, 300);
+        // The sender's ring is its staging size; the receiver agrees.
+        let mut tx = SendRing::new(300);
+        let mut rx = RecvRing::new(cap);
+        for len in [200, 150, 120, 290] {
+            let off = tx.reserve(len).unwrap_or_else(|| {
+                assert!(tx.ack(rx.take_report()));
+                tx.reserve(len).unwrap()
+            });
+            assert!(rx.accept(off, len));
+        }
+        assert!(tx.ack(rx.take_report()), "credit matches what was sent");
+        assert_eq!(tx.in_flight(), 0);
     }
 
     #[test]

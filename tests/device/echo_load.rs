@@ -548,3 +548,32 @@ fn immediates_and_silent_writes_wait_in_the_queue_in_order() {
     conn.close();
     listener.release();
 }
+
+#[test]
+#[ignore = "needs an RDMA device: run `make test`"]
+fn a_peer_that_leaves_frees_and_counts_what_was_queued_for_it() {
+    let (listener, receiver, conn) = sleepy_pair(Options::default());
+    let mut accepted = 0u32;
+    while accepted < 600 {
+        assert_eq!(conn.send(&numbered(accepted)).unwrap(), 4096);
+        accepted += 1;
+    }
+    let queued = conn.send_queue_stats().queued;
+    assert!(queued > 0);
+    // The receiving side goes away while messages wait for its room.
+    listener.release();
+    receiver.open();
+    let deadline = Instant::now() + TIMEOUT;
+    while conn.state() == snowrdma::runtime::ConnState::MrReady {
+        assert!(
+            Instant::now() < deadline,
+            "the peer's leaving was not noticed"
+        );
+        thread::sleep(Duration::from_millis(20));
+    }
+    let stats = conn.send_queue_stats();
+    println!("{stats:?}");
+    assert!(stats.dropped > 0 && stats.dropped <= queued, "{stats:?}");
+    assert!(conn.send(&numbered(0)).is_err(), "the connection has ended");
+    conn.close();
+}

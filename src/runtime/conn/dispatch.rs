@@ -5,7 +5,7 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use crate::runtime::proto::{Cmd, ExtKind, Opcode, CMD_LEN, EXT_HEADER_LEN, IMM_EXTENDED};
-use crate::runtime::ring::RecvRing;
+use crate::runtime::ring::{wrap_point, RecvRing};
 use crate::verbs::{Completion, RemoteRegion, WcOpcode, WcStatus};
 
 use super::{
@@ -233,12 +233,7 @@ impl Connection {
                         // The peer wraps where its staging buffer ends, when
                         // that is before the end of our ring (RC delivers
                         // this before any of its messages).
-                        let own = self.inner.recv_ring.len();
-                        let cap = match cmd.ring_use as usize {
-                            0 => own,
-                            n => n.min(own),
-                        };
-                        st.rx = RecvRing::new(cap);
+                        st.rx = RecvRing::new(wrap_point(self.inner.recv_ring.len(), cmd.ring_use));
                     }
                     first
                 };

@@ -44,6 +44,7 @@ impl Connection {
                 return;
             }
             log::warn!("connection to {:?} failed: {reason}", self.inner.peer);
+            self.drop_queued(&mut st, "it failed");
             st.state = ConnState::Error;
             st.last_errno = libc::ECONNABORTED;
             for slot in st.sync_ops.values_mut() {
@@ -77,6 +78,7 @@ impl Connection {
             if !matches!(was, ConnState::Closed | ConnState::Error) {
                 st.state = ConnState::Closed;
             }
+            self.drop_queued(&mut st, "the peer left");
             for slot in st.sync_ops.values_mut() {
                 slot.get_or_insert_with(|| Err("the peer disconnected".into()));
             }
@@ -138,6 +140,18 @@ impl Connection {
         }
     }
 
+    /// Frees what is still queued when the connection ends: it can never be
+    /// sent. Counted in the stats, and logged.
+    fn drop_queued(&self, st: &mut State, why: &str) {
+        let (n, bytes) = st.queue.drop_all();
+        if n > 0 {
+            log::warn!(
+                "connection to {:?} ended with {n} messages ({bytes} bytes) still queued ({why}); they are dropped",
+                self.inner.peer
+            );
+        }
+    }
+
     /// While closing: waits until `done` holds, the connection ends, or
     /// `deadline`, posting queued messages as room returns (inside a
     /// callback no completion round would).
@@ -186,13 +200,7 @@ impl Connection {
                     self.post_cmd(&mut st, Cmd::new(Opcode::ConnGoodbye, 0, 0, 0)),
                     Ok(true)
                 );
-            let (n, bytes) = st.queue.drop_all();
-            if n > 0 {
-                log::warn!(
-                    "connection to {:?} closed with {n} messages ({bytes} bytes) still queued: the peer returned no room in time; they are dropped",
-                    self.inner.peer
-                );
-            }
+            self.drop_queued(&mut st, "closed before the peer returned room");
             (was, goodbye)
         };
         if goodbye {

@@ -1,0 +1,203 @@
+//! The bridge from the runtime's connection events to the C struct and its
+//! callbacks.
+
+use std::cell::UnsafeCell;
+use std::ffi::{c_char, c_int, c_uint, c_void, CString};
+use std::ptr::addr_of_mut;
+use std::sync::{Arc, Mutex};
+
+use super::handles::*;
+use super::types::*;
+use crate::ffi::boundary::guard;
+use crate::runtime::{ConnHandler, ConnState, Connection, Options, WeakConnection};
+use crate::verbs::RemoteRegion;
+
+/// The library's side of one `RdmaConn`: the struct itself (stable address,
+/// freed when the last holder lets go) and the runtime connection.
+pub(super) struct FfiConn {
+    pub(super) raw: Box<UnsafeCell<RdmaConn>>,
+    pub(super) ip: Mutex<Option<CString>>,
+    pub(super) imm_callback: Mutex<RdmaRecvImmCallbackFunc>,
+    pub(super) conn: Mutex<Option<WeakConnection>>,
+    pub(super) opts: Options,
+}
+
+// SAFETY: the struct is written by the library under its own discipline
+// (volatile writes of plain fields) and read by C; `raw` never moves.
+unsafe impl Send for FfiConn {}
+unsafe impl Sync for FfiConn {}
+
+impl FfiConn {
+    pub(super) fn new(
+        opts: Options,
+        c_opts: *const RdmaOptions,
+        kind: ConnectionType,
+    ) -> Arc<FfiConn> {
+        // SAFETY: all-zero is a valid RdmaConn (NULL pointers, zero ints,
+        // NONE enums, None callbacks, zeroed pthread objects).
+        let raw: Box<UnsafeCell<RdmaConn>> =
+            Box::new(UnsafeCell::new(unsafe { std::mem::zeroed() }));
+        let p = raw.get();
+        // SAFETY: p is ours; c_opts is NULL or a valid options struct.
+        unsafe {
+            libc::pthread_cond_init(addr_of_mut!((*p).status_cond), std::ptr::null());
+            libc::pthread_mutex_init(addr_of_mut!((*p).status_mutex), std::ptr::null());
+            (*p).r#type = kind;
+            (*p).max_inline_data = opts.max_inline_data;
+            if !c_opts.is_null() {
+                (*p).options = std::ptr::read(c_opts);
+                (*p).recv_callback = (*c_opts).recv_callback;
+                (*p).write_callback = (*c_opts).write_callback;
+                (*p).read_callback = (*c_opts).read_callback;
+                (*p).connected_callback = (*c_opts).connected_callback;
+                (*p).disconnect_callback = (*c_opts).disconnect_callback;
+            }
+        }
+        Arc::new(FfiConn {
+            raw,
+            ip: Mutex::new(None),
+            imm_callback: Mutex::new(None),
+            conn: Mutex::new(None),
+            opts,
+        })
+    }
+
+    pub(super) fn ptr(&self) -> *mut RdmaConn {
+        self.raw.get()
+    }
+
+    pub(super) fn connection(&self) -> Option<Connection> {
+        self.conn
+            .lock()
+            .expect("ffi lock")
+            .as_ref()
+            .and_then(WeakConnection::upgrade)
+    }
+
+    pub(super) fn bind(&self, conn: &Connection) {
+        let mut slot = self.conn.lock().expect("ffi lock");
+        if slot.is_some() {
+            return;
+        }
+        *slot = Some(conn.downgrade());
+        drop(slot);
+        let p = self.ptr();
+        let ring = conn.recv_ring();
+        let staging = conn.staging();
+        let peer = conn.peer_addr();
+        let ip = peer.map(|a| CString::new(a.ip().to_string()).expect("no NUL in an address"));
+        // SAFETY: p is ours; the pointers stored live as long as the connection.
+        unsafe {
+            let id = conn.cm_id().expect("C API connections use RDMA CM");
+            (*p).cm_id = id.as_raw();
+            (*p).cm_channel = (*id.as_raw()).channel;
+            (*p).pd = conn.pd().as_raw();
+            (*p).cq = conn.recv_cq().as_raw();
+            (*p).comp_channel = (*conn.recv_cq().as_raw()).channel;
+            (*p).recv_buf = ring.addr() as *mut c_char;
+            (*p).recv_length = ring.len() as c_uint;
+            (*p).recv_mr = ring.as_raw();
+            (*p).send_buf = staging.addr() as *mut c_char;
+            (*p).send_length = staging.len() as u32;
+            (*p).send_mr = staging.as_raw();
+            (*p).cmd_buf = conn.cmd_buffers().addr() as *mut RdmaCmd;
+            (*p).cmd_mr = conn.cmd_buffers().as_raw();
+            (*p).port = peer.map_or(0, |a| c_int::from(a.port()));
+            (*p).ip = ip
+                .as_ref()
+                .map_or(std::ptr::null_mut(), |s| s.as_ptr() as *mut c_char);
+        }
+        *self.ip.lock().expect("ffi lock") = ip;
+    }
+}
+
+impl ConnHandler for FfiConn {
+    fn connected(&self, conn: &Connection) {
+        self.bind(conn);
+        // SAFETY: the callback field is read from our own struct.
+        if let Some(cb) = unsafe { (*self.ptr()).connected_callback } {
+            guard_callback("connected_callback", || unsafe { cb(self.ptr().cast()) });
+        }
+    }
+
+    fn recv(&self, _conn: &Connection, data: &[u8], imm: Option<u32>) {
+        let p = self.ptr();
+        let ptr = data.as_ptr() as *mut c_void;
+        if let Some(imm) = imm {
+            if let Some(cb) = *self.imm_callback.lock().expect("ffi lock") {
+                return guard_callback("recv_imm_callback", || unsafe {
+                    cb(p.cast(), imm, ptr, data.len())
+                });
+            }
+        }
+        // SAFETY: as above.
+        if let Some(cb) = unsafe { (*p).recv_callback } {
+            guard_callback("recv_callback", || unsafe { cb(p.cast(), ptr, data.len()) });
+        }
+    }
+
+    fn write_done(&self, _conn: &Connection, len: usize) {
+        // SAFETY: as above.
+        if let Some(cb) = unsafe { (*self.ptr()).write_callback } {
+            guard_callback("write_callback", || unsafe { cb(self.ptr().cast(), len) });
+        }
+    }
+
+    fn read_done(&self, _conn: &Connection, len: usize) {
+        // SAFETY: as above.
+        if let Some(cb) = unsafe { (*self.ptr()).read_callback } {
+            guard_callback("read_callback", || unsafe { cb(self.ptr().cast(), len) });
+        }
+    }
+
+    fn disconnected(&self, _conn: &Connection) {
+        // SAFETY: as above.
+        if let Some(cb) = unsafe { (*self.ptr()).disconnect_callback } {
+            guard_callback("disconnect_callback", || unsafe { cb(self.ptr().cast()) });
+        }
+    }
+
+    fn state_changed(&self, conn: &Connection, state: ConnState) {
+        self.bind(conn);
+        let c_state = match state {
+            ConnState::None => RdmaConnState::RDMA_CONN_STATE_NONE,
+            ConnState::Connecting => RdmaConnState::RDMA_CONN_STATE_CONNECTING,
+            ConnState::Accepting => RdmaConnState::RDMA_CONN_STATE_ACCEPTING,
+            ConnState::Connected => RdmaConnState::RDMA_CONN_STATE_CONNECTED,
+            ConnState::MrReady => RdmaConnState::RDMA_CONN_STATE_MR_READY,
+            ConnState::Closed => RdmaConnState::RDMA_CONN_STATE_CLOSED,
+            ConnState::Error => RdmaConnState::RDMA_CONN_STATE_ERROR,
+        };
+        // SAFETY: a plain field of our own struct.
+        unsafe {
+            std::ptr::write_volatile(addr_of_mut!((*self.ptr()).state), c_state);
+            if state == ConnState::Error {
+                std::ptr::write_volatile(addr_of_mut!((*self.ptr()).last_errno), conn.last_errno());
+            }
+        }
+    }
+
+    fn peer_buffer(&self, _conn: &Connection, buf: RemoteRegion) {
+        let p = self.ptr();
+        // SAFETY: plain fields of our own struct.
+        unsafe {
+            (*p).tx_addr = buf.addr as *mut c_char;
+            (*p).tx_length = buf.len as u32;
+            (*p).tx_key = buf.rkey;
+            (*p).tx_offset = 0;
+        }
+    }
+
+    fn retired(&self, _conn: &Connection) {
+        CONNS
+            .lock()
+            .expect("table lock")
+            .remove(&(self.ptr() as usize));
+    }
+}
+
+/// A C callback must not unwind into Rust either; a Rust panic inside the
+/// guard (none expected) is logged.
+pub(super) fn guard_callback(name: &'static str, f: impl FnOnce()) {
+    guard(name, (), f);
+}

@@ -1,0 +1,403 @@
+//! Exports that make, connect, configure and end servers and connections.
+
+use std::cell::UnsafeCell;
+use std::ffi::{c_char, c_int};
+use std::ptr::{addr_of, addr_of_mut};
+use std::sync::Arc;
+
+use rdma_sys::ibv_mr;
+
+use super::bridge::*;
+use super::globals::*;
+use super::handles::*;
+use super::types::*;
+use crate::ffi::boundary::guard;
+use crate::runtime::{self, ConnHandler, Connection, Listener};
+
+/// Creates a server listening on `ip`:`port` (an address of an RDMA device;
+/// port 0 picks a free one) and stores it in `*listener`. `opt` may be NULL;
+/// its zero fields take the globals' values, and it is copied. Connections
+/// are accepted once `rdmaServerStart` runs. Returns `RDMA_OK` or `RDMA_ERR`.
+///
+/// Also callable as `rdmaServer(&listener, ip, port)`.
+///
+/// # Safety
+/// `listener` must be NULL or writable; `ip` NULL or a C string; `opt` NULL
+/// or a valid options struct.
+#[no_mangle]
+pub unsafe extern "C" fn rdmaServer(
+    listener: *mut *mut RdmaListener,
+    ip: *const c_char,
+    port: c_int,
+    opt: *const RdmaServerOptions,
+) -> c_int {
+    guard("rdmaServer", RDMA_ERR, || {
+        let (Some(ip), false) = (c_str(ip), listener.is_null()) else {
+            log::warn!("rdmaServer: NULL listener or ip");
+            return RDMA_ERR;
+        };
+        let Some(addr) = resolve(ip, port) else {
+            log::warn!("rdmaServer: cannot resolve {ip}:{port}");
+            return RDMA_ERR;
+        };
+        let opts = resolve_options(opt);
+        runtime::configure(&opts);
+        // SAFETY: all-zero is a valid RdmaListener.
+        let raw: Box<UnsafeCell<RdmaListener>> = Box::new(UnsafeCell::new(std::mem::zeroed()));
+        let raw_addr = raw.get() as usize;
+        if !opt.is_null() {
+            (*raw.get()).options = std::ptr::read(opt);
+            (*raw.get()).accept_callback = (*opt).accept_callback;
+        }
+        let conn_opts = opts.clone();
+        let hook = Box::new(move |conn: &Connection| -> Option<Arc<dyn ConnHandler>> {
+            let l = LISTENERS
+                .lock()
+                .expect("table lock")
+                .get(&raw_addr)
+                .cloned()?;
+            let lraw = l.raw.get();
+            // SAFETY: the listener struct lives while it is in the table.
+            let ffi = FfiConn::new(
+                conn_opts.clone(),
+                unsafe { addr_of!((*lraw).options) },
+                ConnectionType::ACCEPTED_CONN,
+            );
+            ffi.bind(conn);
+            CONNS
+                .lock()
+                .expect("table lock")
+                .insert(ffi.ptr() as usize, ffi.clone());
+            // SAFETY: as above.
+            if let Some(cb) = unsafe { (*lraw).accept_callback } {
+                guard_callback("accept_callback", || unsafe { cb(ffi.ptr().cast()) });
+            }
+            Some(ffi)
+        });
+        let l = match Listener::bind(addr, &opts, hook) {
+            Ok(l) => l,
+            Err(e) => {
+                log::warn!("rdmaServer({ip}:{port}): {e}");
+                return RDMA_ERR;
+            }
+        };
+        let id = l.cm_id().expect("C API listeners use RDMA CM");
+        (*raw.get()).cm_id = id.as_raw();
+        (*raw.get()).cm_channel = (*id.as_raw()).channel;
+        let ffi = Arc::new(FfiListener { raw, listener: l });
+        let p = ffi.raw.get();
+        LISTENERS
+            .lock()
+            .expect("table lock")
+            .insert(p as usize, ffi);
+        *listener = p;
+        RDMA_OK
+    })
+}
+
+/// Accepts connections until `rdmaServerStop` (from another thread or a
+/// callback); blocks the calling thread meanwhile. Returns `RDMA_OK`, or
+/// `RDMA_ERR` for an unknown listener.
+///
+/// # Safety
+/// `listener` may be anything; unknown pointers are refused.
+#[no_mangle]
+pub unsafe extern "C" fn rdmaServerStart(listener: *mut RdmaListener) -> c_int {
+    guard("rdmaServerStart", RDMA_ERR, || {
+        let Some(l) = lookup_listener(listener, "rdmaServerStart") else {
+            return RDMA_ERR;
+        };
+        l.listener.start();
+        l.listener.wait_stopped();
+        RDMA_OK
+    })
+}
+
+/// Stops accepting and makes `rdmaServerStart` return. Accepted connections
+/// and the process's client connections keep running.
+///
+/// # Safety
+/// As `rdmaServerStart`.
+#[no_mangle]
+pub unsafe extern "C" fn rdmaServerStop(listener: *mut RdmaListener) -> c_int {
+    guard("rdmaServerStop", RDMA_ERR, || {
+        let Some(l) = lookup_listener(listener, "rdmaServerStop") else {
+            return RDMA_ERR;
+        };
+        l.listener.stop();
+        RDMA_OK
+    })
+}
+
+/// Closes the server's accepted connections and frees the listener; the
+/// pointer is invalid afterwards.
+///
+/// # Safety
+/// As `rdmaServerStart`.
+#[no_mangle]
+pub unsafe extern "C" fn rdmaServerRelease(listener: *mut RdmaListener) {
+    guard("rdmaServerRelease", (), || {
+        let Some(l) = LISTENERS
+            .lock()
+            .expect("table lock")
+            .remove(&(listener as usize))
+        else {
+            log::warn!("rdmaServerRelease: {listener:p} is not a live listener");
+            return;
+        };
+        l.listener.release();
+    })
+}
+
+/// Sets the callback run (on the CM thread) for each new connection, before
+/// it is accepted.
+///
+/// # Safety
+/// As `rdmaServerStart`.
+#[no_mangle]
+pub unsafe extern "C" fn rdmaServerSetAcceptCallback(
+    listener: *mut RdmaListener,
+    func: RdmaAcceptCallbackFunc,
+) -> c_int {
+    guard("rdmaServerSetAcceptCallback", RDMA_ERR, || {
+        let Some(l) = lookup_listener(listener, "rdmaServerSetAcceptCallback") else {
+            return RDMA_ERR;
+        };
+        // SAFETY: the struct is ours and alive.
+        unsafe { (*l.raw.get()).accept_callback = func };
+        RDMA_OK
+    })
+}
+
+/// Creates an unconnected client connection; `opt` may be NULL (also
+/// callable as `rdmaConn()`). Free it with `rdmaConnClose`. Returns NULL on
+/// failure.
+///
+/// # Safety
+/// `opt` must be NULL or a valid options struct.
+#[no_mangle]
+pub unsafe extern "C" fn rdmaConn(opt: *const RdmaConnOptions) -> *mut RdmaConn {
+    guard("rdmaConn", std::ptr::null_mut(), || {
+        let opts = resolve_options(opt);
+        runtime::configure(&opts);
+        let ffi = FfiConn::new(opts, opt, ConnectionType::CONNECTED_CONN);
+        let p = ffi.ptr();
+        CONNS.lock().expect("table lock").insert(p as usize, ffi);
+        p
+    })
+}
+
+/// Connects to a server; returns `RDMA_OK` once data can flow, or `RDMA_ERR`
+/// when the server rejects, is unreachable, or does not answer in time
+/// (about `rdmaTimeoutms` per setup step).
+///
+/// # Safety
+/// `serverip` must be NULL or a C string.
+#[no_mangle]
+pub unsafe extern "C" fn rdmaConnect(
+    conn: *mut RdmaConn,
+    serverip: *mut c_char,
+    port: c_int,
+) -> c_int {
+    guard("rdmaConnect", RDMA_ERR, || {
+        let Some(ffi) = lookup(conn, "rdmaConnect") else {
+            return RDMA_ERR;
+        };
+        if ffi.connection().is_some() {
+            log::warn!("rdmaConnect: already connected");
+            return RDMA_ERR;
+        }
+        let Some(ip) = c_str(serverip) else {
+            log::warn!("rdmaConnect: NULL or non-UTF-8 server address");
+            return RDMA_ERR;
+        };
+        let Some(addr) = resolve(ip, port) else {
+            log::warn!("rdmaConnect: cannot resolve {ip}:{port}");
+            return RDMA_ERR;
+        };
+        match Connection::connect(addr, &ffi.opts, ffi.clone()) {
+            Ok(c) => {
+                ffi.bind(&c);
+                CLIENTS.lock().expect("table lock").insert(conn as usize, c);
+                RDMA_OK
+            }
+            Err(e) => {
+                log::warn!("rdmaConnect to {addr}: {e}");
+                // SAFETY: our own struct.
+                unsafe {
+                    (*conn).state = RdmaConnState::RDMA_CONN_STATE_ERROR;
+                    (*conn).last_errno = libc::ECONNREFUSED;
+                }
+                RDMA_ERR
+            }
+        }
+    })
+}
+
+/// Closes a connection (client or accepted): pending sync operations fail,
+/// the peer gets its disconnect, and the memory (including buffers from
+/// `rdmaConnRegMem`) is freed. The pointer is invalid afterwards; a second
+/// close is refused harmlessly.
+///
+/// # Safety
+/// Any pointer is accepted; unknown ones are refused.
+#[no_mangle]
+pub unsafe extern "C" fn rdmaConnClose(conn: *mut RdmaConn) {
+    guard("rdmaConnClose", (), || {
+        let Some(ffi) = CONNS.lock().expect("table lock").remove(&(conn as usize)) else {
+            log::warn!("rdmaConnClose: {conn:p} is not a live connection (closed twice?)");
+            return;
+        };
+        let client = CLIENTS.lock().expect("table lock").remove(&(conn as usize));
+        if let Some(c) = client.or_else(|| ffi.connection()) {
+            c.close();
+        }
+    })
+}
+
+/// Stores a callback where the connection's handler reads it.
+pub(super) fn set_callback(
+    func: &'static str,
+    conn: *mut RdmaConn,
+    store: impl FnOnce(&FfiConn),
+) -> c_int {
+    guard(func, RDMA_ERR, || {
+        let Some(ffi) = lookup(conn, func) else {
+            return RDMA_ERR;
+        };
+        store(&ffi);
+        RDMA_OK
+    })
+}
+
+/// Sets the callback for each received message (completion thread). Returns `RDMA_OK`, or `RDMA_ERR` for an unknown connection.
+///
+/// # Safety
+/// Any pointer is accepted; unknown ones are refused.
+#[no_mangle]
+pub unsafe extern "C" fn rdmaConnSetRecvCallback(
+    conn: *mut RdmaConn,
+    func: RdmaRecvCallbackFunc,
+) -> c_int {
+    // SAFETY: the struct is alive while in the table.
+    set_callback("rdmaConnSetRecvCallback", conn, |f| unsafe {
+        std::ptr::write_volatile(addr_of_mut!((*f.ptr()).recv_callback), func)
+    })
+}
+
+/// Sets the callback for completed writes (completion thread). Returns `RDMA_OK`, or `RDMA_ERR` for an unknown connection.
+///
+/// # Safety
+/// Any pointer is accepted; unknown ones are refused.
+#[no_mangle]
+pub unsafe extern "C" fn rdmaConnSetWriteCallback(
+    conn: *mut RdmaConn,
+    func: RdmaWriteCallbackFunc,
+) -> c_int {
+    // SAFETY: the struct is alive while in the table.
+    set_callback("rdmaConnSetWriteCallback", conn, |f| unsafe {
+        std::ptr::write_volatile(addr_of_mut!((*f.ptr()).write_callback), func)
+    })
+}
+
+/// Sets the callback for completed async reads (completion thread). Returns `RDMA_OK`, or `RDMA_ERR` for an unknown connection.
+///
+/// # Safety
+/// Any pointer is accepted; unknown ones are refused.
+#[no_mangle]
+pub unsafe extern "C" fn rdmaConnSetReadCallback(
+    conn: *mut RdmaConn,
+    func: RdmaReadCallbackFunc,
+) -> c_int {
+    // SAFETY: the struct is alive while in the table.
+    set_callback("rdmaConnSetReadCallback", conn, |f| unsafe {
+        std::ptr::write_volatile(addr_of_mut!((*f.ptr()).read_callback), func)
+    })
+}
+
+/// Sets the callback for "data can flow" (completion thread). Returns `RDMA_OK`, or `RDMA_ERR` for an unknown connection.
+///
+/// # Safety
+/// Any pointer is accepted; unknown ones are refused.
+#[no_mangle]
+pub unsafe extern "C" fn rdmaConnSetConnectedCallback(
+    conn: *mut RdmaConn,
+    func: RdmaConnectedCallbackFunc,
+) -> c_int {
+    // SAFETY: the struct is alive while in the table.
+    set_callback("rdmaConnSetConnectedCallback", conn, |f| unsafe {
+        std::ptr::write_volatile(addr_of_mut!((*f.ptr()).connected_callback), func)
+    })
+}
+
+/// Sets the callback for the end of the connection (a runtime thread). Returns `RDMA_OK`, or `RDMA_ERR` for an unknown connection.
+///
+/// # Safety
+/// Any pointer is accepted; unknown ones are refused.
+#[no_mangle]
+pub unsafe extern "C" fn rdmaConnSetDisconnectCallback(
+    conn: *mut RdmaConn,
+    func: RdmaDisconnectCallbackFunc,
+) -> c_int {
+    // SAFETY: the struct is alive while in the table.
+    set_callback("rdmaConnSetDisconnectCallback", conn, |f| unsafe {
+        std::ptr::write_volatile(addr_of_mut!((*f.ptr()).disconnect_callback), func)
+    })
+}
+
+/// snowrdma extension: the callback for messages sent with an immediate
+/// (`rdmaConnSendWithImm`, `rdmaConnWriteWithImm`). Without it, such messages
+/// go to the receive callback and the immediate is dropped.
+///
+/// # Safety
+/// Any pointer is accepted; unknown ones are refused.
+#[no_mangle]
+pub unsafe extern "C" fn rdmaConnSetRecvImmCallback(
+    conn: *mut RdmaConn,
+    func: RdmaRecvImmCallbackFunc,
+) -> c_int {
+    set_callback("rdmaConnSetRecvImmCallback", conn, |f| {
+        *f.imm_callback.lock().expect("ffi lock") = func;
+    })
+}
+
+/// Stops the background runtime: closes accepted connections; the threads
+/// end once no connection uses them. Later calls start it afresh.
+#[no_mangle]
+pub extern "C" fn rdmaRuntimeStop() {
+    guard("rdmaRuntimeStop", (), runtime::stop)
+}
+
+/// Registers a zeroed buffer of `size` bytes (local write, remote read and
+/// write) on the connection. The library owns it: free it with
+/// `rdmaConnDeregMem` (or it is freed when the connection is). NULL on error.
+///
+/// # Safety
+/// Any pointer is accepted; unknown ones are refused.
+#[no_mangle]
+pub unsafe extern "C" fn rdmaConnRegMem(conn: *mut RdmaConn, size: usize) -> *mut ibv_mr {
+    guard("rdmaConnRegMem", std::ptr::null_mut(), || {
+        let Some(c) = live(conn, "rdmaConnRegMem") else {
+            return std::ptr::null_mut();
+        };
+        c.register(size).unwrap_or_else(|e| {
+            log::warn!("rdmaConnRegMem({size}): {e}");
+            std::ptr::null_mut()
+        })
+    })
+}
+
+/// Deregisters and frees a buffer from `rdmaConnRegMem`.
+///
+/// # Safety
+/// Any pointers are accepted; unknown ones are refused.
+#[no_mangle]
+pub unsafe extern "C" fn rdmaConnDeregMem(conn: *mut RdmaConn, mr: *mut ibv_mr) {
+    guard("rdmaConnDeregMem", (), || {
+        if let Some(c) = live(conn, "rdmaConnDeregMem") {
+            if !c.deregister(mr) {
+                log::warn!("rdmaConnDeregMem: {mr:p} was not registered on this connection");
+            }
+        }
+    })
+}

@@ -12,11 +12,6 @@ mod kv_cases;
 mod report;
 mod verbs_cases;
 
-use c_api_cases::{echo_lat, echo_remote_lat, serve_legacy_peer, stream, sync_lat};
-use kv_cases::{kv_bw, kv_lat, kv_mix};
-use report::report;
-use verbs_cases::{verbs_imm_lat, verbs_op_lat, verbs_write_lat};
-
 use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -24,6 +19,11 @@ use std::time::Duration;
 
 use clap::{Parser, Subcommand, ValueEnum};
 use snowrdma::verbs::Context;
+
+use c_api_cases::{echo_lat, echo_remote_lat, serve_legacy_peer, stream, sync_lat};
+use kv_cases::{kv_bw, kv_lat, kv_mix};
+use report::report;
+use verbs_cases::{verbs_imm_lat, verbs_op_lat, verbs_write_lat};
 
 #[derive(Parser)]
 #[command(about = "snowrdma benchmarks, compared with perftest by `make bench`")]

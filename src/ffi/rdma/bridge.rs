@@ -6,11 +6,12 @@ use std::ffi::{c_char, c_int, c_uint, c_void, CString};
 use std::ptr::addr_of_mut;
 use std::sync::{Arc, Mutex};
 
-use super::handles::*;
-use super::types::*;
 use crate::ffi::boundary::guard;
 use crate::runtime::{ConnHandler, ConnState, Connection, Options, WeakConnection};
 use crate::verbs::RemoteRegion;
+
+use super::handles::*;
+use super::types::*;
 
 /// The library's side of one `RdmaConn`: the struct itself (stable address,
 /// freed when the last holder lets go) and the runtime connection.

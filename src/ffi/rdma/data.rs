@@ -3,11 +3,12 @@
 
 use std::ffi::{c_int, c_void};
 
-use super::handles::*;
-use super::types::*;
 use crate::ffi::boundary::guard;
 use crate::runtime;
 use crate::verbs::RemoteAddr;
+
+use super::handles::*;
+use super::types::*;
 
 const SIZE_ERR: usize = usize::MAX;
 

@@ -5,8 +5,9 @@ use std::ffi::c_int;
 use std::ptr::addr_of;
 use std::time::Duration;
 
-use super::types::*;
 use crate::runtime::{CommMode, Options, DEFAULT_RECV_BUF_LEN};
+
+use super::types::*;
 
 // The globals: programs read and write them directly; they are read when a
 // connection or server is created.

@@ -9,9 +9,10 @@ use std::sync::{Arc, Mutex};
 
 use once_cell::sync::Lazy;
 
+use crate::runtime::{Connection, Listener};
+
 use super::bridge::*;
 use super::types::*;
-use crate::runtime::{Connection, Listener};
 
 /// The connection table: every `RdmaConn *` handed to C, by address.
 pub(super) static CONNS: Lazy<Mutex<HashMap<usize, Arc<FfiConn>>>> =

@@ -7,12 +7,13 @@ use std::sync::Arc;
 
 use rdma_sys::ibv_mr;
 
+use crate::ffi::boundary::guard;
+use crate::runtime::{self, ConnHandler, Connection, Listener};
+
 use super::bridge::*;
 use super::globals::*;
 use super::handles::*;
 use super::types::*;
-use crate::ffi::boundary::guard;
-use crate::runtime::{self, ConnHandler, Connection, Listener};
 
 /// Creates a server listening on `ip`:`port` (an address of an RDMA device;
 /// port 0 picks a free one) and stores it in `*listener`. `opt` may be NULL;

@@ -7,14 +7,13 @@
 use std::collections::HashMap;
 
 use crate::copy;
-use crate::verbs::RemoteAddr;
-
-use super::{
-    collect_batch, copy_into, BounceGuard, Client, Each, GetResult, BATCH_WINDOW, GROUP_BYTES,
-};
 use crate::kv::pool::SLAB_PAGE;
 use crate::kv::proto::{decode_bucket, key_hash, verify_block, BLOCK_HEADER_LEN, BUCKET_LEN};
 use crate::kv::{check_key, KvError, Result};
+use crate::verbs::RemoteAddr;
+
+use super::bounce::BounceGuard;
+use super::{collect_batch, copy_into, Client, Each, GetResult, BATCH_WINDOW, GROUP_BYTES};
 
 /// One-sided lookups retried this often (a torn read) before asking the
 /// server.

@@ -1,0 +1,166 @@
+//! The bounce buffer: one registered buffer large values pass through, taken
+//! in turns, and the transfers in and out of it.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{MutexGuard, PoisonError};
+
+use crate::kv::{KvError, Result};
+use crate::runtime::{thread_token, Connection};
+use crate::verbs::RemoteAddr;
+
+use super::{Client, KEEP_BOUNCE, MAX_TRANSFER};
+
+/// Registered memory large values pass through.
+pub(super) struct Bounce {
+    pub(super) raw: *mut rdma_sys::ibv_mr,
+    pub(super) addr: u64,
+    pub(super) len: usize,
+    pub(super) lkey: u32,
+}
+
+// SAFETY: the registration is only used under the client's bounce lock.
+unsafe impl Send for Bounce {}
+
+impl Bounce {
+    pub(super) fn bytes(&mut self, len: usize) -> &mut [u8] {
+        self.at(0, len)
+    }
+
+    /// `len` bytes from `offset` (cut short at the buffer's end).
+    pub(super) fn at(&mut self, offset: usize, len: usize) -> &mut [u8] {
+        let offset = offset.min(self.len);
+        // SAFETY: registered memory of `self.len` bytes owned by the
+        // connection; the bounce lock makes us its only user.
+        unsafe {
+            std::slice::from_raw_parts_mut(
+                (self.addr as *mut u8).add(offset),
+                len.min(self.len - offset),
+            )
+        }
+    }
+
+    /// The bytes from `offset` as the value to RDMA WRITE to `remote`.
+    pub(super) fn staged(&self, offset: usize, remote: RemoteAddr, len: usize) -> Staged {
+        Staged {
+            local: self.addr + offset as u64,
+            lkey: self.lkey,
+            remote,
+            len,
+        }
+    }
+}
+
+/// A value in the bounce buffer to RDMA WRITE ahead of its request.
+pub(super) struct Staged {
+    pub(super) local: u64,
+    pub(super) lkey: u32,
+    pub(super) remote: RemoteAddr,
+    pub(super) len: usize,
+}
+
+/// The locked bounce buffer; a buffer over [`KEEP_BOUNCE`] is freed when
+/// the guard goes.
+pub(super) struct BounceGuard<'c> {
+    pub(super) slot: MutexGuard<'c, Option<Bounce>>,
+    pub(super) conn: &'c Connection,
+    pub(super) holder: &'c AtomicUsize,
+}
+
+impl std::ops::Deref for BounceGuard<'_> {
+    type Target = Bounce;
+    fn deref(&self) -> &Bounce {
+        self.slot.as_ref().expect("bounce buffer")
+    }
+}
+
+impl std::ops::DerefMut for BounceGuard<'_> {
+    fn deref_mut(&mut self) -> &mut Bounce {
+        self.slot.as_mut().expect("bounce buffer")
+    }
+}
+
+impl Drop for BounceGuard<'_> {
+    fn drop(&mut self) {
+        self.holder.store(0, Ordering::Release);
+        if self.slot.as_ref().is_some_and(|b| b.len > KEEP_BOUNCE) {
+            if let Some(big) = self.slot.take() {
+                self.conn.deregister(big.raw);
+            }
+        }
+    }
+}
+
+impl Client {
+    /// The bounce buffer, grown to at least `len` bytes, locked until the
+    /// guard is dropped.
+    pub(super) fn lock_bounce(&self, len: usize) -> Result<BounceGuard<'_>> {
+        let me = thread_token();
+        if self.bounce_holder.load(Ordering::Acquire) == me {
+            return Err(KvError::InvalidArgument(
+                "a callback lent a value called back into the same client".into(),
+            ));
+        }
+        // Poisoned only by a panic in a user's callback lent a value; the
+        // buffer is scratch space and still whole.
+        let mut slot = self.bounce.lock().unwrap_or_else(PoisonError::into_inner);
+        if slot.as_ref().is_none_or(|b| b.len < len) {
+            if let Some(old) = slot.take() {
+                self.conn.deregister(old.raw);
+            }
+            let size = len.next_power_of_two().max(1 << 20);
+            let raw = self.conn.register(size).map_err(|_| KvError::NoMemory)?;
+            // SAFETY: `register` returned a live registration.
+            let (addr, lkey) = unsafe { ((*raw).addr as u64, (*raw).lkey) };
+            *slot = Some(Bounce {
+                raw,
+                addr,
+                len: size,
+                lkey,
+            });
+        }
+        self.bounce_holder.store(me, Ordering::Release);
+        Ok(BounceGuard {
+            slot,
+            conn: &self.conn,
+            holder: &self.bounce_holder,
+        })
+    }
+
+    /// Runs `f` with the bounce buffer grown to at least `len` bytes.
+    pub(super) fn with_bounce<T>(
+        &self,
+        len: usize,
+        f: impl FnOnce(&mut Bounce) -> Result<T>,
+    ) -> Result<T> {
+        let mut bounce = self.lock_bounce(len)?;
+        f(&mut bounce)
+    }
+
+    /// Moves `len` bytes between the bounce buffer (from `local`) and the
+    /// server, in pieces, waiting for each.
+    pub(super) fn transfer(
+        &self,
+        read: bool,
+        bounce: &Bounce,
+        local: usize,
+        remote: RemoteAddr,
+        len: usize,
+    ) -> Result<()> {
+        let mut done = 0;
+        while done < len {
+            let n = (len - done).min(MAX_TRANSFER);
+            let at = RemoteAddr {
+                addr: remote.addr + done as u64,
+                rkey: remote.rkey,
+            };
+            let laddr = bounce.addr + (local + done) as u64;
+            if read {
+                self.conn.read_sync(laddr, bounce.lkey, at, n as u32)?;
+            } else {
+                self.conn.write_sync(laddr, bounce.lkey, at, n as u32)?;
+            }
+            done += n;
+        }
+        Ok(())
+    }
+}

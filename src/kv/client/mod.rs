@@ -1,0 +1,335 @@
+//! The key-value client: requests as runtime messages, a key and value under
+//! 4 KiB together inside them, larger values by RDMA WRITE into the client's request buffer
+//! on the server (one round trip) or into a target the server allocates,
+//! and by RDMA READ of the stored block. GETs can also be served without the
+//! server's CPU ([`Client::get_one_sided`]).
+//!
+//! A client may be used from several threads; each call waits for its own
+//! reply. Calls moving large values take turns (they share one registered
+//! bounce buffer).
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use crate::copy;
+use crate::runtime::{CommMode, Connection, Options};
+
+use super::proto::{Op, Reply, Request, ServerInfo};
+use super::{ConnMode, KvError, Result, TIMEOUT_ENV};
+
+mod batch;
+mod bounce;
+mod one_sided;
+mod replies;
+mod single;
+
+use bounce::{Bounce, Staged};
+use one_sided::Locations;
+use replies::{Replies, ReplyHandler};
+
+/// Largest single RDMA READ or WRITE: keeps every one well inside the
+/// runtime's per-operation time bound even on a slow link.
+const MAX_TRANSFER: usize = 16 << 20;
+
+/// Bounce buffer kept between calls; larger ones are freed after use.
+const KEEP_BOUNCE: usize = 64 << 20;
+
+/// Requests of a batch in flight at once.
+const BATCH_WINDOW: usize = 64;
+
+/// Leases one release message ends at most (1 KiB of them after the
+/// header), so a batch ends its leases in one message, not one per value.
+const RELEASES_PER_MESSAGE: usize = 128;
+
+/// The bounce buffer a batch's values are READ into side by side, and the
+/// largest value read that way (a larger one is read alone).
+const GROUP_BYTES: usize = 4 << 20;
+
+/// Staged values of a batch start at multiples of this in the request
+/// buffer.
+const SLOT_ALIGN: usize = 64;
+
+/// The assumed slowest link, for the time allowed to move a large value.
+const SLOWEST_BYTES_PER_SEC: u64 = 4 << 20;
+
+/// How a client connects.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClientOptions {
+    pub mode: ConnMode,
+    /// Device name (socket mode); `None`: the first device.
+    pub device: Option<String>,
+    /// How long to wait for a reply (`SNOWRDMA_KV_TIMEOUT_MS`, default
+    /// 10 s), plus time in proportion to the bytes a call moves.
+    pub timeout: Duration,
+}
+
+impl Default for ClientOptions {
+    fn default() -> Self {
+        let ms = std::env::var(TIMEOUT_ENV)
+            .ok()
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(10_000);
+        ClientOptions {
+            mode: ConnMode::Cm,
+            device: None,
+            timeout: Duration::from_millis(ms),
+        }
+    }
+}
+
+/// One key's answer in a batch: the value and its version.
+type GetResult = Result<(Vec<u8>, u64)>;
+
+/// Where a batched GET hands each key's answer: the key's index, and the
+/// value (lent for the call) with its version, or the error. Called once
+/// per key, in no particular order.
+type Each<'a> = dyn FnMut(usize, Result<(&[u8], u64)>) + 'a;
+
+fn failed_verification() -> KvError {
+    KvError::Internal("the value read from the server failed verification".into())
+}
+
+/// A connection to a key-value server.
+pub struct Client {
+    conn: Connection,
+    replies: Arc<Replies>,
+    info: ServerInfo,
+    next_id: AtomicU64,
+    bounce: Mutex<Option<Bounce>>,
+    /// The thread holding `bounce` (0: none), so a value callback that
+    /// calls back into its client gets an error instead of a deadlock.
+    bounce_holder: AtomicUsize,
+    /// Where each key's block was last found by a one-sided GET.
+    locations: Mutex<Locations>,
+    timeout: Duration,
+}
+
+/// A request on its way. Its reply's deadline counts from when it was
+/// sent, so the replies of a batch time out together, not one timeout
+/// after another.
+#[derive(Clone, Copy)]
+struct Sent {
+    id: u64,
+    at: Instant,
+}
+
+impl Client {
+    /// Connects over RDMA CM.
+    pub fn connect(addr: SocketAddr) -> Result<Client> {
+        Client::connect_with(addr, &ClientOptions::default())
+    }
+
+    pub fn connect_with(addr: SocketAddr, opts: &ClientOptions) -> Result<Client> {
+        let replies = Arc::new(Replies::default());
+        // Every call waits for its reply, so the caller may as well take
+        // it off the completion queue itself.
+        let rt_opts = Options {
+            comm_mode: CommMode::Blocking,
+            caller_polls: true,
+            max_inline_data: super::MESSAGE_INLINE,
+            ..Options::default()
+        };
+        let handler = Arc::new(ReplyHandler(replies.clone()));
+        let conn = match opts.mode {
+            ConnMode::Cm => Connection::connect(addr, &rt_opts, handler),
+            ConnMode::Socket => {
+                Connection::connect_socket(addr, opts.device.as_deref(), &rt_opts, handler)
+            }
+        }
+        .map_err(|e| KvError::Disconnected(format!("connecting to {addr}: {e}")))?;
+        let mut client = Client {
+            conn,
+            replies,
+            // Filled from the HELLO reply below.
+            info: ServerInfo::default(),
+            next_id: AtomicU64::new(1),
+            bounce: Mutex::new(None),
+            bounce_holder: AtomicUsize::new(0),
+            locations: Mutex::new(Locations::new()),
+            timeout: opts.timeout,
+        };
+        let (_, payload) = client.call(Request::new(Op::Hello, 0), &[], &[], 0)?;
+        client.info = ServerInfo::decode(&payload)
+            .ok_or_else(|| KvError::Internal("the server's HELLO reply is malformed".into()))?;
+        Ok(client)
+    }
+
+    /// Connects as `kv_open` does: `name` is "host" or "host:port" (port
+    /// 4792, or `SNOWRDMA_KV_PORT`, by default).
+    pub fn open(name: &str) -> Result<Client> {
+        Client::connect(super::server_addr(name)?)
+    }
+
+    /// Stores a string (as `kv_set`); returns the new version.
+    pub fn set(&self, key: &str, value: &str) -> Result<u64> {
+        self.put(key.as_bytes(), value.as_bytes())
+    }
+
+    /// A string value (as `kv_get`): "" for a missing key; a value that is
+    /// not UTF-8 is an [`KvError::InvalidArgument`].
+    pub fn get_string(&self, key: &str) -> Result<String> {
+        match self.get(key.as_bytes()) {
+            Ok((v, _)) => String::from_utf8(v).map_err(|_| {
+                KvError::InvalidArgument(format!("the value of {key:?} is not UTF-8"))
+            }),
+            Err(KvError::NotFound) => Ok(String::new()),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// What the server said about itself at connect time.
+    pub fn server_info(&self) -> &ServerInfo {
+        &self.info
+    }
+
+    /// Time allowed for a call that moves `bytes`.
+    fn allowance(&self, bytes: usize) -> Duration {
+        self.timeout + Duration::from_secs(bytes as u64 / SLOWEST_BYTES_PER_SEC)
+    }
+
+    fn send(&self, req: Request, key: &[u8], inline: &[u8]) -> Result<Sent> {
+        self.send_after(req, key, inline, None)
+    }
+
+    /// Sends a request, after RDMA WRITing `staged` when given (one
+    /// doorbell).
+    fn send_after(
+        &self,
+        mut req: Request,
+        key: &[u8],
+        inline: &[u8],
+        staged: Option<Staged>,
+    ) -> Result<Sent> {
+        // Ids wrap at 32 bits so replies can carry them in a compact header;
+        // far fewer than 2^32 requests are ever outstanding at once.
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed) & u64::from(u32::MAX);
+        self.replies.reuse(id);
+        req.req_id = id;
+        let at = Instant::now();
+        let msg = req.encode(key, inline);
+        let sent = match staged {
+            // SAFETY: the bounce buffer stays untouched (the caller holds its
+            // lock) until the reply, which comes after the server has the
+            // request.
+            Some(v) => unsafe {
+                self.conn
+                    .write_then_send(v.local, v.lkey, v.remote, v.len as u32, &msg)?
+            },
+            None => self.conn.send(&msg)?,
+        };
+        match sent {
+            0 => Err(KvError::Timeout(self.conn.options().timeout)),
+            _ => Ok(Sent { id, at }),
+        }
+    }
+
+    /// Waits for the reply to `sent`, until `allowed` after it was sent.
+    fn wait(&self, sent: Sent, allowed: Duration) -> Result<(Reply, Vec<u8>)> {
+        let mut seen = u64::MAX;
+        let mut reply = None;
+        let mut ended = false;
+        self.conn.wait_for(sent.at + allowed, || {
+            // The map is only looked at when something arrived.
+            let arrived = self.replies.arrived.load(Ordering::Acquire);
+            if arrived != seen {
+                seen = arrived;
+                reply = self
+                    .replies
+                    .inbox
+                    .lock()
+                    .expect("reply lock")
+                    .ready
+                    .remove(&sent.id);
+            }
+            ended = self.replies.dead.load(Ordering::Acquire);
+            reply.is_some() || ended
+        });
+        match reply {
+            Some(r) => Ok(r),
+            // The server went away, or this client was closed.
+            None if ended => Err(KvError::Disconnected("the connection has ended".into())),
+            None => self
+                .replies
+                .abandon(sent.id)
+                .ok_or(KvError::Timeout(allowed)),
+        }
+    }
+
+    /// Sends a request and waits for its reply; a reply with an error
+    /// status becomes that error.
+    fn call(
+        &self,
+        req: Request,
+        key: &[u8],
+        inline: &[u8],
+        moves: usize,
+    ) -> Result<(Reply, Vec<u8>)> {
+        self.call_after(req, key, inline, None, moves)
+    }
+
+    /// [`Client::call`], after a write as [`Client::send_after`] makes it.
+    fn call_after(
+        &self,
+        req: Request,
+        key: &[u8],
+        inline: &[u8],
+        staged: Option<Staged>,
+        moves: usize,
+    ) -> Result<(Reply, Vec<u8>)> {
+        let sent = self.send_after(req, key, inline, staged)?;
+        let (reply, payload) = self.wait(sent, self.allowance(moves))?;
+        status(&reply)?;
+        Ok((reply, payload))
+    }
+
+    /// Disconnects (also done on drop). Calls other threads have in flight
+    /// on this client end at once with [`KvError::Disconnected`], and later
+    /// ones fail the same way.
+    pub fn close(&self) {
+        // Before the close wakes the waiters: a local close fires no
+        // `disconnected` callback to say so.
+        self.replies.dead.store(true, Ordering::Release);
+        self.conn.close();
+    }
+}
+
+impl Drop for Client {
+    fn drop(&mut self) {
+        self.close();
+    }
+}
+
+/// The results of a batched GET, one per key in order, from the `_with`
+/// form that lends each value.
+fn collect_batch(count: usize, run: impl FnOnce(&mut Each<'_>)) -> Vec<GetResult> {
+    let mut results: Vec<Option<GetResult>> = (0..count).map(|_| None).collect();
+    run(&mut |i, r| results[i] = Some(r.map(|(value, version)| (copy::to_vec(value), version))));
+    results
+        .into_iter()
+        .map(|r| r.unwrap_or_else(|| Err(KvError::Internal("no answer for this key".into()))))
+        .collect()
+}
+
+/// Copies `value` to the front of `buf`, if it fits (nothing is copied if
+/// not: [`KvError::BufferTooSmall`] reports its length); returns its length.
+fn copy_into(buf: &mut [u8], value: &[u8]) -> Result<usize> {
+    let dst = buf.get_mut(..value.len()).ok_or(KvError::BufferTooSmall {
+        needed: value.len() as u64,
+    })?;
+    copy::copy(dst, value);
+    Ok(value.len())
+}
+
+/// The error a reply reports, if any.
+fn status(reply: &Reply) -> Result<()> {
+    if reply.status == 0 {
+        return Ok(());
+    }
+    let detail = match reply.status {
+        -3 => reply.version,
+        _ => reply.value_len,
+    };
+    Err(KvError::from_code(reply.status, detail))
+}

@@ -1,0 +1,153 @@
+//! Matching replies to requests: the waiting callers by request id, ids
+//! given up on (whose late replies release what they hold), and the handler
+//! that files each reply.
+
+use std::collections::{HashMap, HashSet};
+use std::hash::{BuildHasherDefault, Hasher};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use crate::kv::proto::{Reply, Request};
+use crate::runtime::{ConnHandler, Connection};
+
+use super::RELEASES_PER_MESSAGE;
+
+/// Hashes a request id as itself: ids are sequential, so they spread over
+/// the buckets anyway, and SipHash on both sides of every reply is a cost
+/// each request pays on its critical path.
+#[derive(Default)]
+pub(super) struct IdHasher(pub(super) u64);
+
+impl Hasher for IdHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = self.0.rotate_left(8) ^ u64::from(b);
+        }
+    }
+
+    fn write_u64(&mut self, id: u64) {
+        self.0 = id;
+    }
+}
+
+pub(super) type ById<T> = HashMap<u64, T, BuildHasherDefault<IdHasher>>;
+
+/// Replies by request id, filled by whichever thread polls the connection
+/// (a waiting caller, or the completion thread).
+#[derive(Default)]
+pub(super) struct Replies {
+    pub(super) inbox: Mutex<Inbox>,
+    pub(super) arrived: AtomicU64,
+    pub(super) dead: AtomicBool,
+    /// Whether `abandoned` may hold ids: spares the sending path the lock.
+    pub(super) any_abandoned: AtomicBool,
+}
+
+#[derive(Default)]
+pub(super) struct Inbox {
+    pub(super) ready: ById<(Reply, Vec<u8>)>,
+    /// Requests whose callers gave up waiting: their replies, if they
+    /// come, are dropped, and what they hold on the server is released.
+    pub(super) abandoned: HashSet<u64, BuildHasherDefault<IdHasher>>,
+}
+
+impl Replies {
+    /// Gives up on request `id`: returns its reply if it came after all.
+    pub(super) fn abandon(&self, id: u64) -> Option<(Reply, Vec<u8>)> {
+        let mut inbox = self.inbox.lock().expect("reply lock");
+        let reply = inbox.ready.remove(&id);
+        if reply.is_none() {
+            inbox.abandoned.insert(id);
+            self.any_abandoned.store(true, Ordering::Release);
+        }
+        reply
+    }
+
+    /// Ids wrap: a request taking the id of one whose reply never came
+    /// must not have its own reply dropped.
+    pub(super) fn reuse(&self, id: u64) {
+        if self.any_abandoned.load(Ordering::Acquire) {
+            let mut inbox = self.inbox.lock().expect("reply lock");
+            inbox.abandoned.remove(&id);
+            if inbox.abandoned.is_empty() {
+                self.any_abandoned.store(false, Ordering::Release);
+            }
+        }
+    }
+}
+
+pub(super) struct ReplyHandler(pub(super) Arc<Replies>);
+
+impl ConnHandler for ReplyHandler {
+    fn recv(&self, conn: &Connection, data: &[u8], _imm: Option<u32>) {
+        let Ok((reply, payload)) = Reply::decode(data) else {
+            log::warn!("ignoring a malformed reply from the server");
+            return;
+        };
+        let mut inbox = self.0.inbox.lock().expect("reply lock");
+        if inbox.abandoned.remove(&reply.req_id) {
+            drop(inbox);
+            // A lease or write target nobody will use: ended now, rather
+            // than held until we disconnect (and counted against our
+            // limit of targets meanwhile).
+            // On this connection's polling thread the send never waits: a
+            // full ring queues it.
+            if reply.status == 0 && reply.lease != 0 {
+                send_releases(conn, &[reply.lease]);
+            }
+            return;
+        }
+        inbox.ready.insert(reply.req_id, (reply, payload.to_vec()));
+        drop(inbox);
+        self.0.arrived.fetch_add(1, Ordering::Release);
+    }
+
+    fn disconnected(&self, _conn: &Connection) {
+        self.0.dead.store(true, Ordering::Release);
+    }
+}
+
+/// Ends leases or write targets, up to [`RELEASES_PER_MESSAGE`] in one
+/// message. Releases get no reply, so they take no request id; losing one
+/// only keeps the memory a little longer (until we disconnect).
+pub(super) fn send_releases(conn: &Connection, leases: &[u64]) {
+    for part in leases.chunks(RELEASES_PER_MESSAGE) {
+        let (release, more) = Request::release(part);
+        let _ = conn.send(&release.encode(&more, &[]));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn reply(id: u64) -> (Reply, Vec<u8>) {
+        let r = Reply {
+            req_id: id,
+            ..Reply::default()
+        };
+        (r, b"late".to_vec())
+    }
+
+    #[test]
+    fn an_abandoned_id_is_remembered_until_reused() {
+        let replies = Replies::default();
+        // A reply that came at the last moment is still taken.
+        replies.inbox.lock().unwrap().ready.insert(1, reply(1));
+        assert_eq!(replies.abandon(1).unwrap().1, b"late");
+        assert!(!replies.any_abandoned.load(Ordering::Acquire));
+        // One that has not come is remembered, so its reply is dropped.
+        assert!(replies.abandon(2).is_none());
+        assert!(replies.inbox.lock().unwrap().abandoned.contains(&2));
+        replies.reuse(3);
+        assert!(replies.inbox.lock().unwrap().abandoned.contains(&2));
+        // Until a new request takes its id after the ids wrap.
+        replies.reuse(2);
+        assert!(replies.inbox.lock().unwrap().abandoned.is_empty());
+        assert!(!replies.any_abandoned.load(Ordering::Acquire));
+    }
+}

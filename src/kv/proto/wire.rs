@@ -1,17 +1,15 @@
-//! The key-value wire protocol, carried as runtime messages (RDMA WRITE WITH
-//! IMM into the peer's ring), and the layouts clients read one-sidedly: the
-//! value block and the hash index bucket. All integers little-endian.
-//!
-//! A request is a [`Request`] header, the key, then (inline writes) the
-//! value. A reply is a [`Reply`] header, then (inline GETs, HELLO) a payload.
+//! The messages: a [`Request`] header, the key, then (inline writes) the
+//! value; a [`Reply`] header, then (inline GETs, HELLO) a payload; compact
+//! forms of both for the common small cases; the server's HELLO answer.
 
-use xxhash_rust::xxh3::{xxh3_64, Xxh3};
+use crate::kv::KvError;
 
-use super::KvError;
+use super::{u32_at, u64_at};
 
 pub const REQUEST_MAGIC: u32 = 0x3152_564b; // "KVR1"
 pub const REPLY_MAGIC: u32 = 0x3141_564b; // "KVA1"
 pub const REQUEST_LEN: usize = 56;
+
 pub const REPLY_LEN: usize = 56;
 
 /// First byte of a compact request: one whose only facts are its op, key,
@@ -19,7 +17,8 @@ pub const REPLY_LEN: usize = 56;
 /// is the tag, the op, the key length in 2 bytes and the request id in 4;
 /// the value is the rest of the message. A full header starts with
 /// [`REQUEST_MAGIC`]'s low byte, which is not this one.
-const COMPACT_REQUEST_TAG: u8 = 0xb1;
+pub(super) const COMPACT_REQUEST_TAG: u8 = 0xb1;
+
 pub const COMPACT_REQUEST_LEN: usize = 8;
 
 /// First byte of a compact reply: a success whose only facts are the
@@ -29,10 +28,12 @@ pub const COMPACT_REQUEST_LEN: usize = 8;
 /// 120 B (on Soft-RoCE a payload of 80 B or more takes the kernel's slower
 /// ICRC routine, about 2 us per message under emulation). A full header
 /// starts with [`REPLY_MAGIC`]'s low byte, which is not this one.
-const COMPACT_REPLY_TAG: u8 = 0xa1;
+pub(super) const COMPACT_REPLY_TAG: u8 = 0xa1;
+
 pub const COMPACT_REPLY_LEN: usize = 12;
+
 /// Versions a compact header can carry (7 bytes).
-const COMPACT_VERSION_LIMIT: u64 = 1 << 56;
+pub(super) const COMPACT_VERSION_LIMIT: u64 = 1 << 56;
 
 /// A key and value shorter than this together travel inside the request
 /// and reply messages (the legacy "eager" protocol); longer ones move by
@@ -63,7 +64,7 @@ pub enum Op {
 }
 
 impl Op {
-    fn from_u8(v: u8) -> Option<Op> {
+    pub(super) fn from_u8(v: u8) -> Option<Op> {
         Some(match v {
             1 => Op::Hello,
             2 => Op::Get,
@@ -101,10 +102,13 @@ pub struct Request {
     pub lease: u64,
 }
 
-const FLAG_CAS: u8 = 1;
-const SRC_INLINE: u8 = 0;
-const SRC_STAGED: u8 = 1;
-const SRC_ALLOCATED: u8 = 2;
+pub(super) const FLAG_CAS: u8 = 1;
+
+pub(super) const SRC_INLINE: u8 = 0;
+
+pub(super) const SRC_STAGED: u8 = 1;
+
+pub(super) const SRC_ALLOCATED: u8 = 2;
 
 impl Request {
     pub fn new(op: Op, req_id: u64) -> Request {
@@ -141,7 +145,7 @@ impl Request {
         b
     }
 
-    fn encode_full_header(&self, key_len: usize, b: &mut Vec<u8>) {
+    pub(super) fn encode_full_header(&self, key_len: usize, b: &mut Vec<u8>) {
         let (src, a, c) = match self.source {
             Source::Inline => (SRC_INLINE, 0, 0),
             Source::Staged { offset, checksum } => (SRC_STAGED, offset, checksum),
@@ -231,7 +235,7 @@ impl Request {
         Ok((req, key, inline))
     }
 
-    fn decode_compact(msg: &[u8]) -> Result<(Request, &[u8], &[u8]), &'static str> {
+    pub(super) fn decode_compact(msg: &[u8]) -> Result<(Request, &[u8], &[u8]), &'static str> {
         if msg.len() < COMPACT_REQUEST_LEN {
             return Err("request shorter than its header");
         }
@@ -276,7 +280,7 @@ impl Reply {
     }
 
     /// Whether the reply says nothing a [`COMPACT_REPLY_LEN`] header cannot.
-    fn fits_compact(&self, payload: &[u8]) -> bool {
+    pub(super) fn fits_compact(&self, payload: &[u8]) -> bool {
         let plain = Reply {
             req_id: self.req_id,
             version: self.version,
@@ -386,186 +390,9 @@ impl ServerInfo {
     }
 }
 
-// ---- The value block: what a one-sided reader verifies ----
-
-pub const BLOCK_MAGIC: u32 = 0x4b42_564b; // "KVBK"
-/// The magic of a block that is no longer its key's current value (replaced
-/// or deleted) but stays readable for a lease holder until freed. Set after
-/// the index moved on and before the writer is answered.
-pub const SUPERSEDED_MAGIC: u32 = 0x5842_564b; // "KVBX"
-pub const BLOCK_HEADER_LEN: usize = 32;
-
-/// A stored value as it sits in server memory: magic, key length, value
-/// length, version, then a checksum over all of that plus key and value, so a
-/// reader racing with an update or with reuse of the memory sees a mismatch
-/// instead of a torn value.
-pub fn block_len(key_len: usize, value_len: usize) -> usize {
-    BLOCK_HEADER_LEN + key_len + value_len
-}
-
-/// The checksum in a block header: over the header's first 24 bytes, the
-/// key, and the value's own hash (so the value can be hashed before the
-/// version is known, outside any lock).
-fn block_checksum(head: &[u8], key: &[u8], value_hash: u64) -> u64 {
-    // Usual keys are hashed in one call from a stack copy: the streaming
-    // state costs more to set up than the few bytes cost to hash. Both ways
-    // give the same digest.
-    let mut short = [0u8; 24 + SHORT_KEY + 8];
-    let n = head.len() + key.len() + 8;
-    if n <= short.len() {
-        let (h, rest) = short.split_at_mut(head.len());
-        h.copy_from_slice(head);
-        rest[..key.len()].copy_from_slice(key);
-        rest[key.len()..key.len() + 8].copy_from_slice(&value_hash.to_le_bytes());
-        return xxh3_64(&short[..n]);
-    }
-    let mut h = Xxh3::new();
-    h.update(head);
-    h.update(key);
-    h.update(&value_hash.to_le_bytes());
-    h.digest()
-}
-
-/// Keys up to this long take [`block_checksum`]'s one-call path.
-const SHORT_KEY: usize = 200;
-
-fn block_head(key_len: usize, value_len: usize, version: u64) -> [u8; 24] {
-    let mut head = [0u8; 24];
-    head[..4].copy_from_slice(&BLOCK_MAGIC.to_le_bytes());
-    head[4..8].copy_from_slice(&(key_len as u32).to_le_bytes());
-    head[8..16].copy_from_slice(&(value_len as u64).to_le_bytes());
-    head[16..24].copy_from_slice(&version.to_le_bytes());
-    head
-}
-
-/// Writes a whole block into `out` (`block_len` bytes).
-#[cfg(test)]
-pub fn write_block(out: &mut [u8], key: &[u8], value: &[u8], version: u64) {
-    let k = BLOCK_HEADER_LEN + key.len();
-    out[BLOCK_HEADER_LEN..k].copy_from_slice(key);
-    out[k..k + value.len()].copy_from_slice(value);
-    seal_block(out, key.len(), value_checksum(value), version);
-}
-
-/// Writes the header of a block whose key and value are already in place
-/// after it, given the value's hash ([`value_checksum`]).
-pub fn seal_block(block: &mut [u8], key_len: usize, value_hash: u64, version: u64) {
-    let value_len = block.len() - BLOCK_HEADER_LEN - key_len;
-    let head = block_head(key_len, value_len, version);
-    let key = &block[BLOCK_HEADER_LEN..BLOCK_HEADER_LEN + key_len];
-    let sum = block_checksum(&head, key, value_hash);
-    block[24..32].copy_from_slice(&sum.to_le_bytes());
-    block[..24].copy_from_slice(&head);
-}
-
-/// Checks a block read from the server by address alone: it must be the
-/// key's current value (not superseded), hold `key`, be complete and match
-/// its checksum. Returns the version and the value.
-pub fn verify_block<'a>(block: &'a [u8], key: &[u8]) -> Option<(u64, &'a [u8])> {
-    verify(block, key, false)
-}
-
-/// As [`verify_block`], for a block the server leased to the reader: one
-/// superseded since the lease was given is still whole, and still the
-/// value the lookup found. The value is not hashed: a leased block is
-/// neither freed nor written until the lease ends (clients can only READ
-/// the pool, and a write target loses its write access before it is
-/// sealed), so the header and key are checked only against a server bug.
-pub fn verify_leased_block<'a>(block: &'a [u8], key: &[u8]) -> Option<(u64, &'a [u8])> {
-    verify(block, key, true)
-}
-
-fn verify<'a>(block: &'a [u8], key: &[u8], leased: bool) -> Option<(u64, &'a [u8])> {
-    let split = BLOCK_HEADER_LEN + key.len();
-    if block.len() < split {
-        return None;
-    }
-    let (head, value) = block.split_at(split);
-    let magic = u32_at(head, 0);
-    if magic != BLOCK_MAGIC && !(leased && magic == SUPERSEDED_MAGIC) {
-        return None;
-    }
-    let key_len = u32_at(head, 4) as usize;
-    let value_len = usize::try_from(u64_at(head, 8)).ok()?;
-    let stored_key = &head[BLOCK_HEADER_LEN..];
-    if key_len != key.len() || value_len != value.len() || stored_key != key {
-        return None;
-    }
-    if leased {
-        return Some((u64_at(head, 16), value));
-    }
-    // The checksum was taken when the block was sealed, as current.
-    let mut sealed = [0u8; 24];
-    sealed.copy_from_slice(&head[..24]);
-    sealed[..4].copy_from_slice(&BLOCK_MAGIC.to_le_bytes());
-    if block_checksum(&sealed, stored_key, value_checksum(value)) != u64_at(head, 24) {
-        return None;
-    }
-    Some((u64_at(head, 16), value))
-}
-
-/// Checksum of a staged value, so the server can tell it arrived whole.
-pub fn value_checksum(value: &[u8]) -> u64 {
-    xxh3_64(value)
-}
-
-// ---- The hash index: buckets a client may READ ----
-
-/// One bucket: a 32-byte header (overflow count) and [`SLOTS`] slots.
-pub const BUCKET_LEN: usize = 256;
-pub const SLOT_LEN: usize = 32;
-pub const SLOTS: usize = 7;
-pub const BUCKET_HEADER_LEN: usize = BUCKET_LEN - SLOTS * SLOT_LEN;
-
-/// The hash of a key, which picks its bucket and (never 0) tags its slot.
-pub fn key_hash(key: &[u8]) -> u64 {
-    xxh3_64(key).max(1)
-}
-
-/// One index slot: tag 0 is empty. The server writes the other fields
-/// before the tag when filling a slot and clears the tag first when emptying
-/// it; a reader that still sees a torn slot is caught by [`verify_block`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct Slot {
-    pub tag: u64,
-    pub addr: u64,
-    pub len: u64,
-    pub rkey: u32,
-}
-
-impl Slot {
-    pub fn decode(b: &[u8]) -> Slot {
-        Slot {
-            tag: u64_at(b, 0),
-            addr: u64_at(b, 8),
-            len: u64_at(b, 16),
-            rkey: u32_at(b, 24),
-        }
-    }
-}
-
-/// A bucket as read by a client: its overflow count (entries that did not
-/// fit, found only by asking the server) and its slots.
-pub fn decode_bucket(b: &[u8]) -> (u64, Vec<Slot>) {
-    let overflow = u64_at(b, 0);
-    let slots = (0..SLOTS)
-        .map(|i| Slot::decode(&b[BUCKET_HEADER_LEN + i * SLOT_LEN..]))
-        .collect();
-    (overflow, slots)
-}
-
-pub fn u32_at(b: &[u8], at: usize) -> u32 {
-    u32::from_le_bytes(b[at..at + 4].try_into().expect("4 bytes"))
-}
-
-pub fn u64_at(b: &[u8], at: usize) -> u64 {
-    u64::from_le_bytes(b[at..at + 8].try_into().expect("8 bytes"))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
     #[test]
     fn release_names_every_lease() {
         let (req, more) = Request::release(&[5, 6, 7]);
@@ -704,44 +531,5 @@ mod tests {
         }
         assert!(Reply::decode(&[COMPACT_REPLY_TAG; 11]).is_err());
         assert!(Reply::decode(&[0; 12]).is_err());
-    }
-
-    #[test]
-    fn block_checksums_agree_on_both_paths() {
-        let head = [5u8; 24];
-        for key_len in [0, 16, SHORT_KEY, SHORT_KEY + 1, 1024] {
-            let key = vec![9u8; key_len];
-            let mut h = Xxh3::new();
-            h.update(&head);
-            h.update(&key);
-            h.update(&77u64.to_le_bytes());
-            assert_eq!(block_checksum(&head, &key, 77), h.digest(), "{key_len}");
-        }
-    }
-
-    #[test]
-    fn blocks_detect_tearing() {
-        let (key, value) = (b"hello", vec![7u8; 300]);
-        let mut block = vec![0u8; block_len(key.len(), value.len())];
-        write_block(&mut block, key, &value, 3);
-        assert_eq!(verify_block(&block, key), Some((3, &value[..])));
-        assert_eq!(verify_block(&block, b"hellp"), None);
-        let mut torn = block.clone();
-        torn[200] ^= 1;
-        assert_eq!(verify_block(&torn, key), None);
-        assert_eq!(verify_block(&block[..block.len() - 1], key), None);
-    }
-
-    #[test]
-    fn superseded_blocks_verify_only_under_a_lease() {
-        let (key, value) = (b"hello", vec![9u8; 64]);
-        let mut block = vec![0u8; block_len(key.len(), value.len())];
-        write_block(&mut block, key, &value, 5);
-        assert_eq!(verify_leased_block(&block, key), Some((5, &value[..])));
-        block[..4].copy_from_slice(&SUPERSEDED_MAGIC.to_le_bytes());
-        assert_eq!(verify_block(&block, key), None);
-        assert_eq!(verify_leased_block(&block, key), Some((5, &value[..])));
-        block[..4].fill(0); // freed
-        assert_eq!(verify_leased_block(&block, key), None);
     }
 }

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Generates the C headers from src/ffi with the pinned cbindgen:
 #   include/rdma.h      <- src/ffi/mod.rs, src/ffi/rdma/ (cbindgen.toml)
-#   include/kv_store.h  <- src/ffi/kv.rs, kv_strings.rs    (cbindgen-kv.toml)
+#   include/kv_store.h  <- src/ffi/kv/, kv_strings.rs      (cbindgen-kv.toml)
 # cbindgen sees the whole crate, so each header's config excludes the items
 # the other header declares and the constants of the Rust layers (its
 # "@FOREIGN@" entry is replaced by their names).
@@ -17,7 +17,7 @@ items() {
 }
 internal=$(grep -rhoE '^ *pub (const|static) [A-Za-z0-9_]+' src/kv src/runtime src/verbs \
     | awk '{print "\"" $NF "\""}' | sort -u | paste -sd, -)
-kv_items=$(items src/ffi/kv.rs src/ffi/kv_strings.rs),$internal
+kv_items=$(items src/ffi/kv/*.rs src/ffi/kv_strings.rs),$internal
 rdma_items=$(items src/ffi/mod.rs src/ffi/rdma/*.rs),$internal
 sed "s/\"@FOREIGN@\"/$kv_items/" cbindgen.toml >target/headers/rdma.toml
 sed "s/\"@FOREIGN@\"/$rdma_items/" cbindgen-kv.toml >target/headers/kv.toml

@@ -1,0 +1,110 @@
+//! The `kv_server_*` exports.
+
+use std::ffi::{c_char, c_int};
+
+use crate::ffi::boundary::guard;
+use crate::kv::{Server, ServerConfig};
+
+use super::handles::{config_from_c, SERVERS};
+use super::types::{kv_config, kv_server};
+
+/// Creates a server from `config` (copied; NULL means all defaults): maps
+/// its memory pool and index. Returns NULL on bad settings or no memory (the
+/// log, enabled with `SNOWRDMA_LOG`, says why). Free with
+/// `kv_server_destroy`.
+///
+/// # Safety
+/// A non-NULL `config` must point to a `kv_config_t`.
+#[no_mangle]
+pub unsafe extern "C" fn kv_server_create(config: *const kv_config) -> *mut kv_server {
+    guard("kv_server_create", std::ptr::null_mut(), || {
+        let cfg = match config.as_ref() {
+            None => Ok(ServerConfig::default()),
+            Some(c) => config_from_c(c),
+        };
+        match cfg.and_then(Server::new) {
+            Ok(server) => SERVERS.insert(server),
+            Err(e) => {
+                log::error!("kv_server_create: {e}");
+                std::ptr::null_mut()
+            }
+        }
+    })
+}
+
+/// Starts serving: listens and returns at once (0), or -1 when the address
+/// cannot be bound or the handle is bad. Requests are answered on library
+/// threads until `kv_server_stop`.
+#[no_mangle]
+pub extern "C" fn kv_server_start(server: *mut kv_server) -> c_int {
+    guard("kv_server_start", -1, || {
+        let Some(s) = SERVERS.get(server) else {
+            return -1;
+        };
+        match s.start() {
+            Ok(()) => 0,
+            Err(e) => {
+                log::error!("kv_server_start: {e}");
+                -1
+            }
+        }
+    })
+}
+
+/// The port a started server listens on (useful with port 0), or -1.
+#[no_mangle]
+pub extern "C" fn kv_server_port(server: *const kv_server) -> c_int {
+    guard("kv_server_port", -1, || {
+        SERVERS
+            .get(server)
+            .and_then(|s| s.local_addr())
+            .map_or(-1, |a| c_int::from(a.port()))
+    })
+}
+
+/// Writes one line of statistics (NUL-terminated, truncated to fit) into
+/// `buf`; returns the length of the whole line, or -1 for a bad handle.
+///
+/// # Safety
+/// A non-NULL `buf` must be valid for `len` bytes.
+#[no_mangle]
+pub unsafe extern "C" fn kv_server_stats(
+    server: *const kv_server,
+    buf: *mut c_char,
+    len: usize,
+) -> c_int {
+    guard("kv_server_stats", -1, || {
+        let Some(s) = SERVERS.get(server) else {
+            return -1;
+        };
+        let line = s.stats().to_string();
+        if let Some(out) = crate::ffi::boundary::out_buf(buf, len) {
+            let n = line.len().min(out.len() - 1);
+            out[..n].copy_from_slice(&line.as_bytes()[..n]);
+            out[n] = 0;
+        }
+        c_int::try_from(line.len()).unwrap_or(c_int::MAX)
+    })
+}
+
+/// Stops serving: disconnects every client. The handle stays valid (start
+/// it again or destroy it). Unknown handles are ignored.
+#[no_mangle]
+pub extern "C" fn kv_server_stop(server: *mut kv_server) {
+    guard("kv_server_stop", (), || {
+        if let Some(s) = SERVERS.get(server) {
+            s.stop();
+        }
+    })
+}
+
+/// Stops the server and frees it and all stored values; the handle is
+/// invalid afterwards (a second destroy is ignored).
+#[no_mangle]
+pub extern "C" fn kv_server_destroy(server: *mut kv_server) {
+    guard("kv_server_destroy", (), || {
+        if let Some(s) = SERVERS.remove(server) {
+            s.stop();
+        }
+    })
+}

@@ -617,8 +617,8 @@ size_t rdmaConnWrite(struct RdmaConn *conn, const void *data, size_t data_len);
 
 /**
  * Writes `data` into the peer's buffer with an immediate, delivered to the
- * peer with the data. Returns `data_len`, 0 when there is no room now, or
- * `RDMA_ERR`.
+ * peer with the data (queued when no room is free now, as `rdmaConnSend`
+ * does). Returns `data_len`, 0 when the send queue is full, or `RDMA_ERR`.
  *
  * # Safety
  * As `rdmaConnSend`.

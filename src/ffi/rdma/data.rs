@@ -4,7 +4,7 @@
 use std::ffi::{c_int, c_void};
 
 use crate::ffi::boundary::guard;
-use crate::runtime;
+use crate::runtime::{self, Connection};
 use crate::verbs::RemoteAddr;
 
 use super::handles::*;
@@ -47,14 +47,26 @@ pub unsafe extern "C" fn rdmaConnSend(
     data: *mut c_void,
     data_len: usize,
 ) -> usize {
-    guard("rdmaConnSend", SIZE_ERR, || {
-        let (Some(c), Some(d)) = (
-            live(conn, "rdmaConnSend"),
-            bytes(data, data_len, "rdmaConnSend"),
-        ) else {
+    send_export("rdmaConnSend", conn, data, data_len, |c, d| c.send(d))
+}
+
+/// The body of the exports that send bytes: the panic boundary, the handle
+/// and buffer checks, and the result as a `size_t`.
+///
+/// # Safety
+/// `data` must be NULL or readable for `data_len` bytes.
+unsafe fn send_export(
+    func: &'static str,
+    conn: *mut RdmaConn,
+    data: *const c_void,
+    data_len: usize,
+    op: impl FnOnce(&Connection, &[u8]) -> runtime::Result<usize>,
+) -> usize {
+    guard(func, SIZE_ERR, || {
+        let (Some(c), Some(d)) = (live(conn, func), bytes(data, data_len, func)) else {
             return SIZE_ERR;
         };
-        send_result("rdmaConnSend", c.send(d))
+        send_result(func, op(&c, d))
     })
 }
 
@@ -71,14 +83,8 @@ pub unsafe extern "C" fn rdmaConnSendWithImm(
     data: *const c_void,
     data_len: usize,
 ) -> usize {
-    guard("rdmaConnSendWithImm", SIZE_ERR, || {
-        let (Some(c), Some(d)) = (
-            live(conn, "rdmaConnSendWithImm"),
-            bytes(data, data_len, "rdmaConnSendWithImm"),
-        ) else {
-            return SIZE_ERR;
-        };
-        send_result("rdmaConnSendWithImm", c.send_with_imm(imm_data, d))
+    send_export("rdmaConnSendWithImm", conn, data, data_len, |c, d| {
+        c.send_with_imm(imm_data, d)
     })
 }
 
@@ -96,20 +102,14 @@ pub unsafe extern "C" fn rdmaConnWrite(
     data: *const c_void,
     data_len: usize,
 ) -> usize {
-    guard("rdmaConnWrite", SIZE_ERR, || {
-        let (Some(c), Some(d)) = (
-            live(conn, "rdmaConnWrite"),
-            bytes(data, data_len, "rdmaConnWrite"),
-        ) else {
-            return SIZE_ERR;
-        };
-        send_result("rdmaConnWrite", c.write_silent(d))
+    send_export("rdmaConnWrite", conn, data, data_len, |c, d| {
+        c.write_silent(d)
     })
 }
 
 /// Writes `data` into the peer's buffer with an immediate, delivered to the
-/// peer with the data. Returns `data_len`, 0 when there is no room now, or
-/// `RDMA_ERR`.
+/// peer with the data (queued when no room is free now, as `rdmaConnSend`
+/// does). Returns `data_len`, 0 when the send queue is full, or `RDMA_ERR`.
 ///
 /// # Safety
 /// As `rdmaConnSend`.

@@ -1,5 +1,5 @@
 /* Echo server: every message (and its immediate) goes back to its sender.
- * Runs until SIGINT or SIGTERM, then prints how much it echoed.
+ * Runs until SIGINT or SIGTERM, then prints how much it received and echoed.
  *
  *   echo_server <ip> <port> [legacy | legacy-blocking]
  *
@@ -21,13 +21,22 @@
 #include <stdlib.h>
 #include <string.h>
 
+static atomic_ullong received_bytes;
+static atomic_ullong received_messages;
 static atomic_ullong echoed_bytes;
 static atomic_ullong echoed_messages;
 static atomic_int echo_failures;
 static RdmaListener *listener;
 
+static void count_received(size_t len)
+{
+    atomic_fetch_add(&received_bytes, len);
+    atomic_fetch_add(&received_messages, 1);
+}
+
 static void echo(RdmaConn *conn, void *data, size_t len)
 {
+    count_received(len);
     /* Blocking mode: inside a callback a message that finds the ring full
      * is queued and sent in order, so nothing is dropped. */
     if (rdmaConnSend(conn, data, len) != len) {
@@ -41,6 +50,7 @@ static void echo(RdmaConn *conn, void *data, size_t len)
 /* The legacy sample's echo: the return value is ignored. */
 static void echo_ignoring_result(RdmaConn *conn, void *data, size_t len)
 {
+    count_received(len);
     rdmaConnSend(conn, data, len);
 }
 
@@ -110,6 +120,8 @@ int main(int argc, char **argv)
     pthread_join(t, NULL);
     rdmaServerRelease(listener);
     rdmaRuntimeStop();
+    printf("received %llu bytes in %llu messages\n", (unsigned long long)received_bytes,
+           (unsigned long long)received_messages);
     printf("echoed %llu bytes in %llu messages, %d failures\n", (unsigned long long)echoed_bytes,
            (unsigned long long)echoed_messages, (int)echo_failures);
     return echo_failures == 0 ? 0 : 1;

@@ -9,7 +9,9 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use snowrdma::runtime::legacy_peer::LegacyPeer;
-use snowrdma::runtime::{CommMode, ConnHandler, Connection, Options, DEFAULT_RECV_BUF_LEN};
+use snowrdma::runtime::{
+    CommMode, ConnHandler, Connection, Options, SendQueueStats, DEFAULT_RECV_BUF_LEN,
+};
 
 use crate::c_programs::{program, Proc};
 use crate::{device_ip, TIMEOUT};
@@ -576,4 +578,68 @@ fn a_peer_that_leaves_frees_and_counts_what_was_queued_for_it() {
     assert!(stats.dropped > 0 && stats.dropped <= queued, "{stats:?}");
     assert!(conn.send(&numbered(0)).is_err(), "the connection has ended");
     conn.close();
+}
+
+/// Sends `count` numbered messages from inside its first receive callback,
+/// more than the peer's ring holds, then closes the connection there, as a
+/// legacy program may.
+struct SendThenClose {
+    count: u32,
+    closed: Mutex<Option<(Duration, SendQueueStats)>>,
+    cond: Condvar,
+}
+
+impl ConnHandler for SendThenClose {
+    fn recv(&self, conn: &Connection, _data: &[u8], _imm: Option<u32>) {
+        if self.closed.lock().unwrap().is_some() {
+            return;
+        }
+        for i in 0..self.count {
+            assert_eq!(conn.send(&numbered(i)).unwrap(), 4096, "message {i}");
+        }
+        let started = Instant::now();
+        conn.close();
+        *self.closed.lock().unwrap() = Some((started.elapsed(), conn.send_queue_stats()));
+        self.cond.notify_all();
+    }
+}
+
+#[test]
+#[ignore = "needs an RDMA device: run `make test`"]
+fn closing_inside_a_callback_sends_what_is_queued_first() {
+    let (mut server, addr) = legacy_echo(7623, false);
+    let count = 3 * 256;
+    let handler = Arc::new(SendThenClose {
+        count,
+        closed: Mutex::new(None),
+        cond: Condvar::new(),
+    });
+    let conn = Connection::connect(addr, &Options::default(), handler.clone()).unwrap();
+    // The echo of this starts the callback.
+    assert_eq!(conn.send(b"go").unwrap(), 2);
+    let mut closed = handler.closed.lock().unwrap();
+    let deadline = Instant::now() + TIMEOUT;
+    while closed.is_none() {
+        assert!(Instant::now() < deadline, "the callback did not close");
+        closed = handler.cond.wait_timeout(closed, TIMEOUT).unwrap().0;
+    }
+    let (took, stats) = closed.take().unwrap();
+    drop(closed);
+    println!("close inside the callback took {took:?}; {stats:?}");
+    assert!(stats.queued > 0, "the ring filled, so messages waited");
+    assert_eq!(stats.dropped, 0);
+    // SAFETY: plain kill(2) on our child.
+    unsafe { libc::kill(server.child.id() as i32, libc::SIGTERM) };
+    let status = server.wait(TIMEOUT);
+    let got = server.lines_containing(&["received"], TIMEOUT);
+    println!("{status}: {got:?}");
+    let expected = format!(
+        "received {} bytes in {} messages",
+        2 + u64::from(count) * 4096,
+        count + 1
+    );
+    assert!(
+        got.iter().any(|l| l.contains(&expected)),
+        "the server reports {got:?}, expected {expected:?}"
+    );
 }

@@ -9,8 +9,9 @@
 
 use std::collections::HashMap;
 use std::os::fd::RawFd;
+use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -37,6 +38,50 @@ pub trait Source: Send + Sync {
     }
     /// Called about once per tick, busy or not.
     fn tick(&self) {}
+    /// One of the calls above panicked (a defect of ours): end what the
+    /// source serves, if a panic means it cannot go on.
+    fn panicked(&self) {}
+}
+
+/// A source as the thread calls it: a panic in one source's handler is
+/// logged and handed to its `panicked`, and never ends the thread that
+/// serves every other one.
+struct Guarded {
+    source: Arc<dyn Source>,
+}
+
+impl Guarded {
+    fn call<R: Default>(&self, what: &str, f: impl FnOnce(&dyn Source) -> R) -> R {
+        match std::panic::catch_unwind(AssertUnwindSafe(|| f(&*self.source))) {
+            Ok(r) => r,
+            Err(_) => {
+                log::error!(
+                    "a {} source panicked in {what}",
+                    std::thread::current().name().unwrap_or("poller")
+                );
+                let _ = std::panic::catch_unwind(AssertUnwindSafe(|| self.source.panicked()));
+                R::default()
+            }
+        }
+    }
+}
+
+impl Source for Guarded {
+    fn fd(&self) -> RawFd {
+        self.source.fd()
+    }
+    fn ready(&self) {
+        self.call("ready", |s| s.ready())
+    }
+    fn poll_once(&self) -> bool {
+        self.call("poll_once", |s| s.poll_once())
+    }
+    fn woken(&self) -> bool {
+        self.call("woken", |s| s.woken())
+    }
+    fn tick(&self) {
+        self.call("tick", |s| s.tick())
+    }
 }
 
 /// The epoll key of the wake eventfd; sources' keys start at 1.
@@ -181,8 +226,8 @@ impl Poller {
         self.shared
             .sources
             .lock()
-            .expect("poller lock")
-            .insert(id, source);
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(id, Arc::new(Guarded { source }));
         self.wake();
         id
     }
@@ -190,7 +235,11 @@ impl Poller {
     /// Stops watching a source. The thread may still be inside its handler
     /// for the current round; it holds its own reference meanwhile.
     pub fn remove(&self, id: u64) {
-        self.shared.sources.lock().expect("poller lock").remove(&id);
+        self.shared
+            .sources
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(&id);
         self.wake();
     }
 
@@ -300,7 +349,7 @@ fn update_watched(
     let current: HashMap<u64, Arc<dyn Source>> = shared
         .sources
         .lock()
-        .expect("poller lock")
+        .unwrap_or_else(PoisonError::into_inner)
         .iter()
         .map(|(&key, s)| (key, s.clone()))
         .collect();
@@ -545,6 +594,57 @@ mod tests {
         poller.add(late.clone());
         until("the new source is served", || {
             late.readies.load(Ordering::SeqCst) > 0
+        });
+    }
+
+    /// Panics whenever it is told its fd is readable.
+    struct Faulty {
+        probe: Arc<Probe>,
+        panics: AtomicUsize,
+    }
+
+    impl Source for Faulty {
+        fn fd(&self) -> RawFd {
+            self.probe.fd
+        }
+        fn ready(&self) {
+            self.probe.ready();
+            panic!("a defect in a source");
+        }
+        fn panicked(&self) {
+            self.panics.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
+    #[test]
+    fn a_panicking_source_does_not_end_the_thread() {
+        let poller = Poller::start(
+            "test-poller",
+            Duration::from_millis(10),
+            Duration::ZERO,
+            || {},
+        )
+        .unwrap();
+        let faulty = Arc::new(Faulty {
+            probe: Probe::new(),
+            panics: AtomicUsize::new(0),
+        });
+        let good = Probe::new();
+        poller.add(faulty.clone());
+        poller.add(good.clone());
+        faulty.probe.signal();
+        until("the panic is reported", || {
+            faulty.panics.load(Ordering::SeqCst) > 0
+        });
+        // The thread still serves the other source, and the faulty one too.
+        let before = good.readies.load(Ordering::SeqCst);
+        good.signal();
+        faulty.probe.signal();
+        until("the good source is still served", || {
+            good.readies.load(Ordering::SeqCst) > before
+        });
+        until("the faulty one too", || {
+            faulty.panics.load(Ordering::SeqCst) > 1
         });
     }
 }

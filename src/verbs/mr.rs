@@ -199,6 +199,31 @@ impl MemoryRegion {
         unsafe { std::slice::from_raw_parts(self.addr, self.len) }
     }
 
+    /// Appends `range` of the region to `dst`, without forming a Rust
+    /// reference to memory a peer may be writing right now: the one read of
+    /// bytes that arrived remotely, after which they are ours. Returns false
+    /// (and copies nothing) when the range is outside the region.
+    pub fn copy_out(&self, range: std::ops::Range<usize>, dst: &mut Vec<u8>) -> bool {
+        if range.start > range.end || range.end > self.len {
+            return false;
+        }
+        let n = range.end - range.start;
+        dst.reserve(n);
+        // SAFETY: the source lies inside the registered buffer (checked
+        // above) and the destination has `n` bytes of spare capacity; a
+        // racing remote write can change which bytes are copied, never
+        // where they go.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                self.addr.add(range.start),
+                dst.as_mut_ptr().add(dst.len()),
+                n,
+            );
+            dst.set_len(dst.len() + n);
+        }
+        true
+    }
+
     /// The bytes of the region, writable.
     pub fn as_mut_slice(&mut self) -> &mut [u8] {
         // SAFETY: as above, and `&mut self` excludes other Rust borrows.

@@ -2,15 +2,16 @@
 //! the peer, and the callbacks they owe, in order.
 
 use std::sync::atomic::Ordering;
+use std::sync::PoisonError;
 use std::time::Duration;
 
-use crate::runtime::proto::{Cmd, ExtKind, Opcode, CMD_LEN, EXT_HEADER_LEN, IMM_EXTENDED};
+use crate::runtime::proto::{Cmd, ExtKind, Opcode, CMD_LEN, EXT_HEADER_LEN, IMM_EXTENDED, VERSION};
 use crate::runtime::ring::{wrap_point, RecvRing};
 use crate::verbs::{Completion, RemoteRegion, WcOpcode, WcStatus};
 
 use super::{
     ConnState, Connection, Deferred, Delivery, KIND_SHIFT, K_CMD, K_DATA, K_READ, K_RECV, K_SYNC,
-    K_WRITE, LOW_MASK, MAX_POLL_BATCH,
+    K_WRITE, LOW_MASK, MAX_POLL_BATCH, PEER_CMD_RESERVE,
 };
 
 impl Connection {
@@ -207,6 +208,14 @@ impl Connection {
             Ok(c) => c,
             Err(e) => return self.fail(&format!("bad command from the peer: {e}")),
         };
+        if let Err(why) = self.apply_cmd(&cmd) {
+            self.fail(&format!("the peer broke the protocol: {why}"));
+        }
+    }
+
+    /// Acts on a command after checking it against what this side knows;
+    /// `Err` names the violation, and nothing has changed then.
+    fn apply_cmd(&self, cmd: &Cmd) -> std::result::Result<(), String> {
         match cmd.opcode {
             Opcode::RegLocalAddr => {
                 let ring = RemoteRegion {
@@ -214,17 +223,32 @@ impl Connection {
                     len: cmd.length as u64,
                     rkey: cmd.key,
                 };
+                // A newer peer speaks our version with us.
+                let version = cmd.version.min(VERSION);
+                if ring.len == 0 {
+                    return Err("it advertised an empty receive buffer".into());
+                }
+                if version >= 1 && u64::from(cmd.recv_depth) <= PEER_CMD_RESERVE {
+                    return Err(format!(
+                        "its receive depth {} leaves no room for messages",
+                        cmd.recv_depth
+                    ));
+                }
                 let first = {
                     let mut st = self.lock();
+                    // Once per connection, as the legacy library does: a
+                    // second one would rewind our sender over messages the
+                    // peer has not consumed.
+                    if st.peer_ring.is_some() {
+                        return Err("it advertised its receive buffer twice".into());
+                    }
                     st.peer_ring = Some(ring);
-                    st.peer_version = cmd.version;
+                    st.peer_version = version;
                     st.peer_recv_depth = cmd.recv_depth;
-                    // A REG_LOCAL_ADDR restarts the sender at offset 0; our
-                    // staging buffer bounds how much of the peer's ring we use.
+                    // Our staging buffer bounds how much of the peer's ring
+                    // we use.
                     st.tx
                         .reset((cmd.length as usize).min(self.inner.staging.len()));
-                    st.tx_msgs = 0;
-                    st.tx_msgs_acked = 0;
                     // On the accepting side the peer's advertisement can be
                     // handled before the CM thread has seen ESTABLISHED.
                     let first = matches!(st.state, ConnState::Connected | ConnState::Accepting);
@@ -238,11 +262,10 @@ impl Connection {
                     first
                 };
                 self.wake();
-                let h = self.handler();
-                h.peer_buffer(self, ring);
+                self.call_handler("peer buffer", |h| h.peer_buffer(self, ring));
                 if first {
-                    h.state_changed(self, ConnState::MrReady);
-                    h.connected(self);
+                    self.call_handler("state", |h| h.state_changed(self, ConnState::MrReady));
+                    self.call_handler("connected", |h| h.connected(self));
                 }
             }
             Opcode::RegPhysAddr => {
@@ -252,16 +275,31 @@ impl Connection {
             Opcode::ConnGoodbye => log::debug!("peer said goodbye"),
             Opcode::Credit => {
                 let mut st = self.lock();
-                if !st.tx.ack(cmd.addr) {
-                    drop(st);
-                    return self.fail("the peer returned credit it was never given");
+                if st.peer_ring.is_none() || st.peer_version < 1 {
+                    return Err("credit from a peer that cannot give it".into());
                 }
+                // Counts are cumulative and wrap at 32 bits: what is new is
+                // the difference, which cannot exceed what is unacknowledged.
                 let acked = st.tx_msgs_acked;
-                st.tx_msgs_acked = acked + u64::from(cmd.length.wrapping_sub(acked as u32));
+                let newly = u64::from(cmd.length.wrapping_sub(acked as u32));
+                if newly > st.tx_msgs - acked {
+                    return Err(format!(
+                        "it returned credit for {newly} messages, {} were outstanding",
+                        st.tx_msgs - acked
+                    ));
+                }
+                if !st.tx.ack(cmd.addr) {
+                    return Err(format!(
+                        "it returned credit for ring byte {} it was never given",
+                        cmd.addr
+                    ));
+                }
+                st.tx_msgs_acked = acked + newly;
                 drop(st);
                 self.wake();
             }
         }
+        Ok(())
     }
 
     pub(super) fn handle_message(&self, imm: u32, len: usize, inline: bool) {
@@ -275,6 +313,19 @@ impl Connection {
                 "the peer wrote {len} bytes at {} outside the ring",
                 delivery.offset
             ));
+        }
+        // A peer writes only after advertising its own buffer (RC keeps
+        // that order), and only version 1 has extended messages.
+        let version = {
+            let st = self.lock();
+            st.peer_ring.is_some().then_some(st.peer_version)
+        };
+        match version {
+            None => return self.fail("the peer wrote before advertising its buffer"),
+            Some(0) if delivery.extended => {
+                return self.fail("a legacy peer sent an extended message")
+            }
+            _ => {}
         }
         self.callback(Deferred::Message(delivery), inline);
     }
@@ -302,8 +353,8 @@ impl Connection {
     pub(super) fn run_callback(&self, cb: Deferred) {
         match cb {
             Deferred::Message(d) => self.deliver(d),
-            Deferred::WriteDone(len) => self.handler().write_done(self, len),
-            Deferred::ReadDone(len) => self.handler().read_done(self, len),
+            Deferred::WriteDone(len) => self.call_handler("write", |h| h.write_done(self, len)),
+            Deferred::ReadDone(len) => self.call_handler("read", |h| h.read_done(self, len)),
         }
     }
 
@@ -331,16 +382,37 @@ impl Connection {
             }
             st.rx_msgs += 1;
         }
-        let bytes = &self.inner.recv_ring.as_slice()[d.offset..d.offset + d.len];
-        let h = self.handler();
-        if !d.extended {
-            return h.recv(self, bytes, None);
+        // The peer can write its ring slot again while we look at it: each
+        // byte is copied out once, and only the copy is parsed or shown.
+        // The buffer is reused; a callback that receives again (from a
+        // blocking call that polls) finds it taken and uses a fresh one.
+        let slot = || {
+            self.inner
+                .rx_copy
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+        };
+        let mut copy = std::mem::take(&mut *slot());
+        let end = d.offset + d.len;
+        let mut start = d.offset;
+        let mut imm = None;
+        if d.extended {
+            copy.clear();
+            let header = d.offset..(d.offset + EXT_HEADER_LEN).min(end);
+            self.inner.recv_ring.copy_out(header, &mut copy);
+            match ExtKind::decode(&copy) {
+                // Bytes written with `write`: no callback.
+                Some(ExtKind::Silent) => return *slot() = copy,
+                Some(ExtKind::WithImm(value)) => imm = Some(value),
+                None => return self.fail("the peer sent a malformed extended message"),
+            }
+            start += EXT_HEADER_LEN;
         }
-        match (ExtKind::decode(bytes), bytes.get(EXT_HEADER_LEN..)) {
-            (Some(ExtKind::Silent), _) => {}
-            (Some(ExtKind::WithImm(imm)), Some(payload)) => h.recv(self, payload, Some(imm)),
-            _ => self.fail("the peer sent a malformed extended message"),
-        }
+        copy.clear();
+        // In the ring: `accept` checked the range.
+        self.inner.recv_ring.copy_out(start..end, &mut copy);
+        self.call_handler("receive", |h| h.recv(self, &copy, imm));
+        *slot() = copy;
     }
 
     /// After completions were handled: owed callbacks, then credit, then

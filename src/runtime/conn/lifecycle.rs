@@ -66,7 +66,7 @@ impl Connection {
         if !self.inner.closed_locally.load(Ordering::SeqCst)
             && !self.inner.disconnect_fired.swap(true, Ordering::SeqCst)
         {
-            self.handler().disconnected(self);
+            self.call_handler("disconnected", |h| h.disconnected(self));
         }
     }
 
@@ -178,7 +178,7 @@ impl Connection {
         self.log_queue_use();
         self.unwatch();
         self.inner.rt.forget_accepted(self);
-        self.handler().retired(self);
+        self.call_handler("retired", |h| h.retired(self));
     }
 
     /// Closes the connection: says goodbye to the peer, disconnects, and

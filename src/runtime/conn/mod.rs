@@ -18,8 +18,9 @@ pub(crate) use sources::{CmSource, CqSource};
 use std::collections::{HashMap, VecDeque};
 use std::fmt;
 use std::net::SocketAddr;
+use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, RwLock};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError, RwLock};
 use std::time::Duration;
 
 use crate::verbs::{
@@ -205,6 +206,8 @@ pub(crate) struct ConnInner {
     pd: ProtectionDomain,
     recv_ring: MemoryRegion,
     staging: MemoryRegion,
+    /// Where a received message is copied before anyone looks at it.
+    rx_copy: Mutex<Vec<u8>>,
     cmd_recv: MemoryRegion,
     cmd_send: MemoryRegion,
     opts: Options,
@@ -284,11 +287,31 @@ impl Connection {
     }
 
     fn handler(&self) -> Arc<dyn ConnHandler> {
-        self.inner.handler.read().expect("handler lock").clone()
+        self.inner
+            .handler
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
-        self.inner.st.lock().expect("connection lock")
+        // Nothing panics while holding it (handlers run without it), but if
+        // our code ever did, the connection would end, not every thread
+        // that touches it.
+        self.inner.st.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Runs a handler method: a panic in it ends this connection (logged),
+    /// never the runtime thread that called it.
+    fn call_handler(&self, what: &str, f: impl FnOnce(&dyn ConnHandler)) {
+        let h = self.handler();
+        if std::panic::catch_unwind(AssertUnwindSafe(|| f(&*h))).is_err() {
+            log::error!(
+                "the {what} callback for {:?} panicked: ending that connection",
+                self.inner.peer
+            );
+            self.fail(&format!("its {what} callback panicked"));
+        }
     }
 
     pub fn state(&self) -> ConnState {
@@ -357,6 +380,6 @@ impl Connection {
     }
 
     fn notify_state(&self, state: ConnState) {
-        self.handler().state_changed(self, state);
+        self.call_handler("state", |h| h.state_changed(self, state));
     }
 }

@@ -116,7 +116,7 @@ impl Connection {
         )
         .inspect(|&n| {
             if n > 0 {
-                self.handler().write_done(self, n);
+                self.call_handler("write", |h| h.write_done(self, n));
             }
         })
     }

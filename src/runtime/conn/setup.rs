@@ -100,6 +100,7 @@ impl Connection {
                 pd,
                 recv_ring,
                 staging,
+                rx_copy: Mutex::new(Vec::new()),
                 cmd_recv,
                 cmd_send,
                 opts: opts.clone(),

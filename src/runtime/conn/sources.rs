@@ -43,6 +43,11 @@ impl crate::runtime::poller::Source for CqSource {
         }
         self.0.maybe_send_credit(true);
     }
+
+    fn panicked(&self) {
+        self.0
+            .fail("the completion thread hit a defect while serving it");
+    }
 }
 
 /// RDMA CM event sources: a client connection's own channel, or a listener's
@@ -84,6 +89,13 @@ impl crate::runtime::poller::Source for CmSource {
                 CmSource::Client(c) => c.on_cm_event(&ev),
                 CmSource::Listener(l) => l.on_cm_event(ev),
             }
+        }
+    }
+
+    fn panicked(&self) {
+        // A listener goes on accepting; the event that hit the defect is gone.
+        if let CmSource::Client(c) = self {
+            c.fail("the CM thread hit a defect while serving it");
         }
     }
 }

@@ -12,15 +12,15 @@ use std::collections::{BTreeMap, HashMap};
 use std::fmt;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::thread::JoinHandle;
 
 use crossbeam_channel::{unbounded, Sender};
 
 use crate::runtime::{
-    self, AcceptHook, CommMode, ConnHandler, Connection, Listener, Options, PdProvider,
+    self, AcceptHook, CommMode, ConnHandler, Connection, Listener, Options, PdProvider, Window,
 };
-use crate::verbs::{self, AccessFlags, CmId, Context, EventChannel, MemoryRegion};
+use crate::verbs::{self, AccessFlags, CmId, Context, EventChannel};
 
 use super::pool::SLAB_PAGE;
 use super::proto::{
@@ -135,8 +135,9 @@ fn bump(c: &AtomicU64) {
 
 /// What the server keeps per client.
 struct ClientState {
-    /// The only server memory this client may write.
-    request_buf: MemoryRegion,
+    /// The only server memory this client may write, through a window
+    /// bound to its QP (set once the connection is up).
+    request_buf: OnceLock<Window>,
     leases: Mutex<BTreeMap<u64, Arc<Block>>>,
     targets: Mutex<HashMap<u64, Target>>,
     next_token: AtomicU64,
@@ -344,6 +345,27 @@ impl ConnHandler for ServerConn {
         self.shared.serve_parsed(conn, client, parts);
     }
 
+    fn connected(&self, conn: &Connection) {
+        // Bound now that the QP can send: before the client's first request
+        // (RC keeps its advertisement ahead of it), and only its QP can use it.
+        let access = AccessFlags::LOCAL_WRITE | AccessFlags::MW_BIND;
+        let window = conn
+            .pd()
+            .allocate(self.shared.cfg.request_buf_len, access)
+            .map_err(runtime::Error::from)
+            .and_then(|mr| conn.expose(mr, AccessFlags::REMOTE_WRITE));
+        match window {
+            Ok(w) => {
+                let _ = self.client.request_buf.set(w);
+            }
+            Err(e) => {
+                log::warn!("closing {:?}: no request buffer: {e}", conn.peer_addr());
+                conn.close();
+                self.shared.forget(&self.client);
+            }
+        }
+    }
+
     fn disconnected(&self, _conn: &Connection) {
         self.shared.forget(&self.client);
     }
@@ -356,16 +378,8 @@ impl ConnHandler for ServerConn {
 impl Shared {
     /// Sets up a new client (CM thread, before the connection is accepted).
     fn accept(self: &Arc<Self>, conn: &Connection) -> Option<Arc<dyn ConnHandler>> {
-        let access = AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE;
-        let request_buf = match conn.pd().allocate(self.cfg.request_buf_len, access) {
-            Ok(mr) => mr,
-            Err(e) => {
-                log::warn!("refusing {:?}: no request buffer: {e}", conn.peer_addr());
-                return None;
-            }
-        };
         let client = Arc::new(ClientState {
-            request_buf,
+            request_buf: OnceLock::new(),
             leases: Mutex::new(BTreeMap::new()),
             targets: Mutex::new(HashMap::new()),
             next_token: AtomicU64::new(1),
@@ -415,7 +429,7 @@ impl Shared {
         client: &ClientState,
         (req, key, inline): (Request, &[u8], &[u8]),
     ) {
-        let Some(reply) = self.answer(client, &req, key, inline) else {
+        let Some(reply) = self.answer(conn, client, &req, key, inline) else {
             return;
         };
         match conn.send(&reply) {
@@ -434,6 +448,7 @@ impl Shared {
     /// The encoded reply to a request (`None`: it takes none).
     fn answer(
         &self,
+        conn: &Connection,
         client: &ClientState,
         req: &Request,
         key: &[u8],
@@ -465,7 +480,7 @@ impl Shared {
                 version,
                 ..Reply::default()
             }),
-            Op::Alloc => self.alloc(client, req, key),
+            Op::Alloc => self.alloc(conn, client, req, key),
             Op::Delete => {
                 bump(&self.counters.deletes);
                 self.store.delete(key).map(|()| Reply::default())
@@ -503,10 +518,13 @@ impl Shared {
         let Some(dev) = self.store.device() else {
             return Reply::error(id, KvError::Internal("no device".into())).encode(&[]);
         };
+        let Some(request_buf) = client.request_buf.get().map(Window::remote) else {
+            return Reply::error(id, KvError::Internal("no request buffer".into())).encode(&[]);
+        };
         let info = ServerInfo {
-            request_buf: client.request_buf.addr(),
-            request_buf_len: client.request_buf.len() as u64,
-            request_buf_rkey: client.request_buf.rkey(),
+            request_buf: request_buf.addr,
+            request_buf_len: request_buf.len,
+            request_buf_rkey: request_buf.rkey,
             index_addr: dev.index_mr.addr(),
             index_rkey: dev.index_mr.rkey(),
             buckets: self.store.index().buckets() as u64,
@@ -562,7 +580,11 @@ impl Shared {
         let result = match req.source {
             Source::Inline => self.store.put(key, inline, req.cas),
             Source::Staged { offset, checksum } => {
-                let buf = client.request_buf.as_slice();
+                let buf = client
+                    .request_buf
+                    .get()
+                    .ok_or_else(|| KvError::Internal("no request buffer".into()))?
+                    .region();
                 let range = usize::try_from(offset)
                     .ok()
                     .and_then(|start| Some(start..start.checked_add(req.value_len as usize)?))
@@ -572,7 +594,11 @@ impl Shared {
                             "the staged value is outside the request buffer".into(),
                         )
                     })?;
-                let value = &buf[range];
+                // The client can write its buffer again at any moment: the
+                // value is copied once, and the copy is checked and stored.
+                let mut value = Vec::new();
+                buf.copy_out(range, &mut value);
+                let value = &value[..];
                 if value_checksum(value) != checksum {
                     return Err(KvError::InvalidArgument(
                         "the staged value did not arrive whole (checksum mismatch)".into(),
@@ -604,12 +630,24 @@ impl Shared {
         result
     }
 
-    fn alloc(&self, client: &ClientState, req: &Request, key: &[u8]) -> Result<Reply> {
+    fn alloc(
+        &self,
+        conn: &Connection,
+        client: &ClientState,
+        req: &Request,
+        key: &[u8],
+    ) -> Result<Reply> {
         let mut targets = client.targets.lock().expect("target lock");
         if targets.len() >= MAX_TARGETS {
             return Err(KvError::NoMemory);
         }
-        let target = self.store.target(key.len(), req.value_len)?;
+        // Writable through a window on this client's QP only.
+        let target = self.store.target(key.len(), req.value_len, |mr| {
+            conn.expose(mr, AccessFlags::REMOTE_WRITE).map_err(|e| {
+                log::warn!("exposing a write target: {e}");
+                KvError::NoMemory
+            })
+        })?;
         let token = client.next_token.fetch_add(1, Ordering::Relaxed);
         let reply = Reply {
             addr: target.value_addr(),

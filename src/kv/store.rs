@@ -10,6 +10,7 @@ use std::collections::HashMap;
 use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
+use crate::runtime::Window;
 use crate::verbs::{AccessFlags, Context, MemoryRegion, ProtectionDomain};
 
 use super::index::{Index, Place};
@@ -105,19 +106,21 @@ impl Drop for Block {
 /// buffer): the value part is registered writable for that client only
 /// until the commit.
 pub struct Target {
+    /// The value part, registered for window binding only, and exposed to
+    /// the one client through a window on its QP. Dropped before the map.
+    write: Window,
     map: Mapping,
-    write_mr: MemoryRegion,
     key_len: usize,
     value_len: usize,
 }
 
 impl Target {
     pub fn value_addr(&self) -> u64 {
-        self.write_mr.addr()
+        self.write.remote().addr
     }
 
     pub fn rkey(&self) -> u32 {
-        self.write_mr.rkey()
+        self.write.remote().rkey
     }
 
     pub fn value_len(&self) -> usize {
@@ -307,14 +310,20 @@ impl Store {
     }
 
     /// A write target for a value of `value_len` bytes under a key of
-    /// `key_len` bytes.
-    pub fn target(&self, key_len: usize, value_len: u64) -> Result<Target> {
+    /// `key_len` bytes; `expose` makes its registration writable by the one
+    /// client it is for.
+    pub fn target(
+        &self,
+        key_len: usize,
+        value_len: u64,
+        expose: impl FnOnce(MemoryRegion) -> Result<Window>,
+    ) -> Result<Target> {
         self.check_value_len(value_len)?;
         let value_len = usize::try_from(value_len).map_err(|_| KvError::NoMemory)?;
         let dev = self.device_or_err()?;
         let map =
             Mapping::new(block_len(key_len, value_len), false).map_err(|_| KvError::NoMemory)?;
-        let access = AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE;
+        let access = AccessFlags::LOCAL_WRITE | AccessFlags::MW_BIND;
         // SAFETY: the registration lives in the Target beside the mapping and
         // is dropped (or consumed by `commit`) before it.
         let write_mr = unsafe {
@@ -330,8 +339,8 @@ impl Store {
                 })?
         };
         Ok(Target {
+            write: expose(write_mr)?,
             map,
-            write_mr,
             key_len,
             value_len,
         })
@@ -346,12 +355,12 @@ impl Store {
             ));
         }
         let Target {
+            write,
             map,
-            write_mr,
             value_len,
             ..
         } = target;
-        drop(write_mr);
+        drop(write);
         let len = block_len(key.len(), value_len);
         let mut block = self.own_block(map, len)?;
         let bytes = block.bytes_mut();

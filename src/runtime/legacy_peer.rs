@@ -4,6 +4,10 @@
 //! message at a byte offset that only grows, so it can send as much as the
 //! receiver's ring holds in its whole life. Tests and `make bench` use it to
 //! hold the runtime to the legacy contract; it is not a general endpoint.
+//!
+//! It can also break the protocol on purpose (the hostile-peer tests): claim
+//! version 1, send any 32 bytes as a command, write anywhere with any
+//! immediate.
 
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
@@ -39,13 +43,30 @@ pub struct LegacyPeer {
     /// Where the next message goes in the peer's ring; only grows.
     tx_offset: usize,
     unsignaled: u64,
+    /// The version our REG_LOCAL_ADDR claims (0 unless a test says).
+    version: u8,
+    /// Signaled sends completed so far.
+    sends_done: u64,
 }
 
 impl LegacyPeer {
     /// Connects to a SnowRDMA server and exchanges rings.
     pub fn connect(addr: SocketAddr, timeout: Duration) -> Result<LegacyPeer> {
+        LegacyPeer::connect_claiming(addr, timeout, 0)
+    }
+
+    /// Connects like [`LegacyPeer::connect`], but advertises its ring with
+    /// `version` (and, from version 1, its receive depth), so the other
+    /// side expects what that version may send; it still never returns
+    /// credit.
+    pub fn connect_claiming(
+        addr: SocketAddr,
+        timeout: Duration,
+        version: u8,
+    ) -> Result<LegacyPeer> {
         let id = CmId::resolve(addr, None, timeout)?;
         let mut peer = LegacyPeer::build(id, None)?;
+        peer.version = version;
         peer.id.connect(&ConnParam::default())?;
         peer.id.expect_event(CmEventKind::ESTABLISHED, timeout)?;
         peer.start(timeout)?;
@@ -84,7 +105,10 @@ impl LegacyPeer {
             ..QpCaps::default()
         };
         let qp = id.create_qp(&pd, &cq, &cq, &caps)?;
-        let ring = pd.allocate(DEFAULT_RECV_BUF_LEN, AccessFlags::all())?;
+        let ring = pd.allocate(
+            DEFAULT_RECV_BUF_LEN,
+            AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE,
+        )?;
         let staging = pd.allocate(DEFAULT_RECV_BUF_LEN, AccessFlags::LOCAL_WRITE)?;
         let cmds = pd.allocate(
             (RECV_DEPTH as usize + 1) * CMD_LEN,
@@ -101,6 +125,8 @@ impl LegacyPeer {
             peer_ring: None,
             tx_offset: 0,
             unsignaled: 0,
+            version: 0,
+            sends_done: 0,
         };
         for slot in 0..RECV_DEPTH as u64 {
             peer.post_recv(slot)?;
@@ -128,16 +154,11 @@ impl LegacyPeer {
             self.ring.len() as u32,
             self.ring.rkey(),
         );
-        reg.version = 0;
-        let at = RECV_DEPTH as usize * CMD_LEN;
-        self.cmds.as_mut_slice()[at..at + CMD_LEN].copy_from_slice(&reg.encode());
-        let sge = [self.cmds.sge(at..at + CMD_LEN)];
-        // SAFETY: the command slot stays untouched until this send completes,
-        // which `wait_peer_ring` reaps.
-        unsafe {
-            self.qp
-                .post_send(&[SendRequest::new(SEND_WR, SendOp::Send, &sge)])?
-        };
+        reg.version = self.version;
+        if self.version >= 1 {
+            reg.recv_depth = RECV_DEPTH;
+        }
+        self.send_command(&reg.encode())?;
         let deadline = Instant::now() + timeout;
         while self.peer_ring.is_none() {
             if self.poll(deadline, &mut |_| Ok(()))?.is_none() {
@@ -145,6 +166,69 @@ impl LegacyPeer {
             }
         }
         Ok(())
+    }
+
+    /// Sends `bytes` as a command (SEND into the peer's command slots) and
+    /// waits for it to complete.
+    pub fn send_command(&mut self, bytes: &[u8; CMD_LEN]) -> Result<()> {
+        let at = RECV_DEPTH as usize * CMD_LEN;
+        self.cmds.as_mut_slice()[at..at + CMD_LEN].copy_from_slice(bytes);
+        let sge = [self.cmds.sge(at..at + CMD_LEN)];
+        // SAFETY: the command slot stays untouched until this send
+        // completes, which is waited for below.
+        unsafe {
+            self.qp
+                .post_send(&[SendRequest::new(SEND_WR, SendOp::Send, &sge)])?
+        };
+        self.wait_sent()
+    }
+
+    /// Writes `data` at byte `at` of the peer's ring with immediate `imm`,
+    /// whatever the protocol says, and waits for the write to complete.
+    pub fn write_with_imm(&mut self, at: u64, imm: u32, data: &[u8]) -> Result<()> {
+        let peer = self.peer_ring.ok_or(Error::NotConnected)?;
+        let staged = data.len().min(self.staging.len());
+        self.staging.as_mut_slice()[..staged].copy_from_slice(&data[..staged]);
+        let sge = [self.staging.sge(..staged)];
+        let req = SendRequest::new(SEND_WR, SendOp::WriteWithImm(peer.at(at), imm), &sge);
+        // SAFETY: staging is not touched until the write completes, which is
+        // waited for below.
+        unsafe { self.qp.post_send(&[req])? };
+        self.wait_sent()
+    }
+
+    /// Waits for the signaled send just posted, handling what arrives
+    /// meanwhile; an error completion (the peer cut us off) is an error.
+    fn wait_sent(&mut self) -> Result<()> {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let before = self.sends_done;
+        while self.sends_done == before {
+            if self.poll(deadline, &mut |_| Ok(()))?.is_none() {
+                return Err(Error::Timeout("waiting for a send to complete".into()));
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether the other side has ended the connection, waiting up to
+    /// `deadline` for a sign of it (an error completion, a goodbye, or the
+    /// RDMA CM's DISCONNECTED).
+    pub fn cut_off(&mut self, deadline: Instant) -> bool {
+        loop {
+            if self
+                .id
+                .expect_event(CmEventKind::DISCONNECTED, Duration::ZERO)
+                .is_ok()
+            {
+                return true;
+            }
+            let soon = (Instant::now() + Duration::from_millis(20)).min(deadline);
+            match self.poll(soon, &mut |_| Ok(())) {
+                Err(_) => return true,
+                Ok(_) if Instant::now() >= deadline => return false,
+                Ok(_) => {}
+            }
+        }
     }
 
     /// Sends one message the legacy way: copied to staging, RDMA WRITE WITH
@@ -235,6 +319,7 @@ impl LegacyPeer {
             return Err(Error::Disconnected);
         }
         if wc.wr_id() == SEND_WR {
+            self.sends_done += 1;
             return Ok(Some(()));
         }
         let slot = wc.wr_id();

@@ -24,7 +24,7 @@ use std::time::Duration;
 
 pub(crate) use conn::thread_token;
 pub use conn::{
-    ConnHandler, ConnKind, ConnState, Connection, PdProvider, PendingReads, WeakConnection,
+    ConnHandler, ConnKind, ConnState, Connection, PdProvider, PendingReads, WeakConnection, Window,
 };
 pub use listener::{AcceptHook, Listener};
 pub use options::{CommMode, Options, DEFAULT_RECV_BUF_LEN, SEND_QUEUE_ENV};

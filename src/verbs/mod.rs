@@ -20,6 +20,7 @@ mod cq;
 mod device;
 mod error;
 mod mr;
+mod mw;
 mod pd;
 mod qp;
 pub mod selftest;
@@ -35,6 +36,7 @@ pub use device::{
 };
 pub use error::{Error, Result};
 pub use mr::{AccessFlags, MemoryRegion, RemoteAddr, RemoteRegion, Sge, REMOTE_REGION_WIRE_LEN};
+pub use mw::MemoryWindow;
 pub use pd::ProtectionDomain;
 pub use qp::{
     PreparedQp, QpCaps, QpInfo, QpOptions, QpState, QueuePair, SendOp, SendRequest,

@@ -21,6 +21,9 @@ bitflags! {
         const REMOTE_WRITE = sys::ibv_access_flags::IBV_ACCESS_REMOTE_WRITE.0;
         const REMOTE_READ = sys::ibv_access_flags::IBV_ACCESS_REMOTE_READ.0;
         const REMOTE_ATOMIC = sys::ibv_access_flags::IBV_ACCESS_REMOTE_ATOMIC.0;
+        /// Memory windows may be bound to the region (see
+        /// [`MemoryWindow`](super::MemoryWindow)).
+        const MW_BIND = sys::ibv_access_flags::IBV_ACCESS_MW_BIND.0;
     }
 }
 

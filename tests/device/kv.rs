@@ -255,7 +255,7 @@ fn kv_all_ops_all_sizes_huge_pages() {
 
 /// Waits up to `limit` until `counter` of the server's statistics falls
 /// to `target`.
-fn stat_falls_to(
+pub fn stat_falls_to(
     server: &Server,
     counter: fn(&Stats) -> u64,
     target: u64,

@@ -7,6 +7,7 @@
 
 mod c_programs;
 mod echo_load;
+mod hostile;
 mod kv;
 mod kv_programs;
 mod kv_strings;

@@ -6,7 +6,7 @@ use std::sync::{MutexGuard, PoisonError};
 
 use crate::kv::{KvError, Result};
 use crate::runtime::{thread_token, Connection};
-use crate::verbs::RemoteAddr;
+use crate::verbs::{AccessFlags, RemoteAddr};
 
 use super::{Client, KEEP_BOUNCE, MAX_TRANSFER};
 
@@ -108,7 +108,11 @@ impl Client {
                 self.conn.deregister(old.raw);
             }
             let size = len.next_power_of_two().max(1 << 20);
-            let raw = self.conn.register(size).map_err(|_| KvError::NoMemory)?;
+            // Only our own READs and WRITEs use it: no remote access.
+            let raw = self
+                .conn
+                .register_with(size, AccessFlags::LOCAL_WRITE)
+                .map_err(|_| KvError::NoMemory)?;
             // SAFETY: `register` returned a live registration.
             let (addr, lkey) = unsafe { ((*raw).addr as u64, (*raw).lkey) };
             *slot = Some(Bounce {

@@ -10,8 +10,8 @@ use crate::runtime::ring::{wrap_point, RecvRing};
 use crate::verbs::{Completion, RemoteRegion, WcOpcode, WcStatus};
 
 use super::{
-    ConnState, Connection, Deferred, Delivery, KIND_SHIFT, K_CMD, K_DATA, K_READ, K_RECV, K_SYNC,
-    K_WRITE, LOW_MASK, MAX_POLL_BATCH, PEER_CMD_RESERVE,
+    ConnState, Connection, Deferred, Delivery, KIND_SHIFT, K_BIND, K_CMD, K_DATA, K_READ, K_RECV,
+    K_SYNC, K_WRITE, LOW_MASK, MAX_POLL_BATCH, PEER_CMD_RESERVE,
 };
 
 impl Connection {
@@ -188,6 +188,7 @@ impl Connection {
                 };
                 self.callback(done, inline);
             }
+            K_BIND => self.lock().sq_used -= 1,
             K_SYNC => {
                 let mut st = self.lock();
                 st.sq_used -= 1;

@@ -10,10 +10,12 @@ mod park;
 mod send;
 mod setup;
 mod sources;
+mod window;
 
 pub use one_sided::PendingReads;
 pub(crate) use setup::warn_no_phys_addr;
 pub(crate) use sources::{CmSource, CqSource};
+pub use window::Window;
 
 use std::collections::{HashMap, VecDeque};
 use std::fmt;
@@ -24,7 +26,8 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError, RwLock};
 use std::time::Duration;
 
 use crate::verbs::{
-    self, CmId, CompletionQueue, MemoryRegion, ProtectionDomain, QueuePair, RemoteRegion,
+    self, CmId, CompletionQueue, MemoryRegion, MemoryWindow, ProtectionDomain, QueuePair,
+    RemoteRegion,
 };
 
 use super::options::Options;
@@ -59,6 +62,8 @@ const K_CMD: u64 = 3;
 const K_WRITE: u64 = 4;
 const K_READ: u64 = 5;
 const K_SYNC: u64 = 6;
+/// The bind of the receive ring's memory window.
+const K_BIND: u64 = 7;
 const KIND_SHIFT: u32 = 56;
 const LOW_MASK: u64 = (1 << KIND_SHIFT) - 1;
 
@@ -182,6 +187,10 @@ pub(crate) enum Link {
 }
 
 pub(crate) struct ConnInner {
+    /// In a shared PD, the window the peer writes the ring through (bound
+    /// to this QP only). First, so it is dropped first: rxe holds a bound
+    /// window's QP, and destroying the QP before it stalls for seconds.
+    ring_window: Option<MemoryWindow>,
     rt: Arc<Runtime>,
     link: Link,
     qp: QueuePair,

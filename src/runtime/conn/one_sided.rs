@@ -61,8 +61,15 @@ impl Connection {
     /// read/write on this connection; it lives until [`Connection::deregister`]
     /// or the connection's end.
     pub fn register(&self, size: usize) -> Result<*mut rdma_sys::ibv_mr> {
-        let access =
-            AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_READ;
+        self.register_with(
+            size,
+            AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_READ,
+        )
+    }
+
+    /// Registers like [`Connection::register`], with `access` (a buffer
+    /// only this side's operations use needs no remote access at all).
+    pub fn register_with(&self, size: usize, access: AccessFlags) -> Result<*mut rdma_sys::ibv_mr> {
         let mr = self.inner.pd.allocate(size, access)?;
         let raw = mr.as_raw();
         self.inner

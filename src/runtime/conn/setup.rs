@@ -19,7 +19,7 @@ use crate::verbs::{
 
 use super::{
     wr_id, CmSource, ConnHandler, ConnInner, ConnKind, ConnState, Connection, CqSource, Link,
-    NoHandler, PdProvider, State, CMD_SLOTS, K_RECV, MAX_SEND_WR, PEER_CMD_RESERVE,
+    NoHandler, PdProvider, State, CMD_SLOTS, K_BIND, K_RECV, MAX_SEND_WR, PEER_CMD_RESERVE,
 };
 
 impl Connection {
@@ -70,9 +70,23 @@ impl Connection {
             Link::Cm(id) => id.peer_addr(),
             Link::Socket(s) => Some(s.peer),
         };
-        let remote =
-            AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_READ;
-        let recv_ring = pd.allocate(opts.recv_buf_len, remote)?;
+        // In a PD shared with other connections (a server's), the ring is
+        // exposed through a window bound to this QP alone, write-only, so
+        // another client holding its rkey is refused by the NIC. In a PD of
+        // its own, the peer may also READ it, as the legacy library allowed
+        // (its sample reads the ring with `tx_addr`/`tx_key`).
+        let shared_pd = pds.is_some();
+        let ring_access = if shared_pd {
+            AccessFlags::LOCAL_WRITE | AccessFlags::MW_BIND
+        } else {
+            AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_READ
+        };
+        let recv_ring = pd.allocate(opts.recv_buf_len, ring_access)?;
+        let ring_window = if shared_pd {
+            Some(pd.alloc_mw()?)
+        } else {
+            None
+        };
         let staging = pd.allocate(opts.recv_buf_len, AccessFlags::LOCAL_WRITE)?;
         let cmd_recv = pd.allocate(recv_depth as usize * CMD_LEN, AccessFlags::LOCAL_WRITE)?;
         let cmd_send = pd.allocate(CMD_SLOTS as usize * CMD_LEN, AccessFlags::LOCAL_WRITE)?;
@@ -99,6 +113,7 @@ impl Connection {
                 send_armed: AtomicBool::new(false),
                 pd,
                 recv_ring,
+                ring_window,
                 staging,
                 rx_copy: Mutex::new(Vec::new()),
                 cmd_recv,
@@ -289,11 +304,39 @@ impl Connection {
     }
 
     pub(super) fn send_reg_local_addr(&self) -> Result<()> {
-        let ring = self.inner.recv_ring.remote();
+        let mut st = self.lock();
+        let ring = match &self.inner.ring_window {
+            None => self.inner.recv_ring.remote(),
+            Some(window) => {
+                // The QP is ready to send now; the bind goes first on its
+                // send queue, so the peer can use the rkey it is about to
+                // learn.
+                st.sq_used += 1;
+                // SAFETY: window and ring live as long as the connection,
+                // the window is dropped first (field order), and the QP
+                // outlives its completions.
+                let bound = unsafe {
+                    self.inner.qp.post_bind(
+                        wr_id(K_BIND, 0),
+                        window,
+                        &self.inner.recv_ring,
+                        0,
+                        self.inner.recv_ring.len(),
+                        AccessFlags::REMOTE_WRITE,
+                    )
+                };
+                match bound {
+                    Ok(region) => region,
+                    Err(e) => {
+                        st.sq_used -= 1;
+                        return Err(e.into());
+                    }
+                }
+            }
+        };
         let mut cmd = Cmd::new(Opcode::RegLocalAddr, ring.addr, ring.len as u32, ring.rkey);
         cmd.recv_depth = self.inner.opts.recv_depth.max(2 * PEER_CMD_RESERVE as u32);
         cmd.ring_use = self.inner.staging.len() as u32;
-        let mut st = self.lock();
         if !self.post_cmd(&mut st, cmd)? {
             return Err(Error::InvalidArgument(
                 "no room to advertise the receive buffer".into(),

@@ -122,11 +122,12 @@ impl Pool {
         Some(Chunk { offset, class })
     }
 
-    /// Returns a chunk: its block is invalidated at once, its memory reused
-    /// after the quarantine.
+    /// Returns a chunk: its block is invalidated and its key and value
+    /// cleared at once (every client may READ the pool, and a deleted value
+    /// must not stay readable), its memory reused after the quarantine.
     pub fn free(&self, chunk: Chunk) {
         // SAFETY: the chunk was ours and nobody else writes it now.
-        unsafe { self.mem.bytes_mut(chunk.offset, 4) }.fill(0);
+        unsafe { self.mem.bytes_mut(chunk.offset, self.class_size(chunk.class)) }.fill(0);
         self.used
             .fetch_sub(self.class_size(chunk.class) as u64, Ordering::Relaxed);
         self.slabs.lock().expect("pool lock").classes[chunk.class]
@@ -160,5 +161,18 @@ mod tests {
         // The only page rests in quarantine, but nothing else is left.
         assert_eq!(pool.alloc(SLAB_PAGE), Some(whole));
         assert!(pool.alloc(64).is_none());
+    }
+
+    #[test]
+    fn a_freed_chunk_is_cleared_whole() {
+        let pool = Pool::new(SLAB_PAGE, false).unwrap();
+        let c = pool.alloc(200).unwrap();
+        let size = pool.class_size(c.class);
+        // SAFETY: the chunk is ours.
+        unsafe { pool.mem.bytes_mut(c.offset, size) }.fill(0xab);
+        pool.free(c);
+        // SAFETY: nobody else uses the pool.
+        let after = unsafe { pool.mem.bytes_mut(c.offset, size) };
+        assert!(after.iter().all(|&b| b == 0), "stale bytes after free");
     }
 }

@@ -42,8 +42,10 @@ impl SendRing {
         }
         let used = self.in_flight();
         let pos = self.head % self.cap;
-        let skip = if pos + len <= self.cap {
-            if used + len > self.cap {
+        // `pos < cap`; `used` may pass `cap` by a skipped tail. Neither sum
+        // may overflow, however large the ring.
+        let skip = if len <= self.cap - pos {
+            if used.saturating_add(len) > self.cap {
                 return None;
             }
             0
@@ -65,10 +67,11 @@ impl SendRing {
     }
 
     /// The receiver reports it has consumed `consumed` bytes in all. Returns
-    /// false (and changes nothing) for a report that goes backwards or beyond
-    /// what was sent.
+    /// false (and changes nothing) for a report that goes backwards, repeats
+    /// the last one or goes beyond what was sent: a receiver reports only
+    /// when it has consumed more, so none of these comes from an honest one.
     pub fn ack(&mut self, consumed: u64) -> bool {
-        if consumed < self.acked || consumed > self.head {
+        if consumed <= self.acked || consumed > self.head {
             return false;
         }
         self.acked = consumed;
@@ -116,7 +119,7 @@ impl RecvRing {
     /// the ring. Returns false for a message that breaks those rules.
     pub fn accept(&mut self, offset: usize, len: usize) -> bool {
         let (offset, len) = (offset as u64, len as u64);
-        if len == 0 || offset + len > self.cap {
+        if len == 0 || offset.checked_add(len).is_none_or(|end| end > self.cap) {
             return false;
         }
         let pos = self.consumed % self.cap;
@@ -183,6 +186,20 @@ mod tests {
         assert!(!tx.ack(11), "acking more than was sent");
         assert!(tx.ack(5));
         assert!(!tx.ack(4), "acks never go backwards");
+        assert!(!tx.ack(5), "nor repeat");
+        assert!(!tx.ack(u64::MAX));
+        assert_eq!(tx.in_flight(), 5);
+    }
+
+    #[test]
+    fn rings_as_large_as_memory_do_not_overflow() {
+        let mut tx = SendRing::new(usize::MAX);
+        assert_eq!(tx.reserve(usize::MAX - 1), Some(0));
+        assert_eq!(tx.reserve(2), None, "one byte left");
+        let mut rx = RecvRing::new(64);
+        assert!(!rx.accept(usize::MAX, 2));
+        assert!(!rx.accept(2, usize::MAX));
+        assert_eq!(rx.unreported(), 0);
     }
 
     #[test]

@@ -156,22 +156,31 @@ pub struct Slot {
 }
 
 impl Slot {
-    pub fn decode(b: &[u8]) -> Slot {
-        Slot {
+    /// The slot at the start of `b`; `None` when `b` is shorter than one.
+    pub fn decode(b: &[u8]) -> Option<Slot> {
+        let b = b.get(..SLOT_LEN)?;
+        Some(Slot {
             tag: u64_at(b, 0),
             addr: u64_at(b, 8),
             len: u64_at(b, 16),
             rkey: u32_at(b, 24),
-        }
+        })
     }
 }
 
 /// A bucket as read by a client: its overflow count (entries that did not
-/// fit, found only by asking the server) and its slots.
+/// fit, found only by asking the server) and its slots. A read of fewer
+/// than [`BUCKET_LEN`] bytes cannot tell that a key is absent: it gives the
+/// slots wholly present and, without its header, an overflow of
+/// `u64::MAX` (ask the server).
 pub fn decode_bucket(b: &[u8]) -> (u64, Vec<Slot>) {
-    let overflow = u64_at(b, 0);
-    let slots = (0..SLOTS)
-        .map(|i| Slot::decode(&b[BUCKET_HEADER_LEN + i * SLOT_LEN..]))
+    let overflow = b.get(..8).map_or(u64::MAX, |h| u64_at(h, 0));
+    let slots = b
+        .get(BUCKET_HEADER_LEN..)
+        .unwrap_or_default()
+        .chunks_exact(SLOT_LEN)
+        .take(SLOTS)
+        .filter_map(Slot::decode)
         .collect();
     (overflow, slots)
 }

@@ -127,7 +127,11 @@ impl Pool {
     /// must not stay readable), its memory reused after the quarantine.
     pub fn free(&self, chunk: Chunk) {
         // SAFETY: the chunk was ours and nobody else writes it now.
-        unsafe { self.mem.bytes_mut(chunk.offset, self.class_size(chunk.class)) }.fill(0);
+        unsafe {
+            self.mem
+                .bytes_mut(chunk.offset, self.class_size(chunk.class))
+        }
+        .fill(0);
         self.used
             .fetch_sub(self.class_size(chunk.class) as u64, Ordering::Relaxed);
         self.slabs.lock().expect("pool lock").classes[chunk.class]

@@ -48,6 +48,13 @@ impl Client {
         reply: &Reply,
         take: impl FnOnce(&[u8], u64) -> T,
     ) -> Result<T> {
+        if reply.value_len > self.info.max_value {
+            self.release(reply.lease);
+            return Err(KvError::Internal(format!(
+                "the server leased a {}-byte value, beyond its own limit of {}",
+                reply.value_len, self.info.max_value
+            )));
+        }
         let total = block_len(key.len(), reply.value_len as usize);
         let result = self.with_bounce(total, |b| {
             self.transfer(

@@ -19,7 +19,11 @@ pub const BLOCK_HEADER_LEN: usize = 32;
 /// reader racing with an update or with reuse of the memory sees a mismatch
 /// instead of a torn value.
 pub fn block_len(key_len: usize, value_len: usize) -> usize {
-    BLOCK_HEADER_LEN + key_len + value_len
+    // Saturating: a length from a reply is the server's word, and a huge
+    // one must be refused, not overflow.
+    BLOCK_HEADER_LEN
+        .saturating_add(key_len)
+        .saturating_add(value_len)
 }
 
 /// The checksum in a block header: over the header's first 24 bytes, the

@@ -69,6 +69,7 @@ lint:
 
 host-test:
 	$(CARGO) test
+	scripts/tsan.sh
 	$(EXAMPLEDIR)/layout
 	$(EXAMPLEDIR)/devices
 	$(EXAMPLEDIR)/devices-static

@@ -1,17 +1,19 @@
 //! Peers that break the protocol on purpose, and clients that write where
 //! they may not: each is cut off, and nobody else notices.
 
+use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::time::Instant;
 
 use snowrdma::kv::Client;
 use snowrdma::runtime::legacy_peer::LegacyPeer;
 use snowrdma::runtime::proto::{Cmd, Opcode, CMD_LEN, IMM_EXTENDED, VERSION};
-use snowrdma::runtime::{ConnHandler, ConnState, Connection, Options};
+use snowrdma::runtime::{ConnHandler, ConnState, Connection, Listener, Options};
 use snowrdma::verbs::RemoteAddr;
 
 use crate::kv::{kv_server, stat_falls_to};
-use crate::TIMEOUT;
+use crate::runtime::Collect;
+use crate::{device_ip, TIMEOUT};
 
 /// One way of breaking the protocol: the version the peer claims, and what
 /// it does once connected.
@@ -162,4 +164,42 @@ fn hostile_clients_cannot_write_each_others_buffers() {
     assert_eq!(a.get(b"a-key").unwrap().0, vec![3u8; 3000]);
     assert_eq!(a_conn.state(), ConnState::MrReady);
     server.stop();
+}
+
+/// Echoes, and panics on "boom".
+struct Touchy;
+impl ConnHandler for Touchy {
+    fn recv(&self, conn: &Connection, data: &[u8], _imm: Option<u32>) {
+        assert!(data != b"boom", "a defect in the handler");
+        let _ = conn.send(data);
+    }
+}
+
+/// A panic in a Rust handler ends its connection; the completion and CM
+/// threads go on serving the others.
+#[test]
+#[ignore]
+fn a_panicking_handler_ends_only_its_connection() {
+    let listener = Listener::bind(
+        SocketAddr::new(IpAddr::V4(device_ip()), 0),
+        &Options::default(),
+        Box::new(|_| Some(Arc::new(Touchy) as Arc<dyn ConnHandler>)),
+    )
+    .unwrap();
+    listener.start();
+    let addr = listener.local_addr().unwrap();
+    let opts = Options::default();
+    let doomed = Arc::new(Collect::default());
+    let a = Connection::connect(addr, &opts, doomed.clone()).unwrap();
+    let other = Arc::new(Collect::default());
+    let b = Connection::connect(addr, &opts, other.clone()).unwrap();
+    assert!(a.send(b"boom").unwrap() > 0);
+    doomed.wait_disconnected(TIMEOUT);
+    assert!(b.send(b"still served").unwrap() > 0);
+    assert_eq!(other.wait_bytes(12, TIMEOUT), b"still served");
+    let late = Arc::new(Collect::default());
+    let c = Connection::connect(addr, &opts, late.clone()).unwrap();
+    assert!(c.send(b"late").unwrap() > 0);
+    assert_eq!(late.wait_bytes(4, TIMEOUT), b"late");
+    listener.release();
 }

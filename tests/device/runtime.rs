@@ -41,7 +41,17 @@ impl ConnHandler for Collect {
 }
 
 impl Collect {
-    fn wait_bytes(&self, n: usize, timeout: Duration) -> Vec<u8> {
+    /// Waits until `disconnected` has fired.
+    pub fn wait_disconnected(&self, timeout: Duration) {
+        let g = self.got.lock().unwrap();
+        let (g, _) = self
+            .cond
+            .wait_timeout_while(g, timeout, |g| g.2 == 0)
+            .unwrap();
+        assert!(g.2 > 0, "no disconnected callback within {timeout:?}");
+    }
+
+    pub fn wait_bytes(&self, n: usize, timeout: Duration) -> Vec<u8> {
         let deadline = Instant::now() + timeout;
         let mut g = self.got.lock().unwrap();
         while g.0.len() < n {

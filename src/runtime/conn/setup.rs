@@ -39,6 +39,14 @@ impl Connection {
                 .ok_or_else(|| Error::InvalidArgument("the RDMA CM id has no device".into()))?,
             Link::Socket(s) => s.ctx.clone(),
         };
+        // Offsets travel in 31 bits of an immediate (bit 31 marks extended
+        // messages) and the length in a 32-bit field.
+        if opts.recv_buf_len > MAX_RING_LEN || opts.recv_buf_len == 0 {
+            return Err(Error::InvalidArgument(format!(
+                "recv_buf_len {} is not between 1 and {MAX_RING_LEN} bytes",
+                opts.recv_buf_len
+            )));
+        }
         let pd = match pds {
             Some(provide) => provide(&ctx)?,
             None => ctx.alloc_pd()?,
@@ -364,6 +372,9 @@ impl Connection {
         }
     }
 }
+
+/// The largest receive ring: message offsets are 31-bit.
+const MAX_RING_LEN: usize = 1 << 31;
 
 /// Connection setup crosses the wire several times; each step gets the
 /// configured timeout, and the whole at least a few seconds.

@@ -28,8 +28,8 @@ impl Shared {
             Err(e) => {
                 // The connection ended (its end is reported on its own).
                 log::debug!("no reply to {:?}: {e}", conn.peer_addr());
-                conn.close();
-                return self.forget(client);
+                self.forget(client);
+                return self.close_later(conn);
             }
         }
         if client.gone.load(Ordering::Acquire) {

@@ -20,11 +20,6 @@ use std::sync::{Arc, Mutex, RwLock, Weak};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-mod answer;
-mod limits;
-
-use limits::check_limits;
-
 use crossbeam_channel::{bounded, RecvTimeoutError, Sender};
 
 use crate::runtime::{
@@ -37,6 +32,11 @@ use super::pool::SLAB_PAGE;
 use super::proto::{Op, Request, Source};
 use super::store::{Store, Target};
 use super::{ConnMode, KvError, Result, DEFAULT_MAX_VALUE, MAX_VALUE_ENV};
+
+mod answer;
+mod limits;
+
+use limits::check_limits;
 
 /// Leases one client may hold; beyond, its oldest lease ends (the byte cap
 /// is [`Limits::lease_bytes`]).

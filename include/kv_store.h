@@ -121,6 +121,51 @@ typedef struct kv_config {
 } kv_config;
 
 /**
+ * A server's limits (see the README's Limits section). Start from
+ * `kv_limits_default()` and change the fields you need; every field must
+ * be positive.
+ */
+typedef struct kv_limits {
+  /**
+   * Clients connected (or still connecting) at once; more are refused.
+   */
+  uint64_t max_connections;
+  /**
+   * Milliseconds a client has to finish connecting before it is dropped.
+   */
+  uint64_t setup_deadline_ms;
+  /**
+   * Bytes of replies that may wait for one client; beyond, it is
+   * disconnected.
+   */
+  uint64_t reply_queue_bytes;
+  /**
+   * Requests that may wait for each worker thread; beyond, new ones wait
+   * for room.
+   */
+  uint64_t worker_queue;
+  /**
+   * Requests of one client that may wait for its worker; beyond, they
+   * are answered KV_ERR_NO_MEMORY.
+   */
+  uint64_t client_jobs;
+  /**
+   * Bytes of values stored outside the memory pool; beyond, large PUTs
+   * are answered KV_ERR_NO_MEMORY.
+   */
+  uint64_t large_value_quota;
+  /**
+   * Bytes of values one client may hold leased; beyond, its oldest
+   * leases end.
+   */
+  uint64_t lease_bytes;
+  /**
+   * Milliseconds after which an unreleased lease ends.
+   */
+  uint64_t lease_time_ms;
+} kv_limits;
+
+/**
  * RDMA CM (the default).
  */
 #define CONN_MODE_CM 0
@@ -177,6 +222,32 @@ void kv_server_stop(kv_server_t *server);
  * invalid afterwards (a second destroy is ignored).
  */
 void kv_server_destroy(kv_server_t *server);
+
+/**
+ * The default limits.
+ */
+struct kv_limits kv_limits_default(void);
+
+/**
+ * Sets a server's limits (`limits` is copied). Connection, request, quota
+ * and lease limits apply at once; `setup_deadline_ms`,
+ * `reply_queue_bytes` and `worker_queue` from the next `kv_server_start`.
+ * Returns KV_OK, or KV_ERR_INVALID_ARGUMENT for a NULL or unknown handle,
+ * a NULL `limits` or a zero field.
+ *
+ * # Safety
+ * A non-NULL `limits` must point to a `kv_limits`.
+ */
+int kv_server_set_limits(kv_server_t *server, const struct kv_limits *limits);
+
+/**
+ * The limits a server has now; KV_ERR_INVALID_ARGUMENT for a NULL or
+ * unknown handle or a NULL `out`.
+ *
+ * # Safety
+ * A non-NULL `out` must point to writable memory for a `kv_limits`.
+ */
+int kv_server_get_limits(const kv_server_t *server, struct kv_limits *out);
 
 /**
  * Creates an unconnected client for `mode` (`CONN_MODE_CM` or

@@ -10,7 +10,7 @@ use clap::Parser;
 use signal_hook::consts::{SIGINT, SIGTERM, SIGUSR1};
 use signal_hook::iterator::Signals;
 
-use snowrdma::kv::{ConnMode, Server, ServerConfig};
+use snowrdma::kv::{ConnMode, Limits, Server, ServerConfig};
 
 #[derive(Parser)]
 #[command(
@@ -48,6 +48,36 @@ struct Args {
     /// Seconds between statistics lines (0: only on SIGUSR1 and at exit).
     #[arg(long, default_value_t = 10)]
     stats_interval: u64,
+    /// Clients connected (or connecting) at once; more are refused.
+    #[arg(long, default_value_t = Limits::default().max_connections)]
+    max_connections: usize,
+    /// Milliseconds a client has to finish connecting before it is dropped.
+    #[arg(long, default_value_t = ms(Limits::default().setup_deadline))]
+    setup_deadline_ms: u64,
+    /// Bytes of replies that may wait for one client; beyond, it is disconnected.
+    #[arg(long, default_value_t = Limits::default().reply_queue_bytes)]
+    reply_queue_bytes: usize,
+    /// Requests that may wait for each worker; beyond, new ones wait for room.
+    #[arg(long, default_value_t = Limits::default().worker_queue)]
+    worker_queue: usize,
+    /// Requests of one client that may wait for its worker; beyond, they are
+    /// answered KV_ERR_NO_MEMORY.
+    #[arg(long, default_value_t = Limits::default().client_jobs)]
+    client_jobs: usize,
+    /// Bytes of values stored outside the pool; beyond, large PUTs are
+    /// answered KV_ERR_NO_MEMORY.
+    #[arg(long, default_value_t = Limits::default().large_value_quota)]
+    large_value_quota: u64,
+    /// Bytes of values one client may hold leased; beyond, its oldest leases end.
+    #[arg(long, default_value_t = Limits::default().lease_bytes)]
+    lease_bytes: u64,
+    /// Milliseconds after which an unreleased lease ends.
+    #[arg(long, default_value_t = ms(Limits::default().lease_time))]
+    lease_time_ms: u64,
+}
+
+fn ms(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
 
 fn main() -> ExitCode {
@@ -67,6 +97,16 @@ fn main() -> ExitCode {
         },
         device: args.device,
         max_value: args.max_value.unwrap_or(defaults.max_value),
+        limits: Limits {
+            max_connections: args.max_connections,
+            setup_deadline: Duration::from_millis(args.setup_deadline_ms),
+            reply_queue_bytes: args.reply_queue_bytes,
+            worker_queue: args.worker_queue,
+            client_jobs: args.client_jobs,
+            large_value_quota: args.large_value_quota,
+            lease_bytes: args.lease_bytes,
+            lease_time: Duration::from_millis(args.lease_time_ms),
+        },
         ..defaults
     };
     let server = match Server::new(cfg).and_then(|s| s.start().map(|()| s)) {

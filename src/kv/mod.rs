@@ -9,6 +9,7 @@
 
 mod client;
 mod index;
+mod limits;
 mod pool;
 pub mod proto;
 mod server;
@@ -18,6 +19,7 @@ use std::net::{SocketAddr, ToSocketAddrs};
 use std::time::Duration;
 
 pub use client::{Client, ClientOptions};
+pub use limits::Limits;
 pub use server::{Server, ServerConfig, Stats};
 
 /// Longest key accepted.

@@ -14,6 +14,7 @@ use crate::runtime::Window;
 use crate::verbs::{AccessFlags, Context, MemoryRegion, ProtectionDomain};
 
 use super::index::{Index, Place};
+use super::limits::Episode;
 use super::pool::{Chunk, Mapping, Pool, SLAB_PAGE};
 use super::proto::{
     block_len, key_hash, seal_block, value_checksum, Slot, BLOCK_HEADER_LEN, SUPERSEDED_MAGIC,
@@ -36,7 +37,20 @@ enum Memory {
     Own {
         _mr: MemoryRegion,
         _map: Mapping,
+        _counted: OwnBytes,
     },
+}
+
+/// Bytes counted against the large-value quota until dropped.
+struct OwnBytes {
+    len: u64,
+    total: Arc<AtomicU64>,
+}
+
+impl Drop for OwnBytes {
+    fn drop(&mut self) {
+        self.total.fetch_sub(self.len, Ordering::Relaxed);
+    }
 }
 
 /// A stored block (header, key, value) somewhere a client may READ it.
@@ -44,7 +58,6 @@ pub struct Block {
     mem: Memory,
     len: usize,
     pool: Arc<Pool>,
-    own_bytes: Arc<AtomicU64>,
     addr: u64,
     rkey: u32,
 }
@@ -94,10 +107,8 @@ impl Drop for Block {
     fn drop(&mut self) {
         match self.mem {
             Memory::Pool(chunk) => self.pool.free(chunk),
-            // Deregistered, then unmapped (field order).
-            Memory::Own { .. } => {
-                self.own_bytes.fetch_sub(self.len as u64, Ordering::Relaxed);
-            }
+            // Deregistered, then unmapped, then uncounted (field order).
+            Memory::Own { .. } => {}
         }
     }
 }
@@ -110,6 +121,7 @@ pub struct Target {
     /// the one client through a window on its QP. Dropped before the map.
     write: Window,
     map: Mapping,
+    counted: OwnBytes,
     key_len: usize,
     value_len: usize,
 }
@@ -149,6 +161,10 @@ pub struct Store {
     pub max_value: u64,
     items: AtomicU64,
     own_bytes: Arc<AtomicU64>,
+    /// Bound of `own_bytes` ([`super::Limits::large_value_quota`]).
+    pub large_quota: AtomicU64,
+    quota_refusals: AtomicU64,
+    quota_episode: Episode,
 }
 
 impl Store {
@@ -162,6 +178,9 @@ impl Store {
             max_value,
             items: AtomicU64::new(0),
             own_bytes: Arc::new(AtomicU64::new(0)),
+            large_quota: AtomicU64::new(u64::MAX),
+            quota_refusals: AtomicU64::new(0),
+            quota_episode: Episode::default(),
         })
     }
 
@@ -216,6 +235,44 @@ impl Store {
         self.own_bytes.load(Ordering::Relaxed)
     }
 
+    /// Large values refused for the quota.
+    pub fn quota_refusals(&self) -> u64 {
+        self.quota_refusals.load(Ordering::Relaxed)
+    }
+
+    /// Counts `len` more bytes outside the pool, unless that passes the
+    /// quota (then: no memory, counted and logged).
+    fn count_own(&self, len: usize) -> Result<OwnBytes> {
+        let len = len as u64;
+        let quota = self.large_quota.load(Ordering::Relaxed);
+        let mut now = self.own_bytes.load(Ordering::Relaxed);
+        loop {
+            if now.saturating_add(len) > quota {
+                self.quota_refusals.fetch_add(1, Ordering::Relaxed);
+                self.quota_episode.hit(|| {
+                    format!(
+                        "refusing a {len}-byte value: values outside the pool would pass the \
+                         quota of {quota} bytes ({now} in use)"
+                    )
+                });
+                return Err(KvError::NoMemory);
+            }
+            match self.own_bytes.compare_exchange_weak(
+                now,
+                now + len,
+                Ordering::Relaxed,
+                Ordering::Relaxed,
+            ) {
+                Ok(_) => break,
+                Err(seen) => now = seen,
+            }
+        }
+        Ok(OwnBytes {
+            len,
+            total: self.own_bytes.clone(),
+        })
+    }
+
     fn device_or_err(&self) -> Result<&DeviceMem> {
         self.device
             .get()
@@ -253,16 +310,16 @@ impl Store {
                 mem: Memory::Pool(chunk),
                 len,
                 pool: self.pool.clone(),
-                own_bytes: self.own_bytes.clone(),
                 addr: self.pool.mapping().as_ptr() as u64 + chunk.offset as u64,
                 rkey: dev.pool_mr.rkey(),
             });
         }
+        let counted = self.count_own(len)?;
         let map = Mapping::new(len, false).map_err(|_| KvError::NoMemory)?;
-        self.own_block(map, len)
+        self.own_block(map, len, counted)
     }
 
-    fn own_block(&self, map: Mapping, len: usize) -> Result<Block> {
+    fn own_block(&self, map: Mapping, len: usize, counted: OwnBytes) -> Result<Block> {
         let dev = self.device_or_err()?;
         // SAFETY: the registration is dropped before the mapping (Memory::Own
         // field order).
@@ -274,14 +331,16 @@ impl Store {
                     KvError::NoMemory
                 })?
         };
-        self.own_bytes.fetch_add(len as u64, Ordering::Relaxed);
         Ok(Block {
             addr: map.as_ptr() as u64,
             rkey: mr.rkey(),
             len,
-            mem: Memory::Own { _mr: mr, _map: map },
+            mem: Memory::Own {
+                _mr: mr,
+                _map: map,
+                _counted: counted,
+            },
             pool: self.pool.clone(),
-            own_bytes: self.own_bytes.clone(),
         })
     }
 
@@ -321,6 +380,7 @@ impl Store {
         self.check_value_len(value_len)?;
         let value_len = usize::try_from(value_len).map_err(|_| KvError::NoMemory)?;
         let dev = self.device_or_err()?;
+        let counted = self.count_own(block_len(key_len, value_len))?;
         let map =
             Mapping::new(block_len(key_len, value_len), false).map_err(|_| KvError::NoMemory)?;
         let access = AccessFlags::LOCAL_WRITE | AccessFlags::MW_BIND;
@@ -341,6 +401,7 @@ impl Store {
         Ok(Target {
             write: expose(write_mr)?,
             map,
+            counted,
             key_len,
             value_len,
         })
@@ -357,12 +418,13 @@ impl Store {
         let Target {
             write,
             map,
+            counted,
             value_len,
             ..
         } = target;
         drop(write);
         let len = block_len(key.len(), value_len);
-        let mut block = self.own_block(map, len)?;
+        let mut block = self.own_block(map, len, counted)?;
         let bytes = block.bytes_mut();
         bytes[BLOCK_HEADER_LEN..BLOCK_HEADER_LEN + key.len()].copy_from_slice(key);
         let hash = value_checksum(&bytes[BLOCK_HEADER_LEN + key.len()..]);

@@ -1,18 +1,28 @@
 //! A SnowRDMA server endpoint: listens through RDMA CM (or, in socket mode,
 //! on a TCP port), accepts connections on the CM thread and hands each to
 //! the owner's accept hook.
+//!
+//! Setup has a deadline ([`Options::setup_deadline`]): an accepted
+//! connection whose peer has not finished the handshake and advertised its
+//! ring by then is dropped. Socket-mode QP exchanges are driven by the CM
+//! thread as bytes arrive, never waited for, so a silent peer delays no one.
 
+use std::collections::HashMap;
 use std::io::ErrorKind;
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::fd::{AsRawFd, RawFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Condvar, Mutex, Weak};
+use std::time::Instant;
 
 use crate::verbs::{CmEvent, CmEventKind, CmId, Context};
 
-use super::conn::{CmSource, ConnHandler, ConnKind, Connection, Link, PdProvider, WeakConnection};
+use super::conn::{
+    CmSource, ConnHandler, ConnKind, ConnState, Connection, Link, PdProvider, WeakConnection,
+};
 use super::options::Options;
-use super::socket::{handshake, SocketLink};
+use super::poller::Source;
+use super::socket::{Handshake, Progress, SocketLink};
 use super::{runtime, Error, Result, Runtime};
 
 /// Where connections come from.
@@ -41,6 +51,16 @@ pub(crate) struct ListenerInner {
     cond: Condvar,
     released: AtomicBool,
     source: AtomicU64,
+    /// The poller key of the [`SetupReaper`].
+    reaper: AtomicU64,
+    /// Accepted connections not ready yet, with their deadlines.
+    pending: Mutex<Vec<(WeakConnection, Instant)>>,
+    /// Socket-mode QP exchanges under way, by poller key.
+    handshakes: Mutex<HashMap<u64, Arc<HandshakeSource>>>,
+    setup_timeouts: AtomicU64,
+    /// A timeout was logged and no connection finished its setup since:
+    /// one line per episode, not one per silent peer.
+    timeout_logged: AtomicBool,
 }
 
 /// A listening server. Cheap to clone.
@@ -111,6 +131,11 @@ impl Listener {
                 cond: Condvar::new(),
                 released: AtomicBool::new(false),
                 source: AtomicU64::new(0),
+                reaper: AtomicU64::new(0),
+                pending: Mutex::new(Vec::new()),
+                handshakes: Mutex::new(HashMap::new()),
+                setup_timeouts: AtomicU64::new(0),
+                timeout_logged: AtomicBool::new(false),
             }),
         })
     }
@@ -144,6 +169,12 @@ impl Listener {
         &self.inner.opts
     }
 
+    /// Accepted connections dropped because their setup passed
+    /// [`Options::setup_deadline`].
+    pub fn setup_timeouts(&self) -> u64 {
+        self.inner.setup_timeouts.load(Ordering::Relaxed)
+    }
+
     /// The address actually bound (with the chosen port).
     pub fn local_addr(&self) -> Option<SocketAddr> {
         match &self.inner.endpoint {
@@ -162,6 +193,9 @@ impl Listener {
                 .cm
                 .add(Arc::new(CmSource::Listener(self.clone())));
             self.inner.source.store(key, Ordering::SeqCst);
+            let reaper = Arc::new(SetupReaper(Arc::downgrade(&self.inner)));
+            let key = self.inner.rt.cm.add(reaper);
+            self.inner.reaper.store(key, Ordering::SeqCst);
         }
     }
 
@@ -199,9 +233,22 @@ impl Listener {
         for conn in conns {
             conn.close();
         }
-        let key = self.inner.source.swap(0, Ordering::SeqCst);
-        if key != 0 {
+        let handshakes: Vec<_> = self
+            .inner
+            .handshakes
+            .lock()
+            .expect("listener lock")
+            .drain()
+            .collect();
+        for (key, hs) in handshakes {
             self.inner.rt.cm.remove(key);
+            hs.hs.conn.close();
+        }
+        for slot in [&self.inner.source, &self.inner.reaper] {
+            let key = slot.swap(0, Ordering::SeqCst);
+            if key != 0 {
+                self.inner.rt.cm.remove(key);
+            }
         }
     }
 
@@ -243,6 +290,7 @@ impl Listener {
         conn.set_handler(handler);
         self.inner.rt.remember_accepted(listen_id.id_ref(), &conn);
         conn.start_completions();
+        self.inner.expect_ready(&conn, self.inner.deadline());
         if let Err(e) = id.accept(&conn.conn_param()) {
             conn.fail(&format!("rdma_accept: {e}"));
         }
@@ -270,25 +318,21 @@ impl Listener {
         }
     }
 
-    /// Sets up one socket-mode connection. The QP exchange blocks this (CM)
-    /// thread for at most the configured timeout per step.
+    /// Sets up one socket-mode connection: builds it, sends our QP
+    /// information and leaves the rest of the exchange to the CM thread as
+    /// the peer's bytes arrive ([`HandshakeSource`]).
     fn accept_socket(&self, stream: TcpStream, peer: SocketAddr) -> Result<()> {
-        let Endpoint::Socket { ctx, accepted, .. } = &self.inner.endpoint else {
+        let Endpoint::Socket { ctx, .. } = &self.inner.endpoint else {
             return Ok(());
         };
         if !*self.inner.serving.lock().expect("listener lock") {
             return Ok(());
         }
-        let dup = |s: &TcpStream| {
-            s.try_clone()
-                .map_err(|e| Error::Socket(format!("duplicating the socket: {e}")))
-        };
-        stream
-            .set_nonblocking(false)
-            .map_err(|e| Error::Socket(format!("{e}")))?;
         let _ = stream.set_nodelay(true);
         let link = SocketLink {
-            stream: dup(&stream)?,
+            stream: stream
+                .try_clone()
+                .map_err(|e| Error::Socket(format!("duplicating the socket: {e}")))?,
             peer,
             ctx: ctx.clone(),
         };
@@ -304,12 +348,167 @@ impl Listener {
         };
         conn.set_handler(handler);
         let prepared = prepared.expect("socket-mode connections come back prepared");
-        handshake(&stream, prepared, self.inner.opts.timeout)?;
-        let mut list = accepted.lock().expect("listener lock");
-        list.retain(|w| w.upgrade().is_some());
-        list.push(conn.downgrade());
-        drop(list);
-        conn.socket_accepted();
+        let hs = match Handshake::start(conn.clone(), stream, prepared, self.inner.deadline()) {
+            Ok(hs) => hs,
+            Err(e) => {
+                conn.fail(&format!("socket-mode setup: {e}"));
+                return Ok(());
+            }
+        };
+        let source = Arc::new(HandshakeSource {
+            listener: Arc::downgrade(&self.inner),
+            hs,
+            key: AtomicU64::new(0),
+        });
+        // Registered before it is watched, so its first event finds it.
+        let mut handshakes = self.inner.handshakes.lock().expect("listener lock");
+        let key = self.inner.rt.cm.add(source.clone());
+        source.key.store(key, Ordering::SeqCst);
+        handshakes.insert(key, source);
         Ok(())
+    }
+}
+
+impl ListenerInner {
+    fn deadline(&self) -> Instant {
+        Instant::now() + self.opts.setup_deadline
+    }
+
+    /// Watches an accepted connection until it is ready or its deadline.
+    fn expect_ready(&self, conn: &Connection, deadline: Instant) {
+        let mut pending = self.pending.lock().expect("listener lock");
+        pending.push((conn.downgrade(), deadline));
+    }
+
+    /// Drops a connection whose setup took too long (CM thread).
+    fn expire(&self, conn: &Connection, what: &str) {
+        let deadline = self.opts.setup_deadline;
+        if !self.timeout_logged.swap(true, Ordering::Relaxed) {
+            log::warn!(
+                "dropping {:?}: {what} within {deadline:?} (further ones are not logged until a \
+                 connection completes its setup)",
+                conn.peer_addr()
+            );
+        } else {
+            log::debug!(
+                "dropping {:?}: {what} within {deadline:?}",
+                conn.peer_addr()
+            );
+        }
+        conn.fail(&format!("{what} within {deadline:?}"));
+        // Counted once it is gone, so whoever sees the count sees it gone.
+        self.setup_timeouts.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// A socket-mode exchange ended: the connection starts, or fails.
+    fn handshake_done(&self, source: &HandshakeSource, result: Option<Error>) {
+        let key = source.key.load(Ordering::SeqCst);
+        if self
+            .handshakes
+            .lock()
+            .expect("listener lock")
+            .remove(&key)
+            .is_none()
+        {
+            return; // Released meanwhile.
+        }
+        self.rt.cm.remove(key);
+        let conn = &source.hs.conn;
+        match result {
+            None => {
+                if let Endpoint::Socket { accepted, .. } = &self.endpoint {
+                    let mut list = accepted.lock().expect("listener lock");
+                    list.retain(|w| w.upgrade().is_some());
+                    list.push(conn.downgrade());
+                }
+                self.expect_ready(conn, source.hs.deadline);
+                conn.socket_accepted();
+            }
+            Some(e) if Instant::now() >= source.hs.deadline => {
+                log::debug!("socket-mode setup of {:?}: {e}", conn.peer_addr());
+                self.expire(conn, "no QP information");
+            }
+            Some(e) => conn.fail(&format!("socket-mode setup: {e}")),
+        }
+    }
+
+    /// Ends the setups that passed their deadline (CM thread, each tick).
+    fn reap(&self) {
+        let now = Instant::now();
+        let mut late = Vec::new();
+        self.pending
+            .lock()
+            .expect("listener lock")
+            .retain(|(weak, deadline)| {
+                let Some(conn) = weak.upgrade() else {
+                    return false;
+                };
+                match conn.state() {
+                    ConnState::MrReady => {
+                        self.timeout_logged.store(false, Ordering::Relaxed);
+                        false
+                    }
+                    ConnState::Closed | ConnState::Error => false,
+                    _ if now >= *deadline => {
+                        late.push(conn);
+                        false
+                    }
+                    _ => true,
+                }
+            });
+        for conn in late {
+            self.expire(&conn, "the peer did not finish connecting");
+        }
+    }
+}
+
+/// A socket-mode QP exchange, watched on the CM thread.
+struct HandshakeSource {
+    listener: Weak<ListenerInner>,
+    hs: Handshake,
+    key: AtomicU64,
+}
+
+impl Source for HandshakeSource {
+    fn fd(&self) -> RawFd {
+        self.hs.fd()
+    }
+
+    fn ready(&self) {
+        let Some(listener) = self.listener.upgrade() else {
+            return;
+        };
+        match self.hs.advance() {
+            Progress::Waiting => self.tick(),
+            Progress::Done => listener.handshake_done(self, None),
+            Progress::Failed(e) => listener.handshake_done(self, Some(e)),
+        }
+    }
+
+    fn tick(&self) {
+        if Instant::now() < self.hs.deadline {
+            return;
+        }
+        if let Some(listener) = self.listener.upgrade() {
+            let e = Error::Socket("no QP information".into());
+            listener.handshake_done(self, Some(e));
+        }
+    }
+}
+
+/// Ends a listener's connections whose setup passed its deadline.
+struct SetupReaper(Weak<ListenerInner>);
+
+impl Source for SetupReaper {
+    fn fd(&self) -> RawFd {
+        -1
+    }
+
+    fn ready(&self) {}
+
+    fn tick(&self) {
+        if let Some(listener) = self.0.upgrade() {
+            listener.reap();
+        }
     }
 }

@@ -27,7 +27,9 @@ pub use conn::{
     ConnHandler, ConnKind, ConnState, Connection, PdProvider, PendingReads, WeakConnection, Window,
 };
 pub use listener::{AcceptHook, Listener};
-pub use options::{CommMode, Options, DEFAULT_RECV_BUF_LEN, SEND_QUEUE_ENV};
+pub use options::{
+    CommMode, Options, DEFAULT_RECV_BUF_LEN, DEFAULT_SETUP_DEADLINE, SEND_QUEUE_ENV,
+};
 pub use send_queue::SendQueueStats;
 
 use crate::verbs::{self, CmIdRef};

@@ -58,7 +58,16 @@ pub struct Options {
     /// (payload bytes, plus 64 per message); a send that finds it full
     /// returns 0. Environment: [`SEND_QUEUE_ENV`].
     pub send_queue_bytes: usize,
+    /// Listeners: how long an accepted connection may take to finish its
+    /// setup (RDMA CM handshake or socket-mode QP exchange, then the peer's
+    /// ring advertisement); a peer still not ready then is dropped, so
+    /// clients that connect and go silent hold nothing for long.
+    pub setup_deadline: Duration,
 }
+
+/// Default [`Options::setup_deadline`]: far beyond a setup's few round
+/// trips, even under emulation.
+pub const DEFAULT_SETUP_DEADLINE: Duration = Duration::from_secs(10);
 
 /// Environment variable overriding [`Options::send_queue_bytes`], in bytes.
 pub const SEND_QUEUE_ENV: &str = "SNOWRDMA_SEND_QUEUE_BYTES";
@@ -111,6 +120,7 @@ impl Default for Options {
             spin: default_spin(),
             caller_polls: false,
             send_queue_bytes: default_send_queue_bytes(),
+            setup_deadline: DEFAULT_SETUP_DEADLINE,
         }
     }
 }

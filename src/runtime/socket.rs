@@ -79,3 +79,106 @@ impl super::poller::Source for SocketWatch {
         }
     }
 }
+
+/// What an accepted socket-mode connection still waits for.
+enum Step {
+    /// The peer's QP information (its bytes so far).
+    QpInfo(Vec<u8>),
+    /// The peer's ready byte (our QP is connected, our ready byte sent).
+    Ready,
+}
+
+/// The server side of the QP exchange, driven by the CM thread as the
+/// peer's bytes arrive: a peer that sends nothing holds up no one else, and
+/// is dropped at `deadline`.
+pub(crate) struct Handshake {
+    pub conn: Connection,
+    stream: TcpStream,
+    prepared: std::sync::Mutex<Option<PreparedQp>>,
+    step: std::sync::Mutex<Step>,
+    pub deadline: std::time::Instant,
+}
+
+/// How a handshake step ended.
+pub(crate) enum Progress {
+    Waiting,
+    Done,
+    Failed(Error),
+}
+
+impl Handshake {
+    /// Sends our QP information (a few dozen bytes into an empty socket
+    /// buffer: does not block) and waits for the peer's.
+    pub fn start(
+        conn: Connection,
+        stream: TcpStream,
+        prepared: PreparedQp,
+        deadline: std::time::Instant,
+    ) -> Result<Handshake> {
+        stream
+            .set_nonblocking(true)
+            .map_err(|e| io("watching the socket", e))?;
+        let local = prepared.local_info()?;
+        (&stream)
+            .write_all(&local.to_bytes())
+            .map_err(|e| io("sending QP information", e))?;
+        Ok(Handshake {
+            conn,
+            stream,
+            prepared: std::sync::Mutex::new(Some(prepared)),
+            step: std::sync::Mutex::new(Step::QpInfo(Vec::with_capacity(QP_INFO_WIRE_LEN))),
+            deadline,
+        })
+    }
+
+    pub fn fd(&self) -> RawFd {
+        self.stream.as_raw_fd()
+    }
+
+    /// Takes what the peer sent so far and moves on when a step is whole.
+    pub fn advance(&self) -> Progress {
+        match self.take_bytes() {
+            Ok(progress) => progress,
+            Err(e) => Progress::Failed(e),
+        }
+    }
+
+    fn take_bytes(&self) -> Result<Progress> {
+        let mut step = self.step.lock().expect("handshake lock");
+        loop {
+            let mut buf = [0u8; QP_INFO_WIRE_LEN];
+            let want = match &*step {
+                Step::QpInfo(got) => QP_INFO_WIRE_LEN - got.len(),
+                Step::Ready => 1,
+            };
+            let n = match (&self.stream).read(&mut buf[..want]) {
+                Ok(0) => return Err(Error::Socket("the peer closed the socket".into())),
+                Ok(n) => n,
+                Err(e) if e.kind() == ErrorKind::WouldBlock => return Ok(Progress::Waiting),
+                Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+                Err(e) => return Err(io("receiving QP information", e)),
+            };
+            match &mut *step {
+                Step::Ready => return Ok(Progress::Done),
+                Step::QpInfo(got) => {
+                    got.extend_from_slice(&buf[..n]);
+                    if got.len() < QP_INFO_WIRE_LEN {
+                        continue;
+                    }
+                    let remote = QpInfo::from_bytes(got)?;
+                    let prepared = self.prepared.lock().expect("handshake lock").take();
+                    let Some(prepared) = prepared else {
+                        return Err(Error::InvalidArgument(
+                            "the QP was connected already".into(),
+                        ));
+                    };
+                    prepared.connect(&remote)?;
+                    (&self.stream)
+                        .write_all(&[1])
+                        .map_err(|e| io("sending ready", e))?;
+                    *step = Step::Ready;
+                }
+            }
+        }
+    }
+}

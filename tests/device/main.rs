@@ -9,6 +9,7 @@ mod c_programs;
 mod echo_load;
 mod hostile;
 mod kv;
+mod kv_limits;
 mod kv_programs;
 mod kv_strings;
 mod runtime;

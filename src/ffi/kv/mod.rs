@@ -14,6 +14,8 @@ mod handles;
 
 mod server;
 
+mod limits;
+
 mod client;
 
 mod ops;
@@ -23,6 +25,7 @@ mod tests;
 
 pub use client::*;
 pub(crate) use handles::Handles;
+pub use limits::*;
 pub use ops::*;
 pub use server::*;
 pub use types::*;

@@ -158,5 +158,6 @@ pub(super) unsafe fn resolve_options(opt: *const RdmaOptions) -> Options {
         // C callbacks run on the completion thread, as the legacy ones did.
         caller_polls: false,
         send_queue_bytes: defaults.send_queue_bytes,
+        setup_deadline: defaults.setup_deadline,
     }
 }

@@ -5,14 +5,13 @@
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 
 use crate::copy;
-use crate::kv::proto::{
-    block_len, is_inline, value_checksum, verify_leased_block, Op, Reply, Request, Source,
-};
+use crate::kv::proto::{block_len, is_inline, value_checksum, Op, Reply, Request, Source};
 use crate::kv::{check_key, KvError, Result};
 use crate::runtime::PendingReads;
 use crate::verbs::RemoteAddr;
 
 use super::bounce::BounceGuard;
+use super::one_sided::verify_leased;
 use super::replies::send_releases;
 use super::{
     collect_batch, failed_verification, status, Client, Each, GetResult, Sent, BATCH_WINDOW,
@@ -70,7 +69,7 @@ impl BlockReads<'_> {
         for (i, at, len, mut read) in self.pending.drain(..) {
             let answer = match read.wait_through(0) {
                 Err(e) => Err(e.into()),
-                Ok(()) => verify_leased_block(self.bounce.at(at, len), keys[i])
+                Ok(()) => verify_leased(self.bounce.at(at, len), keys[i])
                     .map(|(version, value)| (value, version))
                     .ok_or_else(failed_verification),
             };

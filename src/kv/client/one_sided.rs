@@ -8,7 +8,10 @@ use std::collections::HashMap;
 
 use crate::copy;
 use crate::kv::pool::SLAB_PAGE;
-use crate::kv::proto::{decode_bucket, key_hash, verify_block, BLOCK_HEADER_LEN, BUCKET_LEN};
+use crate::kv::proto::{
+    decode_bucket, key_hash, u32_at, verify_block, BLOCK_HEADER_LEN, BLOCK_MAGIC, BUCKET_LEN,
+    SUPERSEDED_MAGIC,
+};
 use crate::kv::{check_key, KvError, Result};
 use crate::verbs::RemoteAddr;
 
@@ -354,6 +357,19 @@ impl Client {
     }
 }
 
+/// Checks a block READ under a lease (a copy in `block`, ours to change)
+/// as fully as one READ by address: key, lengths and checksum. A lease can
+/// end before the READ lands (the server caps and expires leases), and the
+/// block may then be freed and reused: only the checksum tells. A block
+/// superseded since the lease was given is still whole; it was sealed as
+/// current, so it is checked with the current mark restored in the copy.
+pub(super) fn verify_leased<'a>(block: &'a mut [u8], key: &[u8]) -> Option<(u64, &'a [u8])> {
+    if block.len() >= 4 && u32_at(block, 0) == SUPERSEDED_MAGIC {
+        block[..4].copy_from_slice(&BLOCK_MAGIC.to_le_bytes());
+    }
+    verify_block(block, key)
+}
+
 /// Reads a key's bucket: the slots with the key's hash tag (`hash`) whose
 /// block lies in the pool (`pool_rkey`) with room for a `key_len`-byte key.
 fn look_in_bucket(bucket: &[u8], key_len: usize, hash: u64, pool_rkey: u32) -> InBucket {
@@ -388,7 +404,7 @@ fn look_in_bucket(bucket: &[u8], key_len: usize, hash: u64, pool_rkey: u32) -> I
 mod tests {
     use super::*;
     use crate::kv::index::Index;
-    use crate::kv::proto::Slot;
+    use crate::kv::proto::{block_len, seal_block, value_checksum, Slot};
 
     const POOL: u32 = 7;
 
@@ -439,5 +455,26 @@ mod tests {
             ix.insert(0, slot(t, 4096, 100, POOL));
         }
         assert_eq!(look(&ix, 99), InBucket::AskServer);
+    }
+
+    #[test]
+    fn a_leased_block_is_checksummed_superseded_or_not() {
+        let (key, value) = (b"big", vec![5u8; 5000]);
+        let mut block = vec![0u8; block_len(key.len(), value.len())];
+        block[BLOCK_HEADER_LEN..BLOCK_HEADER_LEN + key.len()].copy_from_slice(key);
+        block[BLOCK_HEADER_LEN + key.len()..].copy_from_slice(&value);
+        seal_block(&mut block, key.len(), value_checksum(&value), 4);
+        let mut read = block.clone();
+        assert_eq!(verify_leased(&mut read, key), Some((4, &value[..])));
+        let mut superseded = block.clone();
+        superseded[..4].copy_from_slice(&SUPERSEDED_MAGIC.to_le_bytes());
+        assert_eq!(verify_leased(&mut superseded, key), Some((4, &value[..])));
+        // The lease ended and the memory was reused under the same header:
+        // the value no longer matches the checksum.
+        for mut reused in [block.clone(), superseded] {
+            let at = reused.len() - 100;
+            reused[at] ^= 0x40;
+            assert_eq!(verify_leased(&mut reused, key), None);
+        }
     }
 }

@@ -4,12 +4,11 @@
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 
 use crate::copy;
-use crate::kv::proto::{
-    block_len, is_inline, value_checksum, verify_leased_block, Op, Reply, Request, Source,
-};
+use crate::kv::proto::{block_len, is_inline, value_checksum, Op, Reply, Request, Source};
 use crate::kv::{check_key, KvError, Result};
 use crate::verbs::RemoteAddr;
 
+use super::one_sided::verify_leased;
 use super::replies::send_releases;
 use super::{copy_into, failed_verification, Client};
 
@@ -68,8 +67,7 @@ impl Client {
                 total,
             )?;
             let block = b.bytes(total);
-            let (version, value) =
-                verify_leased_block(block, key).ok_or_else(failed_verification)?;
+            let (version, value) = verify_leased(block, key).ok_or_else(failed_verification)?;
             // A panicking `take` still lets the lease go first.
             Ok(catch_unwind(AssertUnwindSafe(|| take(value, version))))
         });

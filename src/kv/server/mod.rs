@@ -7,29 +7,40 @@
 //! the client's worker (one of `workers`), and once a client has work queued
 //! there, its later requests follow it, so each client's requests take
 //! effect in the order it sent them.
+//!
+//! Limits ([`Limits`], in `limits.rs`) bound what one client can make the
+//! server hold: connections, setup time, queued replies and requests, large
+//! values and leases.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::fmt;
 use std::net::SocketAddr;
+use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock, RwLock, Weak};
 use std::thread::JoinHandle;
+use std::time::Duration;
 
-use crossbeam_channel::{unbounded, Sender};
+use crossbeam_channel::{bounded, RecvTimeoutError, Sender};
 
 use crate::runtime::{
     self, AcceptHook, CommMode, ConnHandler, Connection, Listener, Options, PdProvider, Window,
 };
 use crate::verbs::{self, AccessFlags, CmId, Context, EventChannel};
 
+use super::limits::{Episode, Leases, Limits};
 use super::pool::SLAB_PAGE;
-use super::proto::{
-    is_inline, value_checksum, Op, Reply, Request, ServerInfo, Source, BLOCK_HEADER_LEN,
-};
-use super::store::{Block, Store, Target};
-use super::{check_key, ConnMode, KvError, Result, DEFAULT_MAX_VALUE, MAX_KEY_LEN, MAX_VALUE_ENV};
+use super::proto::{Op, Request, Source};
+use super::store::{Store, Target};
+use super::{ConnMode, KvError, Result, DEFAULT_MAX_VALUE, MAX_VALUE_ENV};
 
-/// Leases one client may hold; beyond, its oldest lease ends.
+mod answer;
+mod limits;
+
+use limits::check_limits;
+
+/// Leases one client may hold; beyond, its oldest lease ends (the byte cap
+/// is [`Limits::lease_bytes`]).
 const MAX_LEASES: usize = 4096;
 /// Write targets one client may hold at once.
 const MAX_TARGETS: usize = 8;
@@ -52,6 +63,9 @@ pub struct ServerConfig {
     /// Each client's request buffer (values up to this size are PUT in one
     /// round trip).
     pub request_buf_len: usize,
+    /// What clients may make the server hold (the starting values:
+    /// [`Server::set_limits`] changes them).
+    pub limits: Limits,
 }
 
 impl Default for ServerConfig {
@@ -69,6 +83,7 @@ impl Default for ServerConfig {
                 .and_then(|v| v.trim().parse().ok())
                 .unwrap_or(DEFAULT_MAX_VALUE),
             request_buf_len: SLAB_PAGE,
+            limits: Limits::default(),
         }
     }
 }
@@ -90,6 +105,25 @@ pub struct Stats {
     pub pool_size: u64,
     pub large_bytes: u64,
     pub huge_pages: bool,
+    /// Clients refused: [`Limits::max_connections`] reached.
+    pub refused_connections: u64,
+    /// Clients dropped: setup not finished by [`Limits::setup_deadline`].
+    pub setup_timeouts: u64,
+    /// Clients disconnected: [`Limits::reply_queue_bytes`] of replies
+    /// waiting for them.
+    pub reply_overflows: u64,
+    /// Requests answered `KV_ERR_NO_MEMORY`: [`Limits::client_jobs`] of
+    /// that client's already waiting.
+    pub busy_refusals: u64,
+    /// Times a worker's queue was full ([`Limits::worker_queue`]) and
+    /// requests waited for room.
+    pub worker_queue_full: u64,
+    /// Large values refused: [`Limits::large_value_quota`] reached.
+    pub quota_refusals: u64,
+    /// Leases ended early: the client held [`Limits::lease_bytes`].
+    pub leases_capped: u64,
+    /// Leases ended after [`Limits::lease_time`].
+    pub leases_expired: u64,
 }
 
 impl fmt::Display for Stats {
@@ -97,7 +131,9 @@ impl fmt::Display for Stats {
         write!(
             f,
             "clients {} (total {}) | items {} | gets {} (misses {}) puts {} dels {} cas {}/{} failed | \
-             errors {} | pool {:.1}/{:.1} MiB{} | large values {:.1} MiB",
+             errors {} | pool {:.1}/{:.1} MiB{} | large values {:.1} MiB | limits: refused {} \
+             setup timeouts {} reply overflows {} busy {} worker queue full {} quota {} \
+             leases capped {} expired {}",
             self.clients,
             self.clients_total,
             self.items,
@@ -112,6 +148,14 @@ impl fmt::Display for Stats {
             self.pool_size as f64 / 1048576.0,
             if self.huge_pages { " (huge pages)" } else { "" },
             self.large_bytes as f64 / 1048576.0,
+            self.refused_connections,
+            self.setup_timeouts,
+            self.reply_overflows,
+            self.busy_refusals,
+            self.worker_queue_full,
+            self.quota_refusals,
+            self.leases_capped,
+            self.leases_expired,
         )
     }
 }
@@ -127,6 +171,24 @@ struct Counters {
     cas_ok: AtomicU64,
     cas_failed: AtomicU64,
     errors: AtomicU64,
+    refused_connections: AtomicU64,
+    /// Of listeners already released (the current one counts its own).
+    setup_timeouts: AtomicU64,
+    reply_overflows: AtomicU64,
+    busy_refusals: AtomicU64,
+    worker_queue_full: AtomicU64,
+    leases_capped: AtomicU64,
+    leases_expired: AtomicU64,
+}
+
+/// One [`Episode`] per limit, so each logs once per episode.
+#[derive(Default)]
+struct Episodes {
+    refused: Episode,
+    overflow: Episode,
+    busy: Episode,
+    worker_queue: Episode,
+    leases: Episode,
 }
 
 fn bump(c: &AtomicU64) {
@@ -138,7 +200,7 @@ struct ClientState {
     /// The only server memory this client may write, through a window
     /// bound to its QP (set once the connection is up).
     request_buf: OnceLock<Window>,
-    leases: Mutex<BTreeMap<u64, Arc<Block>>>,
+    leases: Mutex<Leases>,
     targets: Mutex<HashMap<u64, Target>>,
     next_token: AtomicU64,
     worker: usize,
@@ -157,9 +219,27 @@ struct Shared {
     cfg: ServerConfig,
     store: Store,
     counters: Counters,
+    episodes: Episodes,
+    limits: RwLock<Limits>,
     jobs: Mutex<Vec<Sender<Job>>>,
     next_client: AtomicUsize,
+    /// For the lease sweep.
+    clients: Mutex<Vec<Weak<ClientState>>>,
+    /// To the housekeeping thread, while running.
+    chores: Mutex<Option<Sender<Chore>>>,
 }
+
+/// Work for the housekeeping thread (which also ends expired leases).
+enum Chore {
+    /// Closing waits (bounded) for queued replies to go: not on the
+    /// completion thread, which serves everyone.
+    Close(Connection),
+    Stop,
+}
+
+/// Closes waiting for the housekeeping thread; beyond, they are done in
+/// place.
+const CHORES: usize = 1024;
 
 /// A key-value server. Create, [`Server::start`], [`Server::stop`]; dropping
 /// it stops it.
@@ -177,27 +257,54 @@ impl Server {
                 "the table size and memory size must be positive".into(),
             ));
         }
+        check_limits(&cfg.limits)?;
         let store = Store::new(
             cfg.memory_size,
             cfg.huge_pages,
             cfg.table_size,
             cfg.max_value,
         )?;
+        store
+            .large_quota
+            .store(cfg.limits.large_value_quota, Ordering::Relaxed);
         Ok(Server {
             shared: Arc::new(Shared {
+                limits: RwLock::new(cfg.limits.clone()),
                 cfg,
                 store,
                 counters: Counters::default(),
+                episodes: Episodes::default(),
                 jobs: Mutex::new(Vec::new()),
                 next_client: AtomicUsize::new(0),
+                clients: Mutex::new(Vec::new()),
+                chores: Mutex::new(None),
             }),
             listener: Mutex::new(None),
             workers: Mutex::new(Vec::new()),
         })
     }
 
+    /// The configuration it was created with (`limits` as they were then:
+    /// see [`Server::limits`]).
     pub fn config(&self) -> &ServerConfig {
         &self.shared.cfg
+    }
+
+    pub fn limits(&self) -> Limits {
+        self.shared.limits.read().expect("limits lock").clone()
+    }
+
+    /// Changes the limits. The connection, request, quota and lease limits
+    /// apply at once; `setup_deadline`, `reply_queue_bytes` and
+    /// `worker_queue` from the next [`Server::start`].
+    pub fn set_limits(&self, limits: Limits) -> Result<()> {
+        check_limits(&limits)?;
+        self.shared
+            .store
+            .large_quota
+            .store(limits.large_value_quota, Ordering::Relaxed);
+        *self.shared.limits.write().expect("limits lock") = limits;
+        Ok(())
     }
 
     /// Starts the workers and listens; returns once clients can connect.
@@ -209,9 +316,15 @@ impl Server {
             ));
         }
         self.start_workers()?;
+        let limits = self.limits();
+        // Replies never wait for room: one that finds none is queued, up to
+        // the client's cap, so a slow client never holds up a worker that
+        // serves others too.
         let opts = Options {
-            comm_mode: CommMode::Blocking,
+            comm_mode: CommMode::NonBlocking,
             max_inline_data: super::MESSAGE_INLINE,
+            send_queue_bytes: limits.reply_queue_bytes,
+            setup_deadline: limits.setup_deadline,
             ..Options::default()
         };
         let accept_shared = self.shared.clone();
@@ -244,21 +357,51 @@ impl Server {
     fn start_workers(&self) -> Result<()> {
         let mut jobs = self.shared.jobs.lock().expect("jobs lock");
         let mut handles = self.workers.lock().expect("workers lock");
+        let depth = self.limits().worker_queue;
         for n in 0..self.shared.cfg.workers.max(1) {
-            let (tx, rx) = unbounded::<Job>();
+            let (tx, rx) = bounded::<Job>(depth);
             let shared = self.shared.clone();
             let handle = std::thread::Builder::new()
                 .name(format!("kv-worker-{n}"))
                 .spawn(move || {
                     for job in rx {
-                        shared.serve(&job.conn, &job.client, &job.msg);
+                        // A defect met serving one request ends that
+                        // client, not the worker its neighbours share.
+                        let served = std::panic::catch_unwind(AssertUnwindSafe(|| {
+                            shared.serve(&job.conn, &job.client, &job.msg)
+                        }));
                         job.client.queued.fetch_sub(1, Ordering::AcqRel);
+                        if served.is_err() {
+                            log::error!(
+                                "closing {:?}: serving its request panicked",
+                                job.conn.peer_addr()
+                            );
+                            job.conn.close();
+                            shared.forget(&job.client);
+                        }
                     }
                 })
                 .map_err(|e| KvError::Internal(format!("starting a worker: {e}")))?;
             jobs.push(tx);
             handles.push(handle);
         }
+        let (tx, rx) = bounded::<Chore>(CHORES);
+        let shared = self.shared.clone();
+        let housekeeper = std::thread::Builder::new()
+            .name("kv-housekeeping".into())
+            .spawn(move || loop {
+                // A lease outlives its time by at most a quarter of it.
+                let every = (shared.limit(|l| l.lease_time) / 4)
+                    .clamp(Duration::from_millis(10), Duration::from_secs(1));
+                match rx.recv_timeout(every) {
+                    Err(RecvTimeoutError::Timeout) => shared.expire_leases(),
+                    Ok(Chore::Close(conn)) => conn.close(),
+                    Ok(Chore::Stop) | Err(RecvTimeoutError::Disconnected) => return,
+                }
+            })
+            .map_err(|e| KvError::Internal(format!("starting the housekeeping thread: {e}")))?;
+        handles.push(housekeeper);
+        *self.shared.chores.lock().expect("chores lock") = Some(tx);
         Ok(())
     }
 
@@ -275,8 +418,15 @@ impl Server {
     pub fn stop(&self) {
         if let Some(listener) = self.listener.lock().expect("server lock").take() {
             listener.release();
+            self.shared
+                .counters
+                .setup_timeouts
+                .fetch_add(listener.setup_timeouts(), Ordering::Relaxed);
         }
         self.shared.jobs.lock().expect("jobs lock").clear();
+        if let Some(chores) = self.shared.chores.lock().expect("chores lock").take() {
+            let _ = chores.send(Chore::Stop);
+        }
         for handle in self.workers.lock().expect("workers lock").drain(..) {
             let _ = handle.join();
         }
@@ -301,6 +451,20 @@ impl Server {
             pool_size: store.pool().mapping().len() as u64,
             large_bytes: store.own_bytes(),
             huge_pages: store.pool().mapping().is_huge(),
+            refused_connections: get(&c.refused_connections),
+            setup_timeouts: get(&c.setup_timeouts)
+                + self
+                    .listener
+                    .lock()
+                    .expect("server lock")
+                    .as_ref()
+                    .map_or(0, |l| l.setup_timeouts()),
+            reply_overflows: get(&c.reply_overflows),
+            busy_refusals: get(&c.busy_refusals),
+            worker_queue_full: get(&c.worker_queue_full),
+            quota_refusals: store.quota_refusals(),
+            leases_capped: get(&c.leases_capped),
+            leases_expired: get(&c.leases_expired),
         }
     }
 }
@@ -319,6 +483,9 @@ struct ServerConn {
 impl ConnHandler for ServerConn {
     fn recv(&self, conn: &Connection, data: &[u8], _imm: Option<u32>) {
         let client = &self.client;
+        if client.gone.load(Ordering::Acquire) {
+            return; // Being closed: nothing more is answered.
+        }
         // Parsed once here; only requests handed to a worker are parsed
         // again there (they are copied out of the ring anyway).
         let parts = match Request::decode(data) {
@@ -327,16 +494,23 @@ impl ConnHandler for ServerConn {
         };
         let req = &parts.0;
         let heavy = req.op == Op::Alloc || (req.op == Op::Write && req.source != Source::Inline);
-        if heavy || client.queued.load(Ordering::Acquire) > 0 {
-            let jobs = self.shared.jobs.lock().expect("jobs lock");
-            if let Some(tx) = jobs.get(client.worker % jobs.len().max(1)) {
+        let queued = client.queued.load(Ordering::Acquire);
+        if heavy || queued > 0 {
+            if queued >= self.shared.limit(|l| l.client_jobs) && req.op != Op::Release {
+                return self.shared.refuse_busy(conn, client, req.req_id, queued);
+            }
+            let tx = {
+                let jobs = self.shared.jobs.lock().expect("jobs lock");
+                jobs.get(client.worker % jobs.len().max(1)).cloned()
+            };
+            if let Some(tx) = tx {
                 client.queued.fetch_add(1, Ordering::AcqRel);
                 let job = Job {
                     conn: conn.clone(),
                     client: client.clone(),
                     msg: data.to_vec(),
                 };
-                if tx.send(job).is_ok() {
+                if self.shared.queue_job(&tx, job) {
                     return;
                 }
                 client.queued.fetch_sub(1, Ordering::AcqRel);
@@ -378,9 +552,20 @@ impl ConnHandler for ServerConn {
 impl Shared {
     /// Sets up a new client (CM thread, before the connection is accepted).
     fn accept(self: &Arc<Self>, conn: &Connection) -> Option<Arc<dyn ConnHandler>> {
+        let max = self.limit(|l| l.max_connections);
+        if self.counters.clients.load(Ordering::Relaxed) >= max as u64 {
+            bump(&self.counters.refused_connections);
+            self.episodes.refused.hit(|| {
+                format!(
+                    "refusing {:?}: {max} clients connected (the maximum)",
+                    conn.peer_addr()
+                )
+            });
+            return None;
+        }
         let client = Arc::new(ClientState {
             request_buf: OnceLock::new(),
-            leases: Mutex::new(BTreeMap::new()),
+            leases: Mutex::new(Leases::default()),
             targets: Mutex::new(HashMap::new()),
             next_token: AtomicU64::new(1),
             worker: self.next_client.fetch_add(1, Ordering::Relaxed),
@@ -389,6 +574,10 @@ impl Shared {
         });
         bump(&self.counters.clients);
         bump(&self.counters.clients_total);
+        let mut clients = self.clients.lock().expect("clients lock");
+        clients.retain(|c| c.strong_count() > 0);
+        clients.push(Arc::downgrade(&client));
+        drop(clients);
         log::info!("client {:?} connected", conn.peer_addr());
         Some(Arc::new(ServerConn {
             shared: self.clone(),
@@ -429,235 +618,9 @@ impl Shared {
         client: &ClientState,
         (req, key, inline): (Request, &[u8], &[u8]),
     ) {
-        let Some(reply) = self.answer(conn, client, &req, key, inline) else {
-            return;
-        };
-        match conn.send(&reply) {
-            Ok(n) if n > 0 => {}
-            Ok(_) | Err(_) => {
-                log::warn!(
-                    "closing {:?}: it does not take its replies",
-                    conn.peer_addr()
-                );
-                conn.close();
-                self.forget(client);
-            }
+        if let Some(reply) = self.answer(conn, client, &req, key, inline) {
+            self.reply(conn, client, &reply);
         }
-    }
-
-    /// The encoded reply to a request (`None`: it takes none).
-    fn answer(
-        &self,
-        conn: &Connection,
-        client: &ClientState,
-        req: &Request,
-        key: &[u8],
-        inline: &[u8],
-    ) -> Option<Vec<u8>> {
-        let id = req.req_id;
-        if req.op == Op::Release {
-            // Leases and write targets are numbered from one counter, so a
-            // number names one or the other.
-            let mut leases = client.leases.lock().expect("lease lock");
-            let mut targets = client.targets.lock().expect("target lock");
-            for n in req.released(key) {
-                if leases.remove(&n).is_none() {
-                    targets.remove(&n);
-                }
-            }
-            return None;
-        }
-        if req.op == Op::Hello {
-            return Some(self.hello(client, id));
-        }
-        if let Err(e) = check_key(key) {
-            bump(&self.counters.errors);
-            return Some(Reply::error(id, e).encode(&[]));
-        }
-        let result = match req.op {
-            Op::Get => return Some(self.get(client, id, key)),
-            Op::Write => self.write(client, req, key, inline).map(|version| Reply {
-                version,
-                ..Reply::default()
-            }),
-            Op::Alloc => self.alloc(conn, client, req, key),
-            Op::Delete => {
-                bump(&self.counters.deletes);
-                self.store.delete(key).map(|()| Reply::default())
-            }
-            Op::Hello | Op::Release => unreachable!("handled above"),
-        };
-        let reply = match result {
-            Ok(mut r) => {
-                r.req_id = id;
-                r
-            }
-            Err(e) => self.error_reply(id, e),
-        };
-        Some(reply.encode(&[]))
-    }
-
-    fn error_reply(&self, id: u64, e: KvError) -> Reply {
-        let mut r = Reply::error(id, e.clone());
-        match e {
-            KvError::CasFailed { current } => {
-                bump(&self.counters.cas_failed);
-                r.version = current;
-            }
-            KvError::ValueTooLong { max } => r.value_len = max,
-            KvError::NotFound => {}
-            other => {
-                bump(&self.counters.errors);
-                log::debug!("request {id} failed: {other}");
-            }
-        }
-        r
-    }
-
-    fn hello(&self, client: &ClientState, id: u64) -> Vec<u8> {
-        let Some(dev) = self.store.device() else {
-            return Reply::error(id, KvError::Internal("no device".into())).encode(&[]);
-        };
-        let Some(request_buf) = client.request_buf.get().map(Window::remote) else {
-            return Reply::error(id, KvError::Internal("no request buffer".into())).encode(&[]);
-        };
-        let info = ServerInfo {
-            request_buf: request_buf.addr,
-            request_buf_len: request_buf.len,
-            request_buf_rkey: request_buf.rkey,
-            index_addr: dev.index_mr.addr(),
-            index_rkey: dev.index_mr.rkey(),
-            buckets: self.store.index().buckets() as u64,
-            pool_rkey: dev.pool_mr.rkey(),
-            max_key: MAX_KEY_LEN as u32,
-            max_value: self.store.max_value,
-        };
-        Reply {
-            req_id: id,
-            ..Reply::default()
-        }
-        .encode(&info.encode())
-    }
-
-    fn get(&self, client: &ClientState, id: u64, key: &[u8]) -> Vec<u8> {
-        bump(&self.counters.gets);
-        let (block, version) = match self.store.get(key) {
-            Ok(found) => found,
-            Err(e) => {
-                if e == KvError::NotFound {
-                    bump(&self.counters.get_misses);
-                }
-                return self.error_reply(id, e).encode(&[]);
-            }
-        };
-        let value_len = block.len() - BLOCK_HEADER_LEN - key.len();
-        let mut reply = Reply {
-            req_id: id,
-            version,
-            value_len: value_len as u64,
-            ..Reply::default()
-        };
-        if is_inline(key.len(), value_len) {
-            return reply.encode(block.value(key.len()));
-        }
-        // The client READs the block; it stays allocated until it says it
-        // is done (or goes away).
-        let lease = client.next_token.fetch_add(1, Ordering::Relaxed);
-        reply.remote = true;
-        reply.addr = block.addr();
-        reply.rkey = block.rkey();
-        reply.lease = lease;
-        let mut leases = client.leases.lock().expect("lease lock");
-        if leases.len() >= MAX_LEASES {
-            leases.pop_first();
-        }
-        leases.insert(lease, block);
-        reply.encode(&[])
-    }
-
-    fn write(&self, client: &ClientState, req: &Request, key: &[u8], inline: &[u8]) -> Result<u64> {
-        self.store.check_value_len(req.value_len)?;
-        let result = match req.source {
-            Source::Inline => self.store.put(key, inline, req.cas),
-            Source::Staged { offset, checksum } => {
-                let buf = client
-                    .request_buf
-                    .get()
-                    .ok_or_else(|| KvError::Internal("no request buffer".into()))?
-                    .region();
-                let range = usize::try_from(offset)
-                    .ok()
-                    .and_then(|start| Some(start..start.checked_add(req.value_len as usize)?))
-                    .filter(|r| r.end <= buf.len())
-                    .ok_or_else(|| {
-                        KvError::InvalidArgument(
-                            "the staged value is outside the request buffer".into(),
-                        )
-                    })?;
-                // The client can write its buffer again at any moment: the
-                // value is copied once, and the copy is checked and stored.
-                let mut value = Vec::new();
-                buf.copy_out(range, &mut value);
-                let value = &value[..];
-                if value_checksum(value) != checksum {
-                    return Err(KvError::InvalidArgument(
-                        "the staged value did not arrive whole (checksum mismatch)".into(),
-                    ));
-                }
-                // Verified above: the same hash seals the block.
-                self.store.put_hashed(key, value, checksum, req.cas)
-            }
-            Source::Allocated { token } => {
-                let target = client
-                    .targets
-                    .lock()
-                    .expect("target lock")
-                    .remove(&token)
-                    .ok_or_else(|| KvError::InvalidArgument("unknown write target".into()))?;
-                if target.value_len() as u64 != req.value_len {
-                    return Err(KvError::InvalidArgument(
-                        "the length differs from the target's".into(),
-                    ));
-                }
-                self.store.commit(key, target, req.cas)
-            }
-        };
-        match (&result, req.cas) {
-            (Ok(_), Some(_)) => bump(&self.counters.cas_ok),
-            (Ok(_), None) => bump(&self.counters.puts),
-            _ => {}
-        }
-        result
-    }
-
-    fn alloc(
-        &self,
-        conn: &Connection,
-        client: &ClientState,
-        req: &Request,
-        key: &[u8],
-    ) -> Result<Reply> {
-        let mut targets = client.targets.lock().expect("target lock");
-        if targets.len() >= MAX_TARGETS {
-            return Err(KvError::NoMemory);
-        }
-        // Writable through a window on this client's QP only.
-        let target = self.store.target(key.len(), req.value_len, |mr| {
-            conn.expose(mr, AccessFlags::REMOTE_WRITE).map_err(|e| {
-                log::warn!("exposing a write target: {e}");
-                KvError::NoMemory
-            })
-        })?;
-        let token = client.next_token.fetch_add(1, Ordering::Relaxed);
-        let reply = Reply {
-            addr: target.value_addr(),
-            rkey: target.rkey(),
-            value_len: req.value_len,
-            lease: token,
-            ..Reply::default()
-        };
-        targets.insert(token, target);
-        Ok(reply)
     }
 }
 

@@ -1,0 +1,165 @@
+//! The server's limits against clients it does not control: how many may
+//! connect, how long their setup may take, how much may wait for them
+//! (replies, requests), how much memory values outside the pool and leases
+//! may hold. Each limit, when hit, is counted in [`super::Stats`] and logged
+//! once per episode.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use super::store::Block;
+
+/// The limits of a server ([`super::ServerConfig::limits`]); `Default`
+/// gives the defaults listed in the README.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Limits {
+    /// Clients connected (or still setting up) at once; beyond, a new one
+    /// is refused (RDMA CM reject, or its socket closed).
+    pub max_connections: usize,
+    /// Time a client has to finish connecting (handshake, QP exchange,
+    /// ring advertisement); a silent one is dropped after it.
+    pub setup_deadline: Duration,
+    /// Replies waiting for room in one client's ring, in bytes; a client
+    /// that lets more pile up (it withholds credit) is disconnected.
+    pub reply_queue_bytes: usize,
+    /// Requests waiting for each worker thread; when full, the completion
+    /// thread waits for room (back-pressure: everyone slows, nobody is
+    /// dropped).
+    pub worker_queue: usize,
+    /// Requests of one client waiting for its worker; beyond, its requests
+    /// are answered `KV_ERR_NO_MEMORY` until its queue drains (releases of
+    /// leases are always taken).
+    pub client_jobs: usize,
+    /// Bytes of values stored outside the slab pool (large values, write
+    /// targets, superseded values still leased); beyond, a PUT of a large
+    /// value gets `KV_ERR_NO_MEMORY`.
+    pub large_value_quota: u64,
+    /// Bytes one client may hold leased (values it GETs and READs
+    /// remotely); beyond, its oldest leases end. A client's newest lease is
+    /// always kept.
+    pub lease_bytes: u64,
+    /// A lease not released after this long ends.
+    pub lease_time: Duration,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            max_connections: 1024,
+            setup_deadline: crate::runtime::DEFAULT_SETUP_DEADLINE,
+            reply_queue_bytes: 1 << 20,
+            worker_queue: 4096,
+            client_jobs: 256,
+            large_value_quota: 8 << 30,
+            lease_bytes: 256 << 20,
+            lease_time: Duration::from_secs(30),
+        }
+    }
+}
+
+/// Quiet time after which a limit hit again is logged again.
+const EPISODE_GAP: Duration = Duration::from_secs(10);
+
+/// Logs the first hit of a limit, then only counts hits until it has been
+/// quiet for [`EPISODE_GAP`]: one line per episode, not a flood.
+#[derive(Default)]
+pub(crate) struct Episode {
+    last: Mutex<Option<Instant>>,
+    unlogged: AtomicU64,
+}
+
+impl Episode {
+    /// A hit: `line` is logged (as a warning) when a new episode starts.
+    pub fn hit(&self, line: impl FnOnce() -> String) {
+        let now = Instant::now();
+        let mut last = self.last.lock().expect("episode lock");
+        let fresh = last.is_none_or(|t| now.duration_since(t) >= EPISODE_GAP);
+        *last = Some(now);
+        drop(last);
+        if fresh {
+            let before = self.unlogged.swap(0, Ordering::Relaxed);
+            let also = if before > 0 {
+                format!(" ({before} earlier hits not logged)")
+            } else {
+                String::new()
+            };
+            log::warn!(
+                "{}{also}; further hits within {EPISODE_GAP:?} are only counted",
+                line()
+            );
+        } else {
+            self.unlogged.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+}
+
+struct Lease {
+    block: Arc<Block>,
+    since: Instant,
+}
+
+/// One client's leases, oldest first (tokens only grow).
+#[derive(Default)]
+pub(crate) struct Leases {
+    map: BTreeMap<u64, Lease>,
+    bytes: u64,
+}
+
+impl Leases {
+    /// Adds a lease; ends the oldest ones while the client holds more than
+    /// `cap` bytes or `max` leases. Returns how many ended.
+    pub fn insert(&mut self, token: u64, block: Arc<Block>, cap: u64, max: usize) -> u64 {
+        self.bytes += block.len() as u64;
+        self.map.insert(
+            token,
+            Lease {
+                block,
+                since: Instant::now(),
+            },
+        );
+        let mut ended = 0;
+        while self.map.len() > 1 && (self.bytes > cap || self.map.len() > max) {
+            self.pop_first();
+            ended += 1;
+        }
+        ended
+    }
+
+    pub fn remove(&mut self, token: u64) -> bool {
+        match self.map.remove(&token) {
+            Some(lease) => {
+                self.bytes -= lease.block.len() as u64;
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Ends the leases older than `ttl`; returns how many.
+    pub fn expire(&mut self, ttl: Duration) -> u64 {
+        let now = Instant::now();
+        let mut ended = 0;
+        while self
+            .map
+            .first_key_value()
+            .is_some_and(|(_, l)| now.duration_since(l.since) >= ttl)
+        {
+            self.pop_first();
+            ended += 1;
+        }
+        ended
+    }
+
+    pub fn clear(&mut self) {
+        self.map.clear();
+        self.bytes = 0;
+    }
+
+    fn pop_first(&mut self) {
+        if let Some((_, lease)) = self.map.pop_first() {
+            self.bytes -= lease.block.len() as u64;
+        }
+    }
+}

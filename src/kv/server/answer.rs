@@ -1,0 +1,245 @@
+//! Answering requests: GET (inline or leased), PUT (inline, staged or
+//! into a write target), CAS, DELETE, ALLOC, RELEASE and HELLO.
+
+use std::sync::atomic::Ordering;
+
+use crate::kv::proto::{
+    is_inline, value_checksum, Op, Reply, Request, ServerInfo, Source, BLOCK_HEADER_LEN,
+};
+use crate::kv::{check_key, KvError, Result, MAX_KEY_LEN};
+use crate::runtime::{Connection, Window};
+use crate::verbs::AccessFlags;
+
+use super::{bump, ClientState, Shared, MAX_LEASES, MAX_TARGETS};
+
+impl Shared {
+    /// The encoded reply to a request (`None`: it takes none).
+    pub(super) fn answer(
+        &self,
+        conn: &Connection,
+        client: &ClientState,
+        req: &Request,
+        key: &[u8],
+        inline: &[u8],
+    ) -> Option<Vec<u8>> {
+        let id = req.req_id;
+        if req.op == Op::Release {
+            // Leases and write targets are numbered from one counter, so a
+            // number names one or the other.
+            let mut leases = client.leases.lock().expect("lease lock");
+            let mut targets = client.targets.lock().expect("target lock");
+            for n in req.released(key) {
+                if !leases.remove(n) {
+                    targets.remove(&n);
+                }
+            }
+            return None;
+        }
+        if req.op == Op::Hello {
+            return Some(self.hello(client, id));
+        }
+        if let Err(e) = check_key(key) {
+            bump(&self.counters.errors);
+            return Some(Reply::error(id, e).encode(&[]));
+        }
+        let result = match req.op {
+            Op::Get => return Some(self.get(client, id, key)),
+            Op::Write => self.write(client, req, key, inline).map(|version| Reply {
+                version,
+                ..Reply::default()
+            }),
+            Op::Alloc => self.alloc(conn, client, req, key),
+            Op::Delete => {
+                bump(&self.counters.deletes);
+                self.store.delete(key).map(|()| Reply::default())
+            }
+            Op::Hello | Op::Release => unreachable!("handled above"),
+        };
+        let reply = match result {
+            Ok(mut r) => {
+                r.req_id = id;
+                r
+            }
+            Err(e) => self.error_reply(id, e),
+        };
+        Some(reply.encode(&[]))
+    }
+
+    pub(super) fn error_reply(&self, id: u64, e: KvError) -> Reply {
+        let mut r = Reply::error(id, e.clone());
+        match e {
+            KvError::CasFailed { current } => {
+                bump(&self.counters.cas_failed);
+                r.version = current;
+            }
+            KvError::ValueTooLong { max } => r.value_len = max,
+            KvError::NotFound => {}
+            other => {
+                bump(&self.counters.errors);
+                log::debug!("request {id} failed: {other}");
+            }
+        }
+        r
+    }
+
+    pub(super) fn hello(&self, client: &ClientState, id: u64) -> Vec<u8> {
+        let Some(dev) = self.store.device() else {
+            return Reply::error(id, KvError::Internal("no device".into())).encode(&[]);
+        };
+        let Some(request_buf) = client.request_buf.get().map(Window::remote) else {
+            return Reply::error(id, KvError::Internal("no request buffer".into())).encode(&[]);
+        };
+        let info = ServerInfo {
+            request_buf: request_buf.addr,
+            request_buf_len: request_buf.len,
+            request_buf_rkey: request_buf.rkey,
+            index_addr: dev.index_mr.addr(),
+            index_rkey: dev.index_mr.rkey(),
+            buckets: self.store.index().buckets() as u64,
+            pool_rkey: dev.pool_mr.rkey(),
+            max_key: MAX_KEY_LEN as u32,
+            max_value: self.store.max_value,
+        };
+        Reply {
+            req_id: id,
+            ..Reply::default()
+        }
+        .encode(&info.encode())
+    }
+
+    pub(super) fn get(&self, client: &ClientState, id: u64, key: &[u8]) -> Vec<u8> {
+        bump(&self.counters.gets);
+        let (block, version) = match self.store.get(key) {
+            Ok(found) => found,
+            Err(e) => {
+                if e == KvError::NotFound {
+                    bump(&self.counters.get_misses);
+                }
+                return self.error_reply(id, e).encode(&[]);
+            }
+        };
+        let value_len = block.len() - BLOCK_HEADER_LEN - key.len();
+        let mut reply = Reply {
+            req_id: id,
+            version,
+            value_len: value_len as u64,
+            ..Reply::default()
+        };
+        if is_inline(key.len(), value_len) {
+            return reply.encode(block.value(key.len()));
+        }
+        // The client READs the block; it stays allocated until it says it
+        // is done (or goes away).
+        let lease = client.next_token.fetch_add(1, Ordering::Relaxed);
+        reply.remote = true;
+        reply.addr = block.addr();
+        reply.rkey = block.rkey();
+        reply.lease = lease;
+        let cap = self.limit(|l| l.lease_bytes);
+        let ended = client
+            .leases
+            .lock()
+            .expect("lease lock")
+            .insert(lease, block, cap, MAX_LEASES);
+        if ended > 0 {
+            self.counters
+                .leases_capped
+                .fetch_add(ended, Ordering::Relaxed);
+            self.episodes.leases.hit(|| {
+                format!("a client holds leases of more than {cap} bytes: its oldest ones end")
+            });
+        }
+        reply.encode(&[])
+    }
+
+    pub(super) fn write(
+        &self,
+        client: &ClientState,
+        req: &Request,
+        key: &[u8],
+        inline: &[u8],
+    ) -> Result<u64> {
+        self.store.check_value_len(req.value_len)?;
+        let result = match req.source {
+            Source::Inline => self.store.put(key, inline, req.cas),
+            Source::Staged { offset, checksum } => {
+                let buf = client
+                    .request_buf
+                    .get()
+                    .ok_or_else(|| KvError::Internal("no request buffer".into()))?
+                    .region();
+                let range = usize::try_from(offset)
+                    .ok()
+                    .and_then(|start| Some(start..start.checked_add(req.value_len as usize)?))
+                    .filter(|r| r.end <= buf.len())
+                    .ok_or_else(|| {
+                        KvError::InvalidArgument(
+                            "the staged value is outside the request buffer".into(),
+                        )
+                    })?;
+                // The client can write its buffer again at any moment: the
+                // value is copied once, and the copy is checked and stored.
+                let mut value = Vec::new();
+                buf.copy_out(range, &mut value);
+                let value = &value[..];
+                if value_checksum(value) != checksum {
+                    return Err(KvError::InvalidArgument(
+                        "the staged value did not arrive whole (checksum mismatch)".into(),
+                    ));
+                }
+                // Verified above: the same hash seals the block.
+                self.store.put_hashed(key, value, checksum, req.cas)
+            }
+            Source::Allocated { token } => {
+                let target = client
+                    .targets
+                    .lock()
+                    .expect("target lock")
+                    .remove(&token)
+                    .ok_or_else(|| KvError::InvalidArgument("unknown write target".into()))?;
+                if target.value_len() as u64 != req.value_len {
+                    return Err(KvError::InvalidArgument(
+                        "the length differs from the target's".into(),
+                    ));
+                }
+                self.store.commit(key, target, req.cas)
+            }
+        };
+        match (&result, req.cas) {
+            (Ok(_), Some(_)) => bump(&self.counters.cas_ok),
+            (Ok(_), None) => bump(&self.counters.puts),
+            _ => {}
+        }
+        result
+    }
+
+    pub(super) fn alloc(
+        &self,
+        conn: &Connection,
+        client: &ClientState,
+        req: &Request,
+        key: &[u8],
+    ) -> Result<Reply> {
+        let mut targets = client.targets.lock().expect("target lock");
+        if targets.len() >= MAX_TARGETS {
+            return Err(KvError::NoMemory);
+        }
+        // Writable through a window on this client's QP only.
+        let target = self.store.target(key.len(), req.value_len, |mr| {
+            conn.expose(mr, AccessFlags::REMOTE_WRITE).map_err(|e| {
+                log::warn!("exposing a write target: {e}");
+                KvError::NoMemory
+            })
+        })?;
+        let token = client.next_token.fetch_add(1, Ordering::Relaxed);
+        let reply = Reply {
+            addr: target.value_addr(),
+            rkey: target.rkey(),
+            value_len: req.value_len,
+            lease: token,
+            ..Reply::default()
+        };
+        targets.insert(token, target);
+        Ok(reply)
+    }
+}

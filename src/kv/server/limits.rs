@@ -1,0 +1,145 @@
+//! Enforcing the [`Limits`] on the request path: queued replies and
+//! requests, leases past their time, and checking a new set of limits.
+
+use std::sync::atomic::Ordering;
+use std::sync::Weak;
+
+use crossbeam_channel::{Sender, TrySendError};
+
+use crate::kv::limits::Limits;
+use crate::kv::proto::Reply;
+use crate::kv::{KvError, Result};
+use crate::runtime::Connection;
+
+use super::{bump, Chore, ClientState, Job, Shared};
+
+impl Shared {
+    /// One of the current limits.
+    pub(super) fn limit<T>(&self, pick: impl FnOnce(&Limits) -> T) -> T {
+        pick(&self.limits.read().expect("limits lock"))
+    }
+
+    /// Sends a reply, or (the client lets more than its cap of replies
+    /// wait: it withholds credit) disconnects the client.
+    pub(super) fn reply(&self, conn: &Connection, client: &ClientState, reply: &[u8]) {
+        match conn.send(reply) {
+            Ok(n) if n > 0 => return,
+            Ok(_) => {}
+            Err(e) => {
+                // The connection ended (its end is reported on its own).
+                log::debug!("no reply to {:?}: {e}", conn.peer_addr());
+                self.forget(client);
+                return self.close_later(conn);
+            }
+        }
+        if client.gone.load(Ordering::Acquire) {
+            return;
+        }
+        bump(&self.counters.reply_overflows);
+        let cap = conn.options().send_queue_bytes;
+        self.episodes.overflow.hit(|| {
+            format!(
+                "closing {:?}: it does not take its replies ({cap} bytes of them waiting)",
+                conn.peer_addr()
+            )
+        });
+        self.forget(client);
+        self.close_later(conn);
+    }
+
+    /// Closes `conn` on the housekeeping thread (in place when it is not
+    /// running or is behind).
+    pub(super) fn close_later(&self, conn: &Connection) {
+        let chores = self.chores.lock().expect("chores lock").clone();
+        let queued = chores.is_some_and(|tx| tx.try_send(Chore::Close(conn.clone())).is_ok());
+        if !queued {
+            conn.close();
+        }
+    }
+
+    /// A client with `queued` requests waiting already gets no more queued:
+    /// this one is answered "no memory" at once.
+    pub(super) fn refuse_busy(
+        &self,
+        conn: &Connection,
+        client: &ClientState,
+        id: u64,
+        queued: usize,
+    ) {
+        bump(&self.counters.busy_refusals);
+        self.episodes.busy.hit(|| {
+            format!(
+                "{:?} has {queued} requests waiting: refusing more until they are done",
+                conn.peer_addr()
+            )
+        });
+        self.reply(
+            conn,
+            client,
+            &Reply::error(id, KvError::NoMemory).encode(&[]),
+        );
+    }
+
+    /// Hands a job to a worker, waiting for room when its queue is full
+    /// (the worker only ever waits for the store, so room comes); false if
+    /// the worker is gone.
+    pub(super) fn queue_job(&self, tx: &Sender<Job>, job: Job) -> bool {
+        match tx.try_send(job) {
+            Ok(()) => true,
+            Err(TrySendError::Disconnected(_)) => false,
+            Err(TrySendError::Full(job)) => {
+                bump(&self.counters.worker_queue_full);
+                self.episodes.worker_queue.hit(|| {
+                    format!(
+                        "a worker's queue is full ({} requests): requests wait for room",
+                        tx.capacity().unwrap_or(0)
+                    )
+                });
+                tx.send(job).is_ok()
+            }
+        }
+    }
+
+    /// Ends the leases held past their time (lease sweeper thread).
+    pub(super) fn expire_leases(&self) {
+        let ttl = self.limit(|l| l.lease_time);
+        let clients: Vec<_> = self
+            .clients
+            .lock()
+            .expect("clients lock")
+            .iter()
+            .filter_map(Weak::upgrade)
+            .collect();
+        let mut ended = 0;
+        for client in clients {
+            ended += client.leases.lock().expect("lease lock").expire(ttl);
+        }
+        if ended > 0 {
+            self.counters
+                .leases_expired
+                .fetch_add(ended, Ordering::Relaxed);
+            self.episodes
+                .leases
+                .hit(|| format!("{ended} leases not released within {ttl:?} ended"));
+        }
+    }
+}
+
+/// Limits of zero would refuse everything: a mistake, not a setting.
+pub(super) fn check_limits(l: &Limits) -> Result<()> {
+    let zero = [
+        ("max_connections", l.max_connections == 0),
+        ("setup_deadline", l.setup_deadline.is_zero()),
+        ("reply_queue_bytes", l.reply_queue_bytes == 0),
+        ("worker_queue", l.worker_queue == 0),
+        ("client_jobs", l.client_jobs == 0),
+        ("lease_bytes", l.lease_bytes == 0),
+        ("lease_time", l.lease_time.is_zero()),
+    ];
+    match zero.iter().find(|(_, z)| *z) {
+        Some((name, _)) => Err(KvError::InvalidArgument(format!(
+            "the limit {name} must be positive"
+        ))),
+        None => Ok(()),
+    }
+}

@@ -1,0 +1,352 @@
+//! The kv server's limits against clients it does not control, each hit on
+//! purpose with a small setting: what the client sees (an error code, a
+//! disconnect) and the counter the server keeps.
+
+use std::io::{ErrorKind, Read};
+use std::net::{IpAddr, SocketAddr, TcpStream};
+use std::process::Command;
+use std::sync::mpsc;
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use snowrdma::kv::proto::{Op, Reply, Request};
+use snowrdma::kv::{Client, ClientOptions, ConnMode, KvError, Limits, Server, ServerConfig, Stats};
+use snowrdma::runtime::{ConnHandler, ConnState, Connection, Options};
+use snowrdma::verbs::{CmEventKind, CmId, ConnParam};
+
+use crate::{device_ip, TIMEOUT};
+
+fn server(mode: ConnMode, limits: Limits, workers: usize) -> (Server, SocketAddr) {
+    let server = Server::new(ServerConfig {
+        addr: SocketAddr::new(IpAddr::V4(device_ip()), 0),
+        memory_size: 16 << 20,
+        table_size: 1024,
+        workers,
+        conn_mode: mode,
+        device: (mode == ConnMode::Socket).then(|| "rxe0".into()),
+        max_value: 16 << 20,
+        limits,
+        ..ServerConfig::default()
+    })
+    .unwrap();
+    server.start().unwrap();
+    let addr = server.local_addr().unwrap();
+    (server, addr)
+}
+
+fn client(addr: SocketAddr, mode: ConnMode) -> Result<Client, KvError> {
+    let opts = ClientOptions {
+        mode,
+        ..ClientOptions::default()
+    };
+    Client::connect_with(addr, &opts)
+}
+
+/// Waits (bounded) until the server's statistics satisfy `done`.
+fn until(server: &Server, what: &str, done: impl Fn(&Stats) -> bool) -> Stats {
+    let deadline = Instant::now() + TIMEOUT;
+    loop {
+        let stats = server.stats();
+        if done(&stats) {
+            return stats;
+        }
+        assert!(Instant::now() < deadline, "{what}: {stats}");
+        thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn works(c: &Client, key: &str) {
+    c.put(key.as_bytes(), b"value").unwrap();
+    assert_eq!(c.get(key.as_bytes()).unwrap().0, b"value");
+}
+
+#[test]
+#[ignore = "needs an RDMA device: run `make test`"]
+fn kv_limit_max_connections_refuses_at_once_and_counts() {
+    let limits = Limits {
+        max_connections: 2,
+        ..Limits::default()
+    };
+    let (server, addr) = server(ConnMode::Cm, limits, 1);
+    let first = client(addr, ConnMode::Cm).unwrap();
+    let _second = client(addr, ConnMode::Cm).unwrap();
+    let start = Instant::now();
+    let refused = client(addr, ConnMode::Cm);
+    assert!(refused.is_err(), "a third client is refused");
+    assert!(
+        start.elapsed() < Duration::from_secs(5),
+        "refused at once, not after a timeout: {:?}",
+        start.elapsed()
+    );
+    assert_eq!(server.stats().refused_connections, 1);
+    works(&first, "still-served");
+    drop(first);
+    until(&server, "the first client's slot is free", |s| {
+        s.clients == 1
+    });
+    works(&client(addr, ConnMode::Cm).unwrap(), "again");
+    assert_eq!(server.stats().refused_connections, 1);
+}
+
+const DEADLINE: Duration = Duration::from_secs(2);
+
+/// A peer that connects and goes silent is dropped at the setup deadline,
+/// while a client connecting meanwhile is served at once.
+fn silent_peer_is_dropped(mode: ConnMode, silent: impl FnOnce(SocketAddr) -> Box<dyn FnOnce()>) {
+    let limits = Limits {
+        setup_deadline: DEADLINE,
+        ..Limits::default()
+    };
+    let (server, addr) = server(mode, limits, 1);
+    let start = Instant::now();
+    let gone = silent(addr);
+    let good = client(addr, mode).unwrap();
+    works(&good, "meanwhile");
+    assert!(
+        start.elapsed() < DEADLINE,
+        "the silent peer held up no one ({:?})",
+        start.elapsed()
+    );
+    let stats = until(&server, "the silent peer is dropped", |s| {
+        s.setup_timeouts > 0
+    });
+    assert_eq!(stats.setup_timeouts, 1);
+    assert_eq!(stats.clients, 1, "only the good client is left");
+    assert!(start.elapsed() >= DEADLINE, "not before its deadline");
+    gone();
+    works(&good, "after");
+}
+
+#[test]
+#[ignore = "needs an RDMA device: run `make test`"]
+fn kv_limit_setup_deadline_drops_a_silent_socket_peer() {
+    silent_peer_is_dropped(ConnMode::Socket, |addr| {
+        // Connects over TCP and never sends its QP information.
+        let mut raw = TcpStream::connect(addr).unwrap();
+        Box::new(move || {
+            raw.set_read_timeout(Some(TIMEOUT)).unwrap();
+            let mut buf = [0u8; 256];
+            loop {
+                match raw.read(&mut buf) {
+                    Ok(0) => return,
+                    Ok(_) => {} // the server's QP information
+                    Err(e) if e.kind() == ErrorKind::ConnectionReset => return,
+                    Err(e) => panic!("the server did not close the socket: {e}"),
+                }
+            }
+        })
+    });
+}
+
+#[test]
+#[ignore = "needs an RDMA device: run `make test`"]
+fn kv_limit_setup_deadline_drops_a_silent_cm_peer() {
+    silent_peer_is_dropped(ConnMode::Cm, |addr| {
+        // Completes the RDMA CM handshake, then never advertises its ring
+        // (and posts no receive for the server's advertisement).
+        let id = CmId::resolve(addr, None, TIMEOUT).unwrap();
+        let ctx = id.context().unwrap();
+        let pd = ctx.alloc_pd().unwrap();
+        let cq = ctx.create_cq(16, None).unwrap();
+        let qp = id.create_qp(&pd, &cq, &cq, &Default::default()).unwrap();
+        id.connect(&ConnParam::default()).unwrap();
+        id.expect_event(CmEventKind::ESTABLISHED, TIMEOUT).unwrap();
+        Box::new(move || {
+            id.expect_event(CmEventKind::DISCONNECTED, TIMEOUT)
+                .expect("the server disconnects the silent peer");
+            drop((qp, cq, pd));
+        })
+    });
+}
+
+#[test]
+#[ignore = "needs an RDMA device: run `make test`"]
+fn kv_limit_queued_requests_per_client_and_per_worker() {
+    let limits = Limits {
+        client_jobs: 2,
+        worker_queue: 1,
+        ..Limits::default()
+    };
+    let (server, addr) = server(ConnMode::Cm, limits, 1);
+    // Four clients, one worker: each pipelines PUTs of values just above
+    // the inline size (staged in its request buffer: the worker checks and
+    // copies them), faster than one worker answers them all.
+    let value = vec![7u8; 5000];
+    let batch = |c: &Client, name: &str| {
+        let keys: Vec<String> = (0..64).map(|i| format!("{name}-{i}")).collect();
+        let pairs: Vec<(&[u8], &[u8])> = keys.iter().map(|k| (k.as_bytes(), &value[..])).collect();
+        c.batch_put(&pairs)
+    };
+    let clients: Vec<Client> = (0..4)
+        .map(|_| client(addr, ConnMode::Cm).unwrap())
+        .collect();
+    let results: Vec<_> = thread::scope(|s| {
+        let runs: Vec<_> = clients
+            .iter()
+            .enumerate()
+            .map(|(i, c)| s.spawn(move || batch(c, &format!("c{i}"))))
+            .collect();
+        runs.into_iter().flat_map(|r| r.join().unwrap()).collect()
+    });
+    assert!(
+        results
+            .iter()
+            .all(|r| r.is_ok() || *r == Err(KvError::NoMemory)),
+        "{results:?}"
+    );
+    let busy = results.iter().filter(|r| r.is_err()).count() as u64;
+    let stats = server.stats();
+    println!("    {stats}");
+    assert!(
+        busy > 0,
+        "the pipelined batches pass a client's cap: {stats}"
+    );
+    assert_eq!(stats.busy_refusals, busy, "{stats}");
+    assert_eq!(stats.puts, 256 - busy, "{stats}");
+    assert!(
+        stats.worker_queue_full > 0,
+        "the worker queue filled: {stats}"
+    );
+    // Refused, not dropped: the clients go on.
+    for (i, c) in clients.iter().enumerate() {
+        works(c, &format!("after-{i}"));
+    }
+}
+
+/// Replies of a raw connection, as they come.
+struct Replies(Mutex<mpsc::Sender<Reply>>);
+
+impl ConnHandler for Replies {
+    fn recv(&self, _conn: &Connection, data: &[u8], _imm: Option<u32>) {
+        let (reply, _) = Reply::decode(data).unwrap();
+        let _ = self.0.lock().unwrap().send(reply);
+    }
+}
+
+#[test]
+#[ignore = "needs an RDMA device: run `make test`"]
+fn kv_limit_large_value_quota_and_leases_capped_and_expired() {
+    const MIB: u64 = 1 << 20;
+    let limits = Limits {
+        large_value_quota: 8 * MIB,
+        lease_bytes: 4 * MIB,
+        lease_time: Duration::from_secs(2),
+        ..Limits::default()
+    };
+    let (server, addr) = server(ConnMode::Cm, limits, 2);
+    let c = client(addr, ConnMode::Cm).unwrap();
+    // 3 MiB values live outside the (2 MiB-class) pool.
+    let big = |seed: u8| vec![seed; 3 << 20];
+    c.put(b"big-1", &big(1)).unwrap();
+    c.put(b"big-2", &big(2)).unwrap();
+    assert_eq!(c.put(b"big-3", &big(3)), Err(KvError::NoMemory), "quota");
+    assert_eq!(server.stats().quota_refusals, 1);
+    // A leased read is checksummed, and still reads right.
+    assert_eq!(c.get(b"big-1").unwrap().0, big(1));
+
+    // A client that GETs large values and never releases them.
+    let (tx, replies) = mpsc::channel();
+    let hoarder =
+        Connection::connect(addr, &Options::default(), Arc::new(Replies(Mutex::new(tx)))).unwrap();
+    for (id, key) in [(1, &b"big-1"[..]), (2, b"big-2")] {
+        hoarder
+            .send(&Request::new(Op::Get, id).encode(key, &[]))
+            .unwrap();
+        let reply = replies.recv_timeout(TIMEOUT).unwrap();
+        assert!(reply.status == 0 && reply.lease != 0, "{reply:?}");
+    }
+    assert_eq!(server.stats().leases_capped, 1, "6 MiB leased, cap 4 MiB");
+    // Gone from the store, still pinned by the lease left.
+    c.delete(b"big-1").unwrap();
+    c.delete(b"big-2").unwrap();
+    let leased = server.stats().large_bytes;
+    assert!(leased >= 3 * MIB, "the leased value is held: {leased}");
+    let stats = until(&server, "the lease expires", |s| s.leases_expired == 1);
+    assert_eq!(stats.large_bytes, 0, "and its memory is freed");
+    // The quota has room again.
+    c.put(b"big-3", &big(3)).unwrap();
+    assert_eq!(c.get(b"big-3").unwrap().0, big(3));
+    hoarder.close();
+}
+
+/// Blocks the connection's callbacks (so it returns no credit) until opened.
+#[derive(Default)]
+struct Gate {
+    open: Mutex<bool>,
+    cond: Condvar,
+}
+
+impl Gate {
+    fn open(&self) {
+        *self.open.lock().unwrap() = true;
+        self.cond.notify_all();
+    }
+}
+
+struct Withholds(Arc<Gate>);
+
+impl ConnHandler for Withholds {
+    fn recv(&self, _conn: &Connection, _data: &[u8], _imm: Option<u32>) {
+        let open = self.0.open.lock().unwrap();
+        // Bounded: the test opens it; this thread is the process's
+        // completion thread.
+        let _ = self
+            .0
+            .cond
+            .wait_timeout_while(open, Duration::from_secs(60), |o| !*o)
+            .unwrap();
+    }
+}
+
+/// Opens the gate even when the test fails, freeing the completion thread.
+struct OpenOnDrop(Arc<Gate>);
+
+impl Drop for OpenOnDrop {
+    fn drop(&mut self) {
+        self.0.open();
+    }
+}
+
+#[test]
+#[ignore = "needs an RDMA device: run `make test`"]
+fn kv_server_disconnects_a_client_that_withholds_credit() {
+    // A server process, so that blocking this process's completion thread
+    // stalls only the withholding client.
+    let port = 7711;
+    let server = crate::kv_programs::kv_server(port, &["--reply-queue-bytes", "16384"]);
+    let addr = SocketAddr::new(IpAddr::V4(device_ip()), port);
+    client(addr, ConnMode::Cm)
+        .unwrap()
+        .put(b"small", &[5u8; 200])
+        .unwrap();
+    let gate = Arc::new(Gate::default());
+    let _open = OpenOnDrop(gate.clone());
+    // Its ring holds about 250 replies; the server may queue 16 KiB more.
+    let opts = Options {
+        recv_buf_len: 64 << 10,
+        ..Options::default()
+    };
+    let rogue = Connection::connect(addr, &opts, Arc::new(Withholds(gate.clone()))).unwrap();
+    for id in 1..=800 {
+        rogue
+            .send(&Request::new(Op::Get, id).encode(b"small", &[]))
+            .unwrap();
+    }
+    server.expect_line("reply overflows 1", Duration::from_secs(20));
+    // Everyone else is served.
+    let out = Command::new("timeout")
+        .args(["60", env!("CARGO_BIN_EXE_kv_client")])
+        .args(["-a", &device_ip().to_string(), "-p", &port.to_string()])
+        .args(["put other fine", "get other"])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success() && text.contains("fine"), "{text}");
+    gate.open();
+    let deadline = Instant::now() + TIMEOUT;
+    while !matches!(rogue.state(), ConnState::Closed | ConnState::Error) {
+        assert!(Instant::now() < deadline, "the rogue was not disconnected");
+        thread::sleep(Duration::from_millis(50));
+    }
+}

@@ -22,7 +22,6 @@ mod ops;
 mod tests;
 
 pub use client::*;
-pub(crate) use handles::Handles;
 pub use ops::*;
 pub use server::*;
 pub use types::*;

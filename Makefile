@@ -18,7 +18,7 @@ EXAMPLEDIR := target/c-examples
 RDMA_LIBS  := -lrdmacm -libverbs -lpthread
 CARGO_FLAGS := $(if $(filter release,$(PROFILE)),--release,)
 
-.PHONY: all lib header check-header c-examples run deps lint host-test device-test test install bench clean
+.PHONY: all lib header check-header c-examples c-examples-asan run deps lint host-test device-test test install bench clean
 
 all: lib header c-examples
 
@@ -34,7 +34,11 @@ check-header:
 	diff -u include/rdma.h target/header-check/rdma.h
 	diff -u include/kv_store.h target/header-check/kv_store.h
 
-C_PROGRAMS := devices layout echo_server client misuse kv_check
+C_PROGRAMS := devices layout echo_server client misuse kv_check handles callbacks
+# The C programs again, built with AddressSanitizer and UBSan (any finding
+# fails the program); the device tests run a few of them.
+ASAN_EXAMPLEDIR := target/c-examples-asan
+ASAN_CFLAGS := -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer
 
 c-examples: lib
 	@mkdir -p $(EXAMPLEDIR)
@@ -55,6 +59,13 @@ c-examples: lib
 	    -o $(EXAMPLEDIR)/kv-app/application \
 	    -L$(LIBDIR) -Wl,-rpath,$(abspath $(LIBDIR)) -lsnowrdma -lpthread
 	ln -sf application $(EXAMPLEDIR)/kv-app/client
+
+c-examples-asan: lib
+	@mkdir -p $(ASAN_EXAMPLEDIR)
+	for p in $(C_PROGRAMS); do \
+	    $(CC) $(CFLAGS) $(ASAN_CFLAGS) c-examples/$$p.c -o $(ASAN_EXAMPLEDIR)/$$p \
+	        -L$(LIBDIR) -Wl,-rpath,$(abspath $(LIBDIR)) -lsnowrdma -lpthread || exit 1; \
+	done
 
 deps:
 	scripts/install-deps.sh
@@ -85,7 +96,7 @@ device-test:
 
 test: deps
 	$(MAKE) lint check-header
-	$(MAKE) PROFILE=debug c-examples
+	$(MAKE) PROFILE=debug c-examples c-examples-asan
 	$(MAKE) PROFILE=debug host-test
 	$(MAKE) PROFILE=debug device-test
 

@@ -8,6 +8,7 @@
  * Exit 0 and "kv_check: all checks passed" when everything held. */
 #include <kv_store.h>
 
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -124,7 +125,26 @@ static void check_client(const char *ip, int port) {
     CHECK(kv_client_put(c, "k", 1, NULL, 4) == KV_ERR_INVALID_ARGUMENT, "NULL value");
     CHECK(kv_client_get(c, "k", 1, buf, NULL) == KV_ERR_INVALID_ARGUMENT, "NULL value_len");
     CHECK(kv_client_put(NULL, "k", 1, "v", 1) == KV_ERR_INVALID_ARGUMENT, "NULL client");
-    CHECK(kv_client_connect(NULL, ip, port) == -1, "connect NULL client");
+    CHECK(kv_client_connect(NULL, ip, port) == KV_ERR_INVALID_ARGUMENT, "connect NULL client");
+    /* Lengths no object has: refused before anything is read. */
+    size_t huge = SIZE_MAX;
+    CHECK(kv_client_put(c, "k", SIZE_MAX, "v", 1) == KV_ERR_KEY_TOO_LONG, "SIZE_MAX key");
+    CHECK(kv_client_delete(c, "k", SIZE_MAX) == KV_ERR_KEY_TOO_LONG, "delete of a SIZE_MAX key");
+    CHECK(kv_client_put(c, "k", 1, "v", SIZE_MAX) == KV_ERR_INVALID_ARGUMENT, "SIZE_MAX value");
+    CHECK(kv_client_cas(c, "k", 1, 0, "v", SIZE_MAX, NULL) == KV_ERR_INVALID_ARGUMENT, "CAS of a SIZE_MAX value");
+    CHECK(kv_client_get(c, "k", 1, buf, &huge) == KV_ERR_INVALID_ARGUMENT, "get into a SIZE_MAX buffer");
+    const char *k1[1] = {"k"};
+    size_t kl1[1] = {SIZE_MAX}, vl1[1] = {1};
+    const void *v1[1] = {"v"};
+    CHECK(kv_client_batch_put(c, k1, kl1, v1, vl1, 1) == -1, "batch put of a SIZE_MAX key");
+    kl1[0] = 1;
+    vl1[0] = SIZE_MAX;
+    CHECK(kv_client_batch_put(c, k1, kl1, v1, vl1, 1) == -1, "batch put of a SIZE_MAX value");
+    /* A connect failure is not "no such key". */
+    kv_client_t *refused = kv_client_create(mode);
+    int rc = mode == CONN_MODE_SOCKET ? kv_client_connect_socket(refused, ip, 1, NULL) : kv_client_connect(refused, ip, 1);
+    CHECK(rc < 0 && rc != KV_ERR_NOT_FOUND, "connect where nothing listens: %d (%s)", rc, kv_strerror(rc));
+    kv_client_destroy(refused);
     CHECK(strlen(kv_strerror(KV_ERR_CAS_FAILED)) > 0, "strerror");
 
     kv_client_disconnect(c);

@@ -5,7 +5,10 @@
  *   misuse <ip> <port of echo_server> <a port where nothing listens> */
 #include <rdma.h>
 
+#include <errno.h>
 #include <pthread.h>
+#include <stddef.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -104,11 +107,32 @@ int main(int argc, char **argv)
     double t = now_s();
     RdmaConn *nowhere = rdmaConn(NULL);
     CHECK(nowhere != NULL, "rdmaConn(NULL) gives a connection with default options");
+    errno = 0;
     CHECK(rdmaConnect(nowhere, ip, closed) == RDMA_ERR, "connect to a closed port -> RDMA_ERR");
+    int connect_errno = errno;
+    printf("     (errno %d: %s)\n", connect_errno, strerror(connect_errno));
+    CHECK(connect_errno == ECONNREFUSED, "... errno ECONNREFUSED");
     CHECK(now_s() - t < 5.0, "... within 5 s");
-    CHECK(nowhere->state == RDMA_CONN_STATE_ERROR, "... and conn->state says ERROR");
+    CHECK(nowhere->state == RDMA_CONN_STATE_ERROR && nowhere->last_errno == ECONNREFUSED,
+          "... and conn->state says ERROR, conn->last_errno ECONNREFUSED");
     rdmaConnClose(nowhere);
-    CHECK(rdmaConnect(NULL, ip, port) == RDMA_ERR, "rdmaConnect(NULL conn) -> RDMA_ERR");
+    errno = 0;
+    CHECK(rdmaConnect(NULL, ip, port) == RDMA_ERR && errno == EINVAL, "rdmaConnect(NULL conn) -> RDMA_ERR, errno EINVAL");
+    RdmaConn *bad_port = rdmaConn(NULL);
+    errno = 0;
+    CHECK(rdmaConnect(bad_port, ip, 70000) == RDMA_ERR && errno == EINVAL, "connect to port 70000 -> errno EINVAL");
+    rdmaConnClose(bad_port);
+
+    /* An options struct at an odd address, its enum and bool fields
+     * holding values C allows and the enums do not: read field by field. */
+    _Alignas(8) unsigned char raw[sizeof(RdmaConnOptions) + 1];
+    memset(raw, 0, sizeof raw);
+    int bad_enum = 7;
+    memcpy(raw + 1 + offsetof(RdmaConnOptions, rdma_comm_mode), &bad_enum, sizeof bad_enum);
+    raw[1 + offsetof(RdmaConnOptions, rdma_enable_phys_addr_access)] = 2;
+    RdmaConn *odd = rdmaConn((const RdmaConnOptions *)(const void *)(raw + 1));
+    CHECK(odd != NULL, "rdmaConn with an unaligned options struct holding bad enum values");
+    rdmaConnClose(odd);
 
     RdmaConn *a = connect_to(ip, port);
     RdmaConn *b = connect_to(ip, port);
@@ -117,7 +141,8 @@ int main(int argc, char **argv)
         return 1;
     CHECK(a->state == RDMA_CONN_STATE_MR_READY && a->type == CONNECTED_CONN, "state MR_READY, type CONNECTED_CONN");
     CHECK(a->ip && strcmp(a->ip, ip) == 0 && a->port == port, "conn->ip and conn->port name the server");
-    CHECK(rdmaConnect(a, ip, port) == RDMA_ERR, "connecting a connected conn -> RDMA_ERR");
+    errno = 0;
+    CHECK(rdmaConnect(a, ip, port) == RDMA_ERR && errno == EISCONN, "connecting a connected conn -> RDMA_ERR, errno EISCONN");
 
     CHECK(rdmaConnSend(NULL, buf, 4) == err, "send on NULL -> (size_t)-1");
     CHECK(rdmaConnSend(a, NULL, 4) == err, "send of NULL data -> (size_t)-1");
@@ -127,6 +152,11 @@ int main(int argc, char **argv)
     CHECK(rdmaConnSend(a, big, huge) == err, "message larger than the peer's ring -> (size_t)-1");
     free(big);
     CHECK(rdmaConnWrite(a, NULL, 4) == err, "write of NULL data -> (size_t)-1");
+    CHECK(rdmaConnSend(a, buf, SIZE_MAX) == err, "send of SIZE_MAX bytes -> (size_t)-1");
+    CHECK(rdmaConnWrite(a, buf, SIZE_MAX) == err, "write of SIZE_MAX bytes -> (size_t)-1");
+    CHECK(rdmaConnSendWithImm(a, 1, buf, SIZE_MAX) == err, "send with imm of SIZE_MAX bytes -> (size_t)-1");
+    CHECK(rdmaConnWriteWithImm(a, 1, buf, SIZE_MAX) == RDMA_ERR, "write with imm of SIZE_MAX bytes -> RDMA_ERR");
+    CHECK(rdmaConnReadBuf(a, buf, SIZE_MAX) == RDMA_ERR, "read of SIZE_MAX bytes -> RDMA_ERR");
     CHECK(rdmaConnWriteWithImm(a, 1, buf, 0) == RDMA_ERR, "write with imm of 0 bytes -> RDMA_ERR");
     CHECK(rdmaConnSend((RdmaConn *)buf, buf, 4) == err, "send on a foreign pointer -> (size_t)-1");
     CHECK(rdmaConnSetRecvCallback((RdmaConn *)buf, on_recv) == RDMA_ERR, "set callback on a foreign pointer -> RDMA_ERR");

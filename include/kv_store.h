@@ -191,9 +191,11 @@ extern "C" {
 kv_server_t *kv_server_create(const struct kv_config *config);
 
 /**
- * Starts serving: listens and returns at once (0), or -1 when the address
- * cannot be bound or the handle is bad. Requests are answered on library
- * threads until `kv_server_stop`.
+ * Starts serving: listens and returns at once. `KV_OK`,
+ * `KV_ERR_INVALID_ARGUMENT` for a bad or destroyed handle, or the code of
+ * what failed (`KV_ERR_INTERNAL` when the address cannot be bound, for
+ * one); never `KV_ERR_NOT_FOUND`. Requests are answered on library threads
+ * until `kv_server_stop`.
  */
 int kv_server_start(kv_server_t *server);
 
@@ -258,14 +260,19 @@ kv_client_t *kv_client_create(conn_mode_t mode);
 
 /**
  * Connects a `CONN_MODE_CM` client to `server_ip:port` (a name or an
- * address); 0, or -1 when the server is unreachable (within a few seconds).
- * A connected client reconnects (the old connection is closed).
+ * address). `KV_OK`; `KV_ERR_INVALID_ARGUMENT` for a bad or destroyed
+ * handle, a client of the other mode, or a bad address or port; else the
+ * code of what failed (`KV_ERR_TIMEOUT`, `KV_ERR_DISCONNECTED`,
+ * `KV_ERR_INTERNAL` when the server is unreachable, within a few seconds);
+ * never `KV_ERR_NOT_FOUND`. A connected client reconnects (the old
+ * connection is closed).
  */
 int kv_client_connect(kv_client_t *client, const char *server_ip, int port);
 
 /**
  * Connects a `CONN_MODE_SOCKET` client: QP information is exchanged over
  * TCP at `server_ip:port`; `ib_dev` names the device (NULL: the first).
+ * Returns as `kv_client_connect`.
  *
  * # Safety
  * A non-NULL `ib_dev` must be a C string.

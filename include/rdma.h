@@ -475,7 +475,12 @@ struct RdmaConn *rdmaConn(const RdmaConnOptions *opt);
 /**
  * Connects to a server; returns `RDMA_OK` once data can flow, or `RDMA_ERR`
  * when the server rejects, is unreachable, or does not answer in time
- * (about `rdmaTimeoutms` per setup step).
+ * (about `rdmaTimeoutms` per setup step). On failure `errno` (and
+ * `conn->last_errno`) says why: `ECONNREFUSED` (nothing listens there, or
+ * the server refused), `ETIMEDOUT`, `EHOSTUNREACH` / `ENETUNREACH` (no
+ * RDMA path to the address), `ECONNRESET` (the server left during setup),
+ * `EINVAL` (NULL, unknown or closed connection, bad address or port),
+ * `EISCONN` (already connected), `ENODEV`, or the failed verb's errno.
  *
  * # Safety
  * `serverip` must be NULL or a C string.

@@ -21,16 +21,24 @@ pub(crate) fn guard<T>(name: &'static str, on_panic: T, body: impl FnOnce() -> T
     }
 }
 
-/// A writable C buffer, or `None` for a NULL pointer or zero length.
+/// A writable C buffer, or `None` for a NULL pointer, a zero length, or a
+/// length no object can have.
 ///
 /// # Safety
 /// A non-NULL `ptr` must be valid for `len` bytes of writes.
 pub(crate) unsafe fn out_buf<'a>(ptr: *mut libc::c_char, len: usize) -> Option<&'a mut [u8]> {
-    if ptr.is_null() || len == 0 {
+    if ptr.is_null() || len == 0 || !fits_in_memory(len) {
         None
     } else {
         Some(std::slice::from_raw_parts_mut(ptr.cast::<u8>(), len))
     }
+}
+
+/// Whether a C length can be that of one object: no slice is made from a
+/// length above `isize::MAX` (a careless `(size_t)-1` would be undefined
+/// behaviour, and aborts a debug build).
+pub(crate) fn fits_in_memory(len: usize) -> bool {
+    isize::try_from(len).is_ok()
 }
 
 /// C programs get the library's log on stderr when `SNOWRDMA_LOG` is set

@@ -14,14 +14,14 @@ use std::net::SocketAddr;
 use once_cell::sync::Lazy;
 
 use super::boundary::guard;
-use super::kv::Handles;
+use super::table::HandleTable;
 use crate::kv::{legacy_port, Client, KvError, Server, ServerConfig};
 
 /// The legacy server's TCP port, where `kv_open` connects and `run_server`
 /// listens unless `SNOWRDMA_KV_PORT` says otherwise.
 pub const KV_DEFAULT_PORT: u16 = 4792;
 
-static HANDLES: Lazy<Handles<Client>> = Lazy::new(Handles::new);
+static HANDLES: Lazy<HandleTable<Client>> = Lazy::new(HandleTable::new);
 
 /// A C string argument.
 ///
@@ -62,7 +62,7 @@ pub unsafe extern "C" fn kv_open(servername: *mut c_char, kv_handle: *mut *mut c
         let name = std::str::from_utf8(text(servername, "servername")?)
             .map_err(|_| KvError::InvalidArgument("servername is not UTF-8".into()))?;
         let client = Client::open(name)?;
-        *kv_handle = HANDLES.insert(client);
+        *kv_handle = HANDLES.insert_opaque(client);
         Ok(())
     })
 }

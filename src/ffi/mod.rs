@@ -8,6 +8,7 @@ mod boundary;
 pub mod kv;
 pub mod kv_strings;
 pub mod rdma;
+mod table;
 
 use std::ffi::{c_char, c_int, CStr};
 

@@ -12,15 +12,34 @@ use std::time::{Duration, Instant};
 use crate::device_ip;
 
 pub fn program(name: &str) -> PathBuf {
+    built("c-examples", name)
+}
+
+/// The program built with AddressSanitizer and UBSan (`make
+/// c-examples-asan`): a finding ends it with a non-zero status.
+pub fn asan_program(name: &str) -> PathBuf {
+    built("c-examples-asan", name)
+}
+
+fn built(dir: &str, name: &str) -> PathBuf {
     let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("target/c-examples")
+        .join("target")
+        .join(dir)
         .join(name);
     assert!(
         p.exists(),
-        "{} is missing: run `make c-examples PROFILE=debug`",
+        "{} is missing: run `make {dir} PROFILE=debug`",
         p.display()
     );
     p
+}
+
+/// A command for a C program, sanitized or not. libibverbs keeps some
+/// allocations until exit by design, so ASan's leak check is off.
+pub fn c_command(path: PathBuf) -> Command {
+    let mut cmd = Command::new(path);
+    cmd.env("ASAN_OPTIONS", "detect_leaks=0");
+    cmd
 }
 
 /// A child process killed on drop, with its stdout lines on a channel.
@@ -31,7 +50,11 @@ pub struct Proc {
 
 impl Proc {
     fn spawn(name: &str, args: &[String]) -> Proc {
-        let mut cmd = Command::new(program(name));
+        Proc::spawn_path(program(name), args)
+    }
+
+    fn spawn_path(path: PathBuf, args: &[String]) -> Proc {
+        let mut cmd = c_command(path);
         cmd.args(args);
         Proc::start(cmd)
     }
@@ -115,15 +138,24 @@ impl Drop for Proc {
 }
 
 fn echo_server(port: u16) -> Proc {
-    let server = Proc::spawn("echo_server", &[device_ip().to_string(), port.to_string()]);
+    echo_server_at(program("echo_server"), port)
+}
+
+fn echo_server_at(path: PathBuf, port: u16) -> Proc {
+    let server = Proc::spawn_path(path, &[device_ip().to_string(), port.to_string()]);
     server.expect_line("listening on", Duration::from_secs(10));
     server
 }
 
 fn run(name: &str, args: &[&str], timeout: Duration) -> ExitStatus {
+    run_path(program(name), args, timeout)
+}
+
+/// Runs a program with the device's address as its first argument.
+fn run_path(path: PathBuf, args: &[&str], timeout: Duration) -> ExitStatus {
     let mut args: Vec<String> = args.iter().map(|s| s.to_string()).collect();
     args.insert(0, device_ip().to_string());
-    let mut p = Proc::spawn(name, &args);
+    let mut p = Proc::spawn_path(path, &args);
     p.wait(timeout)
 }
 
@@ -157,8 +189,47 @@ fn c_echo_over_16_connections_at_once() {
 #[ignore = "needs an RDMA device: run `make test`"]
 fn c_bad_input_gives_error_codes() {
     let _server = echo_server(7603);
-    let status = run("misuse", &["7603", "7699"], Duration::from_secs(120));
-    assert!(status.success(), "misuse: {status}");
+    for path in [program("misuse"), asan_program("misuse")] {
+        let status = run_path(path.clone(), &["7603", "7699"], Duration::from_secs(120));
+        assert!(status.success(), "{}: {status}", path.display());
+    }
+}
+
+#[test]
+#[ignore = "needs an RDMA device: run `make test`"]
+fn c_dead_handles_give_errors_and_are_never_freed_memory() {
+    for (path, port) in [
+        (program("handles"), "7610"),
+        (asan_program("handles"), "7613"),
+    ] {
+        let status = run_path(path.clone(), &[port], Duration::from_secs(120));
+        assert!(status.success(), "{}: {status}", path.display());
+    }
+}
+
+#[test]
+#[ignore = "needs an RDMA device: run `make test`"]
+fn c_every_call_from_inside_every_callback_kind() {
+    // The program's own alarm ends it (exit 3) when a call hangs.
+    for (path, port) in [
+        (program("callbacks"), "7616"),
+        (asan_program("callbacks"), "7617"),
+    ] {
+        let status = run_path(path.clone(), &[port], Duration::from_secs(150));
+        assert!(status.success(), "{}: {status}", path.display());
+    }
+}
+
+#[test]
+#[ignore = "needs an RDMA device: run `make test`"]
+fn c_echo_sanitized() {
+    let _server = echo_server_at(asan_program("echo_server"), 7618);
+    let status = run_path(
+        asan_program("client"),
+        &["7618", "-c", "2", "-b", "1048576", "-m", "65536", "-l", "5"],
+        Duration::from_secs(300),
+    );
+    assert!(status.success(), "client: {status}");
 }
 
 #[test]

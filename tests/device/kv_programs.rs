@@ -16,7 +16,7 @@ use snowrdma::ffi::kv::{
 use snowrdma::ffi::kv_strings::{kv_close, kv_get, kv_open};
 use snowrdma::kv::{Client, ClientOptions, KvError};
 
-use crate::c_programs::{program, Proc};
+use crate::c_programs::{asan_program, c_command, program, Proc};
 use crate::device_ip;
 
 /// A kv_server process on the device (64 MiB pool, stats every second).
@@ -58,13 +58,15 @@ fn addr(port: u16) -> SocketAddr {
 #[test]
 #[ignore = "needs an RDMA device: run `make test`"]
 fn kv_c_api_embedded_server() {
-    let mut p = Proc::start({
-        let mut c = Command::new(program("kv_check"));
-        c.arg(device_ip().to_string());
-        c
-    });
-    p.expect_line("all checks passed", Duration::from_secs(300));
-    assert!(p.wait(Duration::from_secs(30)).success());
+    for path in [program("kv_check"), asan_program("kv_check")] {
+        let mut p = Proc::start({
+            let mut c = c_command(path);
+            c.arg(device_ip().to_string());
+            c
+        });
+        p.expect_line("all checks passed", Duration::from_secs(300));
+        assert!(p.wait(Duration::from_secs(30)).success());
+    }
 }
 
 #[test]

@@ -7,8 +7,10 @@ use std::sync::RwLock;
 use crate::ffi::boundary::guard;
 use crate::kv::{Client, ClientOptions, ConnMode, KvError};
 
-use super::handles::{mode_from_c, ClientSlot, CLIENTS};
-use super::types::{conn_mode_t, kv_client, KV_ERR_DISCONNECTED, KV_ERR_INVALID_ARGUMENT};
+use super::handles::{mode_from_c, setup_code, ClientSlot, CLIENTS};
+use super::types::{
+    conn_mode_t, kv_client, KV_ERR_DISCONNECTED, KV_ERR_INTERNAL, KV_ERR_INVALID_ARGUMENT,
+};
 
 /// Creates an unconnected client for `mode` (`CONN_MODE_CM` or
 /// `CONN_MODE_SOCKET`); NULL for an unknown mode. Free with
@@ -19,7 +21,7 @@ pub extern "C" fn kv_client_create(mode: conn_mode_t) -> *mut kv_client {
         "kv_client_create",
         std::ptr::null_mut(),
         || match mode_from_c(mode) {
-            Ok(mode) => CLIENTS.insert(ClientSlot {
+            Ok(mode) => CLIENTS.insert_opaque(ClientSlot {
                 mode,
                 client: RwLock::new(None),
             }),
@@ -56,45 +58,44 @@ pub(super) fn connect(
     mode: ConnMode,
 ) -> c_int {
     let Some(slot) = CLIENTS.get(client) else {
-        return -1;
+        return KV_ERR_INVALID_ARGUMENT;
     };
     if slot.mode != mode {
         log::error!("this client was created for {:?} mode", slot.mode);
-        return -1;
+        return KV_ERR_INVALID_ARGUMENT;
     }
     let opts = ClientOptions {
         mode,
         device,
         ..ClientOptions::default()
     };
-    match resolve(host, port).and_then(|addr| Client::connect_with(addr, &opts)) {
-        Ok(c) => {
-            *slot.client.write().expect("client lock") = Some(c);
-            0
-        }
-        Err(e) => {
-            log::error!("kv_client_connect: {e}");
-            -1
-        }
-    }
+    let r = resolve(host, port)
+        .and_then(|addr| Client::connect_with(addr, &opts))
+        .map(|c| *slot.client.write().expect("client lock") = Some(c));
+    setup_code("kv_client_connect", r)
 }
 
 /// Connects a `CONN_MODE_CM` client to `server_ip:port` (a name or an
-/// address); 0, or -1 when the server is unreachable (within a few seconds).
-/// A connected client reconnects (the old connection is closed).
+/// address). `KV_OK`; `KV_ERR_INVALID_ARGUMENT` for a bad or destroyed
+/// handle, a client of the other mode, or a bad address or port; else the
+/// code of what failed (`KV_ERR_TIMEOUT`, `KV_ERR_DISCONNECTED`,
+/// `KV_ERR_INTERNAL` when the server is unreachable, within a few seconds);
+/// never `KV_ERR_NOT_FOUND`. A connected client reconnects (the old
+/// connection is closed).
 #[no_mangle]
 pub extern "C" fn kv_client_connect(
     client: *mut kv_client,
     server_ip: *const c_char,
     port: c_int,
 ) -> c_int {
-    guard("kv_client_connect", -1, || {
+    guard("kv_client_connect", KV_ERR_INTERNAL, || {
         connect(client, server_ip, port, None, ConnMode::Cm)
     })
 }
 
 /// Connects a `CONN_MODE_SOCKET` client: QP information is exchanged over
 /// TCP at `server_ip:port`; `ib_dev` names the device (NULL: the first).
+/// Returns as `kv_client_connect`.
 ///
 /// # Safety
 /// A non-NULL `ib_dev` must be a C string.
@@ -105,7 +106,7 @@ pub unsafe extern "C" fn kv_client_connect_socket(
     port: c_int,
     ib_dev: *const c_char,
 ) -> c_int {
-    guard("kv_client_connect_socket", -1, || {
+    guard("kv_client_connect_socket", KV_ERR_INTERNAL, || {
         let device =
             (!ib_dev.is_null()).then(|| CStr::from_ptr(ib_dev).to_string_lossy().into_owned());
         connect(client, server_ip, port, device, ConnMode::Socket)

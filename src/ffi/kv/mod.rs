@@ -24,7 +24,6 @@ mod ops;
 mod tests;
 
 pub use client::*;
-pub(crate) use handles::Handles;
 pub use limits::*;
 pub use ops::*;
 pub use server::*;

@@ -3,7 +3,7 @@
 
 use std::ffi::{c_char, c_int, c_void, CStr};
 
-use crate::ffi::boundary::guard;
+use crate::ffi::boundary::{fits_in_memory, guard};
 use crate::kv::{Client, KvError};
 
 use super::client::with_client;
@@ -99,7 +99,10 @@ pub(super) unsafe fn get_into(
 ) -> c_int {
     guard(name, KV_ERR_INTERNAL, || {
         with_client(client, |c| {
-            if value_len.is_null() || (value_buf.is_null() && *value_len > 0) {
+            if value_len.is_null()
+                || (value_buf.is_null() && *value_len > 0)
+                || !fits_in_memory(*value_len)
+            {
                 return KV_ERR_INVALID_ARGUMENT;
             }
             let k = match self::key(key, key_len) {

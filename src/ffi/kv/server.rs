@@ -5,8 +5,8 @@ use std::ffi::{c_char, c_int};
 use crate::ffi::boundary::guard;
 use crate::kv::{Server, ServerConfig};
 
-use super::handles::{config_from_c, SERVERS};
-use super::types::{kv_config, kv_server};
+use super::handles::{config_from_c, setup_code, SERVERS};
+use super::types::{kv_config, kv_server, KV_ERR_INTERNAL, KV_ERR_INVALID_ARGUMENT};
 
 /// Creates a server from `config` (copied; NULL means all defaults): maps
 /// its memory pool and index. Returns NULL on bad settings or no memory (the
@@ -18,12 +18,13 @@ use super::types::{kv_config, kv_server};
 #[no_mangle]
 pub unsafe extern "C" fn kv_server_create(config: *const kv_config) -> *mut kv_server {
     guard("kv_server_create", std::ptr::null_mut(), || {
-        let cfg = match config.as_ref() {
-            None => Ok(ServerConfig::default()),
-            Some(c) => config_from_c(c),
+        let cfg = if config.is_null() {
+            Ok(ServerConfig::default())
+        } else {
+            config_from_c(config)
         };
         match cfg.and_then(Server::new) {
-            Ok(server) => SERVERS.insert(server),
+            Ok(server) => SERVERS.insert_opaque(server),
             Err(e) => {
                 log::error!("kv_server_create: {e}");
                 std::ptr::null_mut()
@@ -32,22 +33,18 @@ pub unsafe extern "C" fn kv_server_create(config: *const kv_config) -> *mut kv_s
     })
 }
 
-/// Starts serving: listens and returns at once (0), or -1 when the address
-/// cannot be bound or the handle is bad. Requests are answered on library
-/// threads until `kv_server_stop`.
+/// Starts serving: listens and returns at once. `KV_OK`,
+/// `KV_ERR_INVALID_ARGUMENT` for a bad or destroyed handle, or the code of
+/// what failed (`KV_ERR_INTERNAL` when the address cannot be bound, for
+/// one); never `KV_ERR_NOT_FOUND`. Requests are answered on library threads
+/// until `kv_server_stop`.
 #[no_mangle]
 pub extern "C" fn kv_server_start(server: *mut kv_server) -> c_int {
-    guard("kv_server_start", -1, || {
+    guard("kv_server_start", KV_ERR_INTERNAL, || {
         let Some(s) = SERVERS.get(server) else {
-            return -1;
+            return KV_ERR_INVALID_ARGUMENT;
         };
-        match s.start() {
-            Ok(()) => 0,
-            Err(e) => {
-                log::error!("kv_server_start: {e}");
-                -1
-            }
-        }
+        setup_code("kv_server_start", s.start())
     })
 }
 

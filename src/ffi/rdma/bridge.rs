@@ -1,32 +1,29 @@
 //! The bridge from the runtime's connection events to the C struct and its
 //! callbacks.
 
-use std::cell::UnsafeCell;
 use std::ffi::{c_char, c_int, c_uint, c_void, CString};
-use std::ptr::addr_of_mut;
+use std::ptr::{addr_of, addr_of_mut};
 use std::sync::{Arc, Mutex};
 
 use crate::ffi::boundary::guard;
+use crate::ffi::table::CMemory;
 use crate::runtime::{ConnHandler, ConnState, Connection, Options, WeakConnection};
 use crate::verbs::RemoteRegion;
 
+use super::globals::copy_options;
 use super::handles::*;
 use super::types::*;
 
 /// The library's side of one `RdmaConn`: the struct itself (stable address,
-/// freed when the last holder lets go) and the runtime connection.
+/// freed when the last holder, the handle table's quarantine included, lets
+/// go) and the runtime connection.
 pub(super) struct FfiConn {
-    pub(super) raw: Box<UnsafeCell<RdmaConn>>,
+    pub(super) raw: Arc<CMemory<RdmaConn>>,
     pub(super) ip: Mutex<Option<CString>>,
     pub(super) imm_callback: Mutex<RdmaRecvImmCallbackFunc>,
     pub(super) conn: Mutex<Option<WeakConnection>>,
     pub(super) opts: Options,
 }
-
-// SAFETY: the struct is written by the library under its own discipline
-// (volatile writes of plain fields) and read by C; `raw` never moves.
-unsafe impl Send for FfiConn {}
-unsafe impl Sync for FfiConn {}
 
 impl FfiConn {
     pub(super) fn new(
@@ -36,8 +33,7 @@ impl FfiConn {
     ) -> Arc<FfiConn> {
         // SAFETY: all-zero is a valid RdmaConn (NULL pointers, zero ints,
         // NONE enums, None callbacks, zeroed pthread objects).
-        let raw: Box<UnsafeCell<RdmaConn>> =
-            Box::new(UnsafeCell::new(unsafe { std::mem::zeroed() }));
+        let raw: Arc<CMemory<RdmaConn>> = CMemory::new(unsafe { std::mem::zeroed() });
         let p = raw.get();
         // SAFETY: p is ours; c_opts is NULL or a valid options struct.
         unsafe {
@@ -46,12 +42,13 @@ impl FfiConn {
             (*p).r#type = kind;
             (*p).max_inline_data = opts.max_inline_data;
             if !c_opts.is_null() {
-                (*p).options = std::ptr::read(c_opts);
-                (*p).recv_callback = (*c_opts).recv_callback;
-                (*p).write_callback = (*c_opts).write_callback;
-                (*p).read_callback = (*c_opts).read_callback;
-                (*p).connected_callback = (*c_opts).connected_callback;
-                (*p).disconnect_callback = (*c_opts).disconnect_callback;
+                let o = copy_options(c_opts);
+                (*p).recv_callback = o.recv_callback;
+                (*p).write_callback = o.write_callback;
+                (*p).read_callback = o.read_callback;
+                (*p).connected_callback = o.connected_callback;
+                (*p).disconnect_callback = o.disconnect_callback;
+                (*p).options = o;
             }
         }
         Arc::new(FfiConn {
@@ -116,7 +113,9 @@ impl ConnHandler for FfiConn {
     fn connected(&self, conn: &Connection) {
         self.bind(conn);
         // SAFETY: the callback field is read from our own struct.
-        if let Some(cb) = unsafe { (*self.ptr()).connected_callback } {
+        if let Some(cb) =
+            unsafe { std::ptr::read_volatile(addr_of!((*self.ptr()).connected_callback)) }
+        {
             guard_callback("connected_callback", || unsafe { cb(self.ptr().cast()) });
         }
     }
@@ -125,35 +124,42 @@ impl ConnHandler for FfiConn {
         let p = self.ptr();
         let ptr = data.as_ptr() as *mut c_void;
         if let Some(imm) = imm {
-            if let Some(cb) = *self.imm_callback.lock().expect("ffi lock") {
+            // Copied out: the lock is not held while the callback runs (it
+            // may set this very callback).
+            let imm_cb = *self.imm_callback.lock().expect("ffi lock");
+            if let Some(cb) = imm_cb {
                 return guard_callback("recv_imm_callback", || unsafe {
                     cb(p.cast(), imm, ptr, data.len())
                 });
             }
         }
         // SAFETY: as above.
-        if let Some(cb) = unsafe { (*p).recv_callback } {
+        if let Some(cb) = unsafe { std::ptr::read_volatile(addr_of!((*p).recv_callback)) } {
             guard_callback("recv_callback", || unsafe { cb(p.cast(), ptr, data.len()) });
         }
     }
 
     fn write_done(&self, _conn: &Connection, len: usize) {
         // SAFETY: as above.
-        if let Some(cb) = unsafe { (*self.ptr()).write_callback } {
+        if let Some(cb) = unsafe { std::ptr::read_volatile(addr_of!((*self.ptr()).write_callback)) }
+        {
             guard_callback("write_callback", || unsafe { cb(self.ptr().cast(), len) });
         }
     }
 
     fn read_done(&self, _conn: &Connection, len: usize) {
         // SAFETY: as above.
-        if let Some(cb) = unsafe { (*self.ptr()).read_callback } {
+        if let Some(cb) = unsafe { std::ptr::read_volatile(addr_of!((*self.ptr()).read_callback)) }
+        {
             guard_callback("read_callback", || unsafe { cb(self.ptr().cast(), len) });
         }
     }
 
     fn disconnected(&self, _conn: &Connection) {
         // SAFETY: as above.
-        if let Some(cb) = unsafe { (*self.ptr()).disconnect_callback } {
+        if let Some(cb) =
+            unsafe { std::ptr::read_volatile(addr_of!((*self.ptr()).disconnect_callback)) }
+        {
             guard_callback("disconnect_callback", || unsafe { cb(self.ptr().cast()) });
         }
     }
@@ -190,10 +196,7 @@ impl ConnHandler for FfiConn {
     }
 
     fn retired(&self, _conn: &Connection) {
-        CONNS
-            .lock()
-            .expect("table lock")
-            .remove(&(self.ptr() as usize));
+        CONNS.remove(self.ptr());
     }
 }
 

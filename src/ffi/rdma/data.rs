@@ -3,7 +3,7 @@
 
 use std::ffi::{c_int, c_void};
 
-use crate::ffi::boundary::guard;
+use crate::ffi::boundary::{fits_in_memory, guard};
 use crate::runtime::{self, Connection};
 use crate::verbs::RemoteAddr;
 
@@ -20,8 +20,8 @@ pub(super) fn send_result(func: &str, r: runtime::Result<usize>) -> usize {
 }
 
 pub(super) unsafe fn bytes<'a>(data: *const c_void, len: usize, func: &str) -> Option<&'a [u8]> {
-    if data.is_null() || len == 0 {
-        log::warn!("{func}: NULL data or zero length");
+    if data.is_null() || len == 0 || !fits_in_memory(len) {
+        log::warn!("{func}: NULL data, or length {len} out of range");
         return None;
     }
     Some(std::slice::from_raw_parts(data.cast::<u8>(), len))

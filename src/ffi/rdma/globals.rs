@@ -49,8 +49,8 @@ pub static mut rdmaEnablePhysAddrAccess: bool = false;
 #[no_mangle]
 pub static mut rdmaIoAffinityCpuId: c_int = -1;
 
-/// Reads a C-writable int-sized field or global without trusting it to hold
-/// a valid Rust enum or bool.
+/// Reads a global C programs write, without trusting it to hold a valid
+/// Rust enum or bool.
 pub(super) unsafe fn read_int<T>(p: *const T) -> c_int {
     std::ptr::read_volatile(p.cast::<c_int>())
 }
@@ -59,70 +59,85 @@ pub(super) unsafe fn read_bool(p: *const bool) -> bool {
     std::ptr::read_volatile(p.cast::<u8>()) != 0
 }
 
+/// Copies an options struct from C field by field, each read as the
+/// integer C stored (the struct may be unaligned): enum fields holding an
+/// unknown value count as unset (0), the bool is any nonzero byte. No Rust
+/// value is ever made from C bytes that may not be one.
+pub(super) unsafe fn copy_options(p: *const RdmaOptions) -> RdmaOptions {
+    let int = |f: *const c_int| f.read_unaligned();
+    let qp2cq = int(addr_of!((*p).rdma_qp2cq_mode).cast());
+    let comm = int(addr_of!((*p).rdma_comm_mode).cast());
+    RdmaOptions {
+        rdma_listen_backlog: int(addr_of!((*p).rdma_listen_backlog)),
+        rdma_timeoutms: int(addr_of!((*p).rdma_timeoutms)),
+        rdma_poll_event_timeoutms: int(addr_of!((*p).rdma_poll_event_timeoutms)),
+        rdma_max_inline_data: int(addr_of!((*p).rdma_max_inline_data)),
+        rdma_retry_count: int(addr_of!((*p).rdma_retry_count)),
+        rdma_rnr_retry_count: int(addr_of!((*p).rdma_rnr_retry_count)),
+        rdma_max_concurrent_work_requests: int(addr_of!((*p).rdma_max_concurrent_work_requests)),
+        rdma_recv_depth: int(addr_of!((*p).rdma_recv_depth)),
+        rdma_qp2cq_mode: if qp2cq == RdmaQpCqMapping::MANY_TO_ONE as c_int {
+            RdmaQpCqMapping::MANY_TO_ONE
+        } else {
+            RdmaQpCqMapping::ONE_TO_ONE
+        },
+        rdma_comm_mode: if comm == RdmaCommMode::RDMA_NON_BLOCKING as c_int {
+            RdmaCommMode::RDMA_NON_BLOCKING
+        } else {
+            RdmaCommMode::RDMA_BLOCKING
+        },
+        rdma_enable_phys_addr_access: addr_of!((*p).rdma_enable_phys_addr_access)
+            .cast::<u8>()
+            .read_unaligned()
+            != 0,
+        rdma_max_outstanding_rd_atomic: int(addr_of!((*p).rdma_max_outstanding_rd_atomic)),
+        rdma_io_affinity_cpuid: int(addr_of!((*p).rdma_io_affinity_cpuid)),
+        // Any pointer-sized value is a valid optional function pointer.
+        recv_callback: addr_of!((*p).recv_callback).read_unaligned(),
+        write_callback: addr_of!((*p).write_callback).read_unaligned(),
+        read_callback: addr_of!((*p).read_callback).read_unaligned(),
+        connected_callback: addr_of!((*p).connected_callback).read_unaligned(),
+        disconnect_callback: addr_of!((*p).disconnect_callback).read_unaligned(),
+        accept_callback: addr_of!((*p).accept_callback).read_unaligned(),
+    }
+}
+
+/// All fields unset: the `{0}` of C programs.
+pub(super) fn unset_options() -> RdmaOptions {
+    // SAFETY: all-zero is valid (zero ints, the 0 enum values, false, None).
+    unsafe { std::mem::zeroed() }
+}
+
 /// Turns a C options struct (NULL: all defaults) into runtime options; every
 /// zero field takes the global's value.
 pub(super) unsafe fn resolve_options(opt: *const RdmaOptions) -> Options {
-    let pick = |field: *const c_int, global: *const c_int| -> c_int {
-        let v = if field.is_null() { 0 } else { read_int(field) };
-        if v != 0 {
-            v
-        } else {
-            read_int(global)
-        }
+    let o = if opt.is_null() {
+        unset_options()
+    } else {
+        copy_options(opt)
     };
-    let f = |get: fn(*const RdmaOptions) -> *const c_int| {
-        if opt.is_null() {
-            std::ptr::null()
-        } else {
-            get(opt)
-        }
-    };
-    let backlog = pick(
-        f(|o| addr_of!((*o).rdma_listen_backlog)),
-        addr_of!(rdmaListenBacklog),
-    );
-    let timeout = pick(
-        f(|o| addr_of!((*o).rdma_timeoutms)),
-        addr_of!(rdmaTimeoutms),
-    );
+    let pick = |v: c_int, global: *const c_int| if v != 0 { v } else { read_int(global) };
+    let backlog = pick(o.rdma_listen_backlog, addr_of!(rdmaListenBacklog));
+    let timeout = pick(o.rdma_timeoutms, addr_of!(rdmaTimeoutms));
     let tick = pick(
-        f(|o| addr_of!((*o).rdma_poll_event_timeoutms)),
+        o.rdma_poll_event_timeoutms,
         addr_of!(rdmaPollEventTimeoutms),
     );
-    let inline = pick(
-        f(|o| addr_of!((*o).rdma_max_inline_data)),
-        addr_of!(rdmaMaxInlineData),
-    );
-    let retry = pick(
-        f(|o| addr_of!((*o).rdma_retry_count)),
-        addr_of!(rdmaRetryCount),
-    );
-    let rnr = pick(
-        f(|o| addr_of!((*o).rdma_rnr_retry_count)),
-        addr_of!(rdmaRnrRetryCount),
-    );
+    let inline = pick(o.rdma_max_inline_data, addr_of!(rdmaMaxInlineData));
+    let retry = pick(o.rdma_retry_count, addr_of!(rdmaRetryCount));
+    let rnr = pick(o.rdma_rnr_retry_count, addr_of!(rdmaRnrRetryCount));
     let batch = pick(
-        f(|o| addr_of!((*o).rdma_max_concurrent_work_requests)),
+        o.rdma_max_concurrent_work_requests,
         addr_of!(rdmaMaxConcurrentWorkRequests),
     );
-    let depth = pick(
-        f(|o| addr_of!((*o).rdma_recv_depth)),
-        addr_of!(rdmaRecvDepth),
-    );
-    let comm = pick(
-        f(|o| addr_of!((*o).rdma_comm_mode).cast()),
-        addr_of!(rdmaCommMode).cast(),
-    );
+    let depth = pick(o.rdma_recv_depth, addr_of!(rdmaRecvDepth));
+    let comm = pick(o.rdma_comm_mode as c_int, addr_of!(rdmaCommMode).cast());
     let rd = pick(
-        f(|o| addr_of!((*o).rdma_max_outstanding_rd_atomic)),
+        o.rdma_max_outstanding_rd_atomic,
         addr_of!(rdmaMaxOutstandingRdAtomic),
     );
-    let cpu = pick(
-        f(|o| addr_of!((*o).rdma_io_affinity_cpuid)),
-        addr_of!(rdmaIoAffinityCpuId),
-    );
-    let pa = (!opt.is_null() && read_bool(addr_of!((*opt).rdma_enable_phys_addr_access)))
-        || read_bool(addr_of!(rdmaEnablePhysAddrAccess));
+    let cpu = pick(o.rdma_io_affinity_cpuid, addr_of!(rdmaIoAffinityCpuId));
+    let pa = o.rdma_enable_phys_addr_access || read_bool(addr_of!(rdmaEnablePhysAddrAccess));
     let defaults = Options::default();
     Options {
         listen_backlog: if backlog > 0 {

@@ -1,7 +1,6 @@
 //! The tables of live handles: every pointer C passes in is looked up
 //! here before it is used.
 
-use std::cell::UnsafeCell;
 use std::collections::HashMap;
 use std::ffi::{c_char, c_int, CStr};
 use std::net::{SocketAddr, ToSocketAddrs};
@@ -9,37 +8,30 @@ use std::sync::{Arc, Mutex};
 
 use once_cell::sync::Lazy;
 
+use crate::ffi::table::{CMemory, HandleTable};
 use crate::runtime::{Connection, Listener};
 
 use super::bridge::*;
 use super::types::*;
 
-/// The connection table: every `RdmaConn *` handed to C, by address.
-pub(super) static CONNS: Lazy<Mutex<HashMap<usize, Arc<FfiConn>>>> =
-    Lazy::new(|| Mutex::new(HashMap::new()));
+/// Every `RdmaConn *` handed to C. An accepted connection leaves it when
+/// the runtime lets go of it, a client one at `rdmaConnClose`; its struct
+/// stays readable (`state` says how it ended) until the quarantine frees it.
+pub(super) static CONNS: Lazy<HandleTable<FfiConn>> = Lazy::new(HandleTable::new);
 /// Strong references to client connections (accepted ones are held by the
-/// runtime until they end).
+/// runtime until they end), by handle; removed with the handle.
 pub(super) static CLIENTS: Lazy<Mutex<HashMap<usize, Connection>>> =
     Lazy::new(|| Mutex::new(HashMap::new()));
 
 pub(super) struct FfiListener {
-    pub(super) raw: Box<UnsafeCell<RdmaListener>>,
+    pub(super) raw: Arc<CMemory<RdmaListener>>,
     pub(super) listener: Listener,
 }
 
-// SAFETY: as for FfiConn.
-unsafe impl Send for FfiListener {}
-unsafe impl Sync for FfiListener {}
-
-pub(super) static LISTENERS: Lazy<Mutex<HashMap<usize, Arc<FfiListener>>>> =
-    Lazy::new(|| Mutex::new(HashMap::new()));
+pub(super) static LISTENERS: Lazy<HandleTable<FfiListener>> = Lazy::new(HandleTable::new);
 
 pub(super) fn lookup(conn: *mut RdmaConn, func: &str) -> Option<Arc<FfiConn>> {
-    let found = CONNS
-        .lock()
-        .expect("table lock")
-        .get(&(conn as usize))
-        .cloned();
+    let found = CONNS.get(conn);
     if found.is_none() {
         log::warn!("{func}: {conn:p} is not a live connection");
     }
@@ -55,11 +47,7 @@ pub(super) fn live(conn: *mut RdmaConn, func: &str) -> Option<Connection> {
 }
 
 pub(super) fn lookup_listener(l: *mut RdmaListener, func: &str) -> Option<Arc<FfiListener>> {
-    let found = LISTENERS
-        .lock()
-        .expect("table lock")
-        .get(&(l as usize))
-        .cloned();
+    let found = LISTENERS.get(l);
     if found.is_none() {
         log::warn!("{func}: {l:p} is not a live listener");
     }

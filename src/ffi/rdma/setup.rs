@@ -1,6 +1,5 @@
 //! Exports that make, connect, configure and end servers and connections.
 
-use std::cell::UnsafeCell;
 use std::ffi::{c_char, c_int};
 use std::ptr::{addr_of, addr_of_mut};
 use std::sync::Arc;
@@ -8,6 +7,7 @@ use std::sync::Arc;
 use rdma_sys::ibv_mr;
 
 use crate::ffi::boundary::guard;
+use crate::ffi::table::CMemory;
 use crate::runtime::{self, ConnHandler, Connection, Listener};
 
 use super::bridge::*;
@@ -44,19 +44,16 @@ pub unsafe extern "C" fn rdmaServer(
         let opts = resolve_options(opt);
         runtime::configure(&opts);
         // SAFETY: all-zero is a valid RdmaListener.
-        let raw: Box<UnsafeCell<RdmaListener>> = Box::new(UnsafeCell::new(std::mem::zeroed()));
+        let raw: Arc<CMemory<RdmaListener>> = CMemory::new(std::mem::zeroed());
         let raw_addr = raw.get() as usize;
         if !opt.is_null() {
-            (*raw.get()).options = std::ptr::read(opt);
-            (*raw.get()).accept_callback = (*opt).accept_callback;
+            let o = copy_options(opt);
+            (*raw.get()).accept_callback = o.accept_callback;
+            (*raw.get()).options = o;
         }
         let conn_opts = opts.clone();
         let hook = Box::new(move |conn: &Connection| -> Option<Arc<dyn ConnHandler>> {
-            let l = LISTENERS
-                .lock()
-                .expect("table lock")
-                .get(&raw_addr)
-                .cloned()?;
+            let l = LISTENERS.get(raw_addr as *const RdmaListener)?;
             let lraw = l.raw.get();
             // SAFETY: the listener struct lives while it is in the table.
             let ffi = FfiConn::new(
@@ -65,10 +62,7 @@ pub unsafe extern "C" fn rdmaServer(
                 ConnectionType::ACCEPTED_CONN,
             );
             ffi.bind(conn);
-            CONNS
-                .lock()
-                .expect("table lock")
-                .insert(ffi.ptr() as usize, ffi.clone());
+            CONNS.insert(ffi.raw.clone(), ffi.clone());
             // SAFETY: as above.
             if let Some(cb) = unsafe { (*lraw).accept_callback } {
                 guard_callback("accept_callback", || unsafe { cb(ffi.ptr().cast()) });
@@ -85,13 +79,8 @@ pub unsafe extern "C" fn rdmaServer(
         let id = l.cm_id().expect("C API listeners use RDMA CM");
         (*raw.get()).cm_id = id.as_raw();
         (*raw.get()).cm_channel = (*id.as_raw()).channel;
-        let ffi = Arc::new(FfiListener { raw, listener: l });
-        let p = ffi.raw.get();
-        LISTENERS
-            .lock()
-            .expect("table lock")
-            .insert(p as usize, ffi);
-        *listener = p;
+        let memory = raw.clone();
+        *listener = LISTENERS.insert(memory, Arc::new(FfiListener { raw, listener: l }));
         RDMA_OK
     })
 }
@@ -138,11 +127,7 @@ pub unsafe extern "C" fn rdmaServerStop(listener: *mut RdmaListener) -> c_int {
 #[no_mangle]
 pub unsafe extern "C" fn rdmaServerRelease(listener: *mut RdmaListener) {
     guard("rdmaServerRelease", (), || {
-        let Some(l) = LISTENERS
-            .lock()
-            .expect("table lock")
-            .remove(&(listener as usize))
-        else {
+        let Some(l) = LISTENERS.remove(listener) else {
             log::warn!("rdmaServerRelease: {listener:p} is not a live listener");
             return;
         };
@@ -182,15 +167,18 @@ pub unsafe extern "C" fn rdmaConn(opt: *const RdmaConnOptions) -> *mut RdmaConn 
         let opts = resolve_options(opt);
         runtime::configure(&opts);
         let ffi = FfiConn::new(opts, opt, ConnectionType::CONNECTED_CONN);
-        let p = ffi.ptr();
-        CONNS.lock().expect("table lock").insert(p as usize, ffi);
-        p
+        CONNS.insert(ffi.raw.clone(), ffi)
     })
 }
 
 /// Connects to a server; returns `RDMA_OK` once data can flow, or `RDMA_ERR`
 /// when the server rejects, is unreachable, or does not answer in time
-/// (about `rdmaTimeoutms` per setup step).
+/// (about `rdmaTimeoutms` per setup step). On failure `errno` (and
+/// `conn->last_errno`) says why: `ECONNREFUSED` (nothing listens there, or
+/// the server refused), `ETIMEDOUT`, `EHOSTUNREACH` / `ENETUNREACH` (no
+/// RDMA path to the address), `ECONNRESET` (the server left during setup),
+/// `EINVAL` (NULL, unknown or closed connection, bad address or port),
+/// `EISCONN` (already connected), `ENODEV`, or the failed verb's errno.
 ///
 /// # Safety
 /// `serverip` must be NULL or a C string.
@@ -200,39 +188,79 @@ pub unsafe extern "C" fn rdmaConnect(
     serverip: *mut c_char,
     port: c_int,
 ) -> c_int {
-    guard("rdmaConnect", RDMA_ERR, || {
+    let r = guard("rdmaConnect", Err(libc::EIO), || {
         let Some(ffi) = lookup(conn, "rdmaConnect") else {
-            return RDMA_ERR;
+            return Err(libc::EINVAL);
+        };
+        let failed = |errno: c_int| {
+            // SAFETY: our own struct, alive while `ffi` is.
+            unsafe {
+                std::ptr::write_volatile(
+                    addr_of_mut!((*ffi.ptr()).state),
+                    RdmaConnState::RDMA_CONN_STATE_ERROR,
+                );
+                std::ptr::write_volatile(addr_of_mut!((*ffi.ptr()).last_errno), errno);
+            }
+            Err(errno)
         };
         if ffi.connection().is_some() {
             log::warn!("rdmaConnect: already connected");
-            return RDMA_ERR;
+            return Err(libc::EISCONN);
         }
         let Some(ip) = c_str(serverip) else {
             log::warn!("rdmaConnect: NULL or non-UTF-8 server address");
-            return RDMA_ERR;
+            return failed(libc::EINVAL);
         };
         let Some(addr) = resolve(ip, port) else {
             log::warn!("rdmaConnect: cannot resolve {ip}:{port}");
-            return RDMA_ERR;
+            return failed(libc::EINVAL);
         };
         match Connection::connect(addr, &ffi.opts, ffi.clone()) {
             Ok(c) => {
                 ffi.bind(&c);
                 CLIENTS.lock().expect("table lock").insert(conn as usize, c);
-                RDMA_OK
+                Ok(())
             }
             Err(e) => {
                 log::warn!("rdmaConnect to {addr}: {e}");
-                // SAFETY: our own struct.
-                unsafe {
-                    (*conn).state = RdmaConnState::RDMA_CONN_STATE_ERROR;
-                    (*conn).last_errno = libc::ECONNREFUSED;
-                }
-                RDMA_ERR
+                failed(connect_errno(&e))
             }
         }
-    })
+    });
+    match r {
+        Ok(()) => RDMA_OK,
+        Err(errno) => {
+            // Last, so that nothing (logging included) overwrites it.
+            *libc::__errno_location() = errno;
+            RDMA_ERR
+        }
+    }
+}
+
+/// The errno that says why connecting failed.
+pub(super) fn connect_errno(e: &runtime::Error) -> c_int {
+    use crate::verbs::{CmEventKind as K, Error as V};
+    use runtime::Error as E;
+    match e {
+        E::Verbs(V::CmEvent { got, status, .. }) => match *got {
+            K::REJECTED => libc::ECONNREFUSED,
+            K::UNREACHABLE => libc::EHOSTUNREACH,
+            K::ROUTE_ERROR => libc::ENETUNREACH,
+            // RDMA CM reports why an address did not resolve as -errno.
+            K::ADDR_ERROR if *status < 0 => -status,
+            K::ADDR_ERROR => libc::EHOSTUNREACH,
+            K::DEVICE_REMOVAL => libc::ENODEV,
+            _ => libc::ECONNABORTED,
+        },
+        E::Verbs(V::Timeout { .. }) | E::Timeout(_) => libc::ETIMEDOUT,
+        E::Verbs(V::Verb { source, .. }) | E::Thread(source) => {
+            source.raw_os_error().unwrap_or(libc::EIO)
+        }
+        E::Verbs(V::NoDevice | V::NoSuchDevice(_)) => libc::ENODEV,
+        E::Verbs(V::InvalidArgument(_)) | E::InvalidArgument(_) => libc::EINVAL,
+        E::Disconnected | E::NotConnected => libc::ECONNRESET,
+        _ => libc::EIO,
+    }
 }
 
 /// Closes a connection (client or accepted): pending sync operations fail,
@@ -245,7 +273,7 @@ pub unsafe extern "C" fn rdmaConnect(
 #[no_mangle]
 pub unsafe extern "C" fn rdmaConnClose(conn: *mut RdmaConn) {
     guard("rdmaConnClose", (), || {
-        let Some(ffi) = CONNS.lock().expect("table lock").remove(&(conn as usize)) else {
+        let Some(ffi) = CONNS.remove(conn) else {
             log::warn!("rdmaConnClose: {conn:p} is not a live connection (closed twice?)");
             return;
         };

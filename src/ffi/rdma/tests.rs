@@ -59,3 +59,86 @@ fn unknown_handles_are_refused_without_being_touched() {
         "nothing was written through the bad pointer"
     );
 }
+
+#[test]
+fn a_closed_connection_stays_dead_while_new_ones_are_made() {
+    unsafe {
+        let dead = rdmaConn(std::ptr::null());
+        assert!(!dead.is_null());
+        rdmaConnClose(dead);
+        // Half the quarantine: other tests in this process make connections too.
+        for i in 0..crate::ffi::table::QUARANTINE / 2 {
+            let c = rdmaConn(std::ptr::null());
+            assert_ne!(c, dead, "connection {i} after the close got its address");
+            assert_eq!(rdmaConnSetRecvCallback(dead, None), RDMA_ERR);
+            rdmaConnClose(c);
+        }
+        // Still readable, as a program that kept it finds it.
+        assert_eq!((*dead).r#type, ConnectionType::CONNECTED_CONN);
+    }
+}
+
+#[test]
+fn lengths_no_object_can_have_are_refused_before_any_slice_is_made() {
+    let mut junk = [0u8; 16];
+    let fake = junk.as_mut_ptr().cast::<RdmaConn>();
+    let data = junk.as_mut_ptr().cast();
+    unsafe {
+        assert_eq!(rdmaConnSend(fake, data, usize::MAX), usize::MAX);
+        assert_eq!(rdmaConnWrite(fake, data, usize::MAX), usize::MAX);
+        assert_eq!(rdmaConnWriteWithImm(fake, 1, data, usize::MAX), RDMA_ERR);
+        assert_eq!(
+            crate::ffi::snowrdma_device_name(0, data.cast(), usize::MAX),
+            crate::ffi::snowrdma_result::SNOWRDMA_ERR_INVALID_ARGUMENT
+        );
+    }
+}
+
+#[test]
+fn options_are_read_field_by_field_from_unaligned_memory_with_bad_enums() {
+    // An options struct at an odd address, with enum and bool fields
+    // holding values no Rust enum or bool has.
+    let mut bytes = vec![0u8; std::mem::size_of::<RdmaOptions>() + 1];
+    let p = unsafe { bytes.as_mut_ptr().add(1) }.cast::<RdmaOptions>();
+    unsafe {
+        std::ptr::addr_of_mut!((*p).rdma_timeoutms).write_unaligned(2500);
+        std::ptr::addr_of_mut!((*p).rdma_comm_mode)
+            .cast::<i32>()
+            .write_unaligned(7);
+        std::ptr::addr_of_mut!((*p).rdma_qp2cq_mode)
+            .cast::<i32>()
+            .write_unaligned(-3);
+        std::ptr::addr_of_mut!((*p).rdma_enable_phys_addr_access)
+            .cast::<u8>()
+            .write(2);
+        let o = resolve_options(p);
+        assert_eq!(o.timeout, Duration::from_millis(2500));
+        assert_eq!(o.comm_mode, CommMode::NonBlocking, "unknown: the default");
+        assert!(o.enable_phys_addr_access);
+        let c = rdmaConn(p);
+        assert!(!c.is_null());
+        assert_eq!((*c).options.rdma_comm_mode as i32, 0, "stored as unset");
+        assert_eq!((*c).options.rdma_qp2cq_mode, RdmaQpCqMapping::ONE_TO_ONE);
+        assert!((*c).options.rdma_enable_phys_addr_access);
+        rdmaConnClose(c);
+    }
+}
+
+#[test]
+fn connect_failures_set_errno() {
+    unsafe {
+        *libc::__errno_location() = 0;
+        assert_eq!(
+            rdmaConnect(std::ptr::null_mut(), c"1.2.3.4".as_ptr().cast_mut(), 1),
+            RDMA_ERR
+        );
+        assert_eq!(*libc::__errno_location(), libc::EINVAL);
+        let c = rdmaConn(std::ptr::null());
+        *libc::__errno_location() = 0;
+        assert_eq!(rdmaConnect(c, c"1.2.3.4".as_ptr().cast_mut(), -1), RDMA_ERR);
+        assert_eq!(*libc::__errno_location(), libc::EINVAL, "bad port");
+        assert_eq!((*c).state, RdmaConnState::RDMA_CONN_STATE_ERROR);
+        assert_eq!((*c).last_errno, libc::EINVAL);
+        rdmaConnClose(c);
+    }
+}

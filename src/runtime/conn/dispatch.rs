@@ -31,10 +31,29 @@ impl Connection {
                 return 0;
             }
         };
-        for wc in &wcs[..n] {
-            self.dispatch(wc, inline);
+        if send {
+            for wc in &wcs[..n] {
+                self.dispatch(wc, inline);
+            }
+            return n;
         }
-        n
+        // Receive completions go through one queue in arrival order: a
+        // callback that waits (a sync operation) polls again from inside
+        // this loop, and must handle the rest of this batch before what it
+        // polls itself, or messages would be delivered out of order.
+        let backlog = || {
+            self.inner
+                .recv_backlog
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+        };
+        backlog().extend(wcs[..n].iter().cloned());
+        loop {
+            let Some(wc) = backlog().pop_front() else {
+                return n;
+            };
+            self.dispatch(&wc, inline);
+        }
     }
 
     /// A waiting thread (not the completion thread) takes its own send

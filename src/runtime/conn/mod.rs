@@ -26,8 +26,8 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError, RwLock};
 use std::time::Duration;
 
 use crate::verbs::{
-    self, CmId, CompletionQueue, MemoryRegion, MemoryWindow, ProtectionDomain, QueuePair,
-    RemoteRegion,
+    self, CmId, Completion, CompletionQueue, MemoryRegion, MemoryWindow, ProtectionDomain,
+    QueuePair, RemoteRegion,
 };
 
 use super::options::Options;
@@ -205,6 +205,9 @@ pub(crate) struct ConnInner {
     recv_poll: Mutex<()>,
     /// The thread holding `recv_poll` ([`thread_token`]), 0 when none.
     recv_poller: AtomicUsize,
+    /// Receive completions polled and not yet handled, in order (only the
+    /// `recv_poll` holder touches it).
+    recv_backlog: Mutex<VecDeque<Completion>>,
     /// Async READs/WRITEs in flight, whose completions owe a callback. The
     /// send CQ is armed only while there are some (or someone sleeps on a
     /// send completion): sync operations' waiters poll it themselves, and

@@ -19,7 +19,8 @@ use crate::verbs::{
 
 use super::{
     wr_id, CmSource, ConnHandler, ConnInner, ConnKind, ConnState, Connection, CqSource, Link,
-    NoHandler, PdProvider, State, CMD_SLOTS, K_BIND, K_RECV, MAX_SEND_WR, PEER_CMD_RESERVE,
+    NoHandler, PdProvider, State, CMD_SLOTS, K_BIND, K_RECV, MAX_POLL_BATCH, MAX_SEND_WR,
+    PEER_CMD_RESERVE,
 };
 
 impl Connection {
@@ -117,6 +118,7 @@ impl Connection {
                 send_poll: Mutex::new(()),
                 recv_poll: Mutex::new(()),
                 recv_poller: AtomicUsize::new(0),
+                recv_backlog: Mutex::new(VecDeque::with_capacity(MAX_POLL_BATCH)),
                 async_pending: AtomicUsize::new(0),
                 send_armed: AtomicBool::new(false),
                 pd,

@@ -5,6 +5,7 @@ use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::time::Instant;
 
+use snowrdma::kv::proto::{Op, Reply, Request};
 use snowrdma::kv::Client;
 use snowrdma::runtime::legacy_peer::LegacyPeer;
 use snowrdma::runtime::proto::{Cmd, Opcode, CMD_LEN, IMM_EXTENDED, VERSION};
@@ -122,7 +123,8 @@ struct Quiet;
 impl ConnHandler for Quiet {}
 
 /// Client B writes, with client A's rkeys and addresses, into A's request
-/// buffer and A's receive ring: the NIC refuses each write.
+/// buffer, A's receive ring and A's write target: the NIC refuses each
+/// write, and A's own writes work.
 #[test]
 #[ignore]
 fn hostile_clients_cannot_write_each_others_buffers() {
@@ -158,6 +160,35 @@ fn hostile_clients_cannot_write_each_others_buffers() {
         let res = b.write_sync(laddr, lkey, target, 64);
         assert!(res.is_err(), "B wrote into {what}");
     }
+    // A's write target for a large value: writable by A's connection only.
+    let sink = Arc::new(Collect::default());
+    let a_raw = Connection::connect(addr, &opts, sink.clone()).unwrap();
+    let mut alloc = Request::new(Op::Alloc, 1);
+    alloc.value_len = 1 << 20;
+    assert!(a_raw.send(&alloc.encode(b"a-big", &[])).unwrap() > 0);
+    let bytes = sink.wait_bytes(1, TIMEOUT);
+    let (reply, _) = Reply::decode(&bytes).unwrap();
+    assert_eq!(reply.status, 0, "the server made a write target");
+    let target = RemoteAddr {
+        addr: reply.addr,
+        rkey: reply.rkey,
+    };
+    let b = Connection::connect(addr, &opts, Arc::new(Quiet)).unwrap();
+    let mr = b.register(4096).unwrap();
+    // SAFETY: a live registration from `register`.
+    let (laddr, lkey) = unsafe { ((*mr).addr as u64, (*mr).lkey) };
+    assert!(
+        b.write_sync(laddr, lkey, target, 64).is_err(),
+        "B wrote into A's write target"
+    );
+    let mr = a_raw.register(4096).unwrap();
+    // SAFETY: as above.
+    let (laddr, lkey) = unsafe { ((*mr).addr as u64, (*mr).lkey) };
+    assert_eq!(
+        a_raw.write_sync(laddr, lkey, target, 64).unwrap(),
+        64,
+        "A writes its own target"
+    );
     // A is untouched and still served, over both of its connections.
     assert_eq!(a.get(b"a-key").unwrap().0, b"a-value");
     a.put(b"a-key", &vec![3u8; 3000]).unwrap();

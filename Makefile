@@ -81,6 +81,10 @@ lint:
 host-test:
 	$(CARGO) test
 	scripts/tsan.sh
+	# The library alone, as a Rust program with default features off uses it:
+	# none of the programs' crates.
+	$(CARGO) check --lib --no-default-features
+	! $(CARGO) tree --no-default-features -e normal | grep -E ' (clap|rustyline|indicatif|signal-hook) v'
 	$(EXAMPLEDIR)/layout
 	$(EXAMPLEDIR)/devices
 	$(EXAMPLEDIR)/devices-static

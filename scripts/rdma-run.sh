@@ -62,10 +62,13 @@ trap 'rm -f "$script"' EXIT
     echo 'exit $rc'
 } >"$script"
 
+# Both streams through a pipe: QEMU reopens its standard output and error
+# with truncation, so a caller that redirected ours to a file
+# (`make test > log`) would lose everything written before the VM started.
 set +e
 timeout --kill-after=30 "${SNOWRDMA_VM_TIMEOUT:-3600}" \
     vng --run "$kernel" $kvm_flag --append "${SNOWRDMA_VM_APPEND-clocksource=tsc tsc=reliable}" --memory "${SNOWRDMA_VM_MEMORY:-8G}" --cpus "${SNOWRDMA_VM_CPUS:-2}" \
-    --rwdir "$top/target" --exec "bash $script" </dev/null
-rc=$?
+    --rwdir "$top/target" --exec "bash $script" </dev/null 2>&1 | cat
+rc=${PIPESTATUS[0]}
 set -e
 exit $rc

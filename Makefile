@@ -22,8 +22,14 @@ CARGO_FLAGS := $(if $(filter release,$(PROFILE)),--release,)
 
 all: lib header c-examples
 
+# The SONAME is libsnowrdma.so.$(SOVERSION) (build.rs); programs linked
+# here find it through this link.
+SOVERSION := $(shell sed -n 's/^version = "\([0-9]*\)\..*/\1/p' Cargo.toml | head -1)
+VERSION   := $(shell sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -1)
+
 lib:
 	$(CARGO) build $(CARGO_FLAGS)
+	ln -sf libsnowrdma.so $(LIBDIR)/libsnowrdma.so.$(SOVERSION)
 
 header:
 	scripts/headers.sh include
@@ -89,6 +95,7 @@ host-test:
 	$(EXAMPLEDIR)/devices
 	$(EXAMPLEDIR)/devices-static
 	scripts/check-symbols.sh $(LIBDIR)/libsnowrdma.so include/rdma.h include/kv_store.h
+	readelf -d $(LIBDIR)/libsnowrdma.so | grep -q 'SONAME.*\[libsnowrdma.so.$(SOVERSION)\]'
 	$(MAKE) install PREFIX=$(abspath target/install-check)
 	$(CC) -Wall -Wextra -Werror c-examples/layout.c -o target/install-check/layout \
 	    $$(PKG_CONFIG_PATH=$(abspath target/install-check)/lib/pkgconfig pkg-config --cflags --libs snowrdma) \
@@ -115,11 +122,16 @@ bench: deps c-examples
 # pkg-config file: `pkg-config --cflags --libs snowrdma`.
 install: lib header
 	install -d $(DESTDIR)$(PREFIX)/lib/pkgconfig $(DESTDIR)$(PREFIX)/include/snowrdma
-	install -m 755 $(LIBDIR)/libsnowrdma.so $(DESTDIR)$(PREFIX)/lib/
+	install -m 755 $(LIBDIR)/libsnowrdma.so $(DESTDIR)$(PREFIX)/lib/libsnowrdma.so.$(VERSION)
+	# The build keeps its debug info; the installed library does not.
+	strip --strip-debug $(DESTDIR)$(PREFIX)/lib/libsnowrdma.so.$(VERSION)
+	ln -sf libsnowrdma.so.$(VERSION) $(DESTDIR)$(PREFIX)/lib/libsnowrdma.so.$(SOVERSION)
+	ln -sf libsnowrdma.so.$(SOVERSION) $(DESTDIR)$(PREFIX)/lib/libsnowrdma.so
 	install -m 644 $(LIBDIR)/libsnowrdma.a $(DESTDIR)$(PREFIX)/lib/
+	strip --strip-debug $(DESTDIR)$(PREFIX)/lib/libsnowrdma.a
 	install -m 644 include/rdma.h include/kv_store.h $(DESTDIR)$(PREFIX)/include/
 	install -m 644 include/snowrdma/rdma.h $(DESTDIR)$(PREFIX)/include/snowrdma/
-	sed -e 's|@PREFIX@|$(PREFIX)|' -e 's|@VERSION@|$(shell sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -1)|' \
+	sed -e 's|@PREFIX@|$(PREFIX)|' -e 's|@VERSION@|$(VERSION)|' \
 	    snowrdma.pc.in > $(DESTDIR)$(PREFIX)/lib/pkgconfig/snowrdma.pc
 
 clean:

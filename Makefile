@@ -83,6 +83,7 @@ run: deps all
 lint:
 	$(CARGO) fmt --check
 	$(CARGO) clippy --all-targets -- -D warnings
+	RUSTDOCFLAGS="-D warnings" $(CARGO) doc --no-deps
 
 host-test:
 	$(CARGO) test

@@ -10,6 +10,9 @@
 mod copy;
 pub mod ffi;
 pub mod kv;
+mod logging;
 mod mapping;
 pub mod runtime;
 pub mod verbs;
+
+pub use logging::{init_logging, LOG_ENV};

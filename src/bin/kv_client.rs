@@ -48,7 +48,7 @@ fn help() -> String {
 }
 
 fn main() -> ExitCode {
-    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).init();
+    snowrdma::init_logging(Some("warn"));
     let args = Args::parse();
     let addr = match (args.address.as_str(), args.port)
         .to_socket_addrs()

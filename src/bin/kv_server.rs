@@ -81,7 +81,7 @@ fn ms(d: Duration) -> u64 {
 }
 
 fn main() -> ExitCode {
-    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).init();
+    snowrdma::init_logging(Some("warn"));
     let args = Args::parse();
     let defaults = ServerConfig::default();
     let cfg = ServerConfig {

@@ -30,7 +30,7 @@ struct Args {
 }
 
 fn main() -> ExitCode {
-    env_logger::Builder::from_env(env_logger::Env::new().filter("SNOWRDMA_LOG")).init();
+    snowrdma::init_logging(Some("error"));
     let args = Args::parse();
     let names: Vec<String> = match (&args.device, verbs::devices()) {
         (Some(d), _) => vec![d.clone()],

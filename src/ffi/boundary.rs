@@ -41,14 +41,9 @@ pub(crate) fn fits_in_memory(len: usize) -> bool {
     isize::try_from(len).is_ok()
 }
 
-/// C programs get the library's log on stderr when `SNOWRDMA_LOG` is set
-/// (`env_logger` filter syntax, e.g. `debug` or `snowrdma=info`); it is off
-/// otherwise. Rust programs install their own logger.
+/// C programs get the library's log on stderr when `SNOWRDMA_LOG` (or
+/// `RUST_LOG`) is set; it is off otherwise.
 fn init_logging() {
     static ONCE: std::sync::Once = std::sync::Once::new();
-    ONCE.call_once(|| {
-        if let Ok(filter) = std::env::var("SNOWRDMA_LOG") {
-            let _ = env_logger::Builder::new().parse_filters(&filter).try_init();
-        }
-    });
+    ONCE.call_once(|| crate::init_logging(None));
 }

@@ -1,6 +1,6 @@
 //! The C ABI. Thin by design: it checks pointers, turns errors into codes and
 //! keeps panics from unwinding into C (every export runs inside
-//! [`boundary::guard`]); the work happens in the Rust layers below.
+//! `boundary::guard`); the work happens in the Rust layers below.
 //!
 //! The header `include/snowrdma.h` is generated from this module by cbindgen.
 

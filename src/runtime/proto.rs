@@ -17,9 +17,9 @@ pub const VERSION: u8 = 1;
 pub const CMD_LEN: usize = 32;
 
 /// Bit 31 of a data message's immediate: an extended message, whose ring
-/// bytes start with an [`ExtHeader`].
+/// bytes start with an [`ExtKind`] header.
 pub const IMM_EXTENDED: u32 = 1 << 31;
-/// Size of [`ExtHeader`] in the ring.
+/// Size of the [`ExtKind`] header in the ring.
 pub const EXT_HEADER_LEN: usize = 8;
 
 /// Command opcodes (`RdmaCmdType`, plus CREDIT from version 1).

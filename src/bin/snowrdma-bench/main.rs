@@ -3,9 +3,11 @@
 //! signaling; the median of per-iteration latencies), through our verbs layer
 //! or through the public C API; and the report that puts both side by side.
 //!
+//! ```text
 //!   snowrdma-bench addr                 the device and its IPv4 address
 //!   snowrdma-bench run <case> [-n N]    one repetition; prints the figure
 //!   snowrdma-bench report <results> [--json PATH]
+//! ```
 
 mod c_api_cases;
 mod kv_cases;
@@ -142,7 +144,7 @@ fn run(case: Case, iters: usize, size: usize, port: u16) -> f64 {
 }
 
 fn main() -> ExitCode {
-    env_logger::Builder::from_env(env_logger::Env::new().filter("SNOWRDMA_LOG")).init();
+    snowrdma::init_logging(Some("error"));
     match Args::parse().cmd {
         Cmd::Addr => {
             let ctx = match Context::open(None) {

@@ -107,7 +107,7 @@ impl Client {
     /// key, in order. A value the server leases is READ as soon as its
     /// reply is in, while the later replies are still coming; up to the
     /// bounce buffer's size of them are in flight, and a value larger than
-    /// [`GROUP_BYTES`] is read alone at the end of its chunk.
+    /// `GROUP_BYTES` is read alone at the end of its chunk.
     pub fn batch_get(&self, keys: &[&[u8]]) -> Vec<GetResult> {
         collect_batch(keys.len(), |each| self.batch_get_with(keys, each))
     }

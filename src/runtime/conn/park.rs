@@ -82,7 +82,7 @@ impl Connection {
 
     /// Waits until `done` returns true (then true) or `deadline` passes (then
     /// false), for a caller whose answer a callback brings, such as the reply
-    /// to its request. With [`Options::caller_polls`] the caller polls the
+    /// to its request. With [`Options::caller_polls`](crate::runtime::Options::caller_polls) the caller polls the
     /// connection itself meanwhile and may run callbacks (see there).
     pub fn wait_for(&self, deadline: Instant, mut done: impl FnMut() -> bool) -> bool {
         let spin = self.inner.opts.spin;

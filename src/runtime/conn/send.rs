@@ -66,7 +66,7 @@ impl Connection {
     /// finds no room in the peer's ring now is copied into the connection's
     /// send queue and posted, in order, as room returns; in blocking mode
     /// outside callbacks the call first waits for room, up to the timeout.
-    /// 0 when the send queue is full ([`Options::send_queue_bytes`]), in
+    /// 0 when the send queue is full ([`Options::send_queue_bytes`](crate::runtime::Options::send_queue_bytes)), in
     /// blocking mode when the wait timed out, and when a legacy peer's
     /// buffer is used up for good (legacy peers never return space).
     pub fn send(&self, data: &[u8]) -> Result<usize> {

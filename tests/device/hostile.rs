@@ -122,6 +122,14 @@ fn hostile_peers_are_cut_off_and_nobody_else_notices() {
 struct Quiet;
 impl ConnHandler for Quiet {}
 
+/// RDMA WRITEs 64 bytes from a fresh buffer of `conn`'s to `target`.
+fn write_64(conn: &Connection, target: RemoteAddr) -> snowrdma::runtime::Result<usize> {
+    let mr = conn.register(4096)?;
+    // SAFETY: a live registration from `register`.
+    let (laddr, lkey) = unsafe { ((*mr).addr as u64, (*mr).lkey) };
+    conn.write_sync(laddr, lkey, target, 64)
+}
+
 /// Client B writes, with client A's rkeys and addresses, into A's request
 /// buffer, A's receive ring and A's write target: the NIC refuses each
 /// write, and A's own writes work.
@@ -154,11 +162,7 @@ fn hostile_clients_cannot_write_each_others_buffers() {
     for (what, target) in targets {
         // A failed write ends B's connection: a new B for each.
         let b = Connection::connect(addr, &opts, Arc::new(Quiet)).unwrap();
-        let mr = b.register(4096).unwrap();
-        // SAFETY: a live registration from `register`.
-        let (laddr, lkey) = unsafe { ((*mr).addr as u64, (*mr).lkey) };
-        let res = b.write_sync(laddr, lkey, target, 64);
-        assert!(res.is_err(), "B wrote into {what}");
+        assert!(write_64(&b, target).is_err(), "B wrote into {what}");
     }
     // A's write target for a large value: writable by A's connection only.
     let sink = Arc::new(Collect::default());
@@ -174,18 +178,12 @@ fn hostile_clients_cannot_write_each_others_buffers() {
         rkey: reply.rkey,
     };
     let b = Connection::connect(addr, &opts, Arc::new(Quiet)).unwrap();
-    let mr = b.register(4096).unwrap();
-    // SAFETY: a live registration from `register`.
-    let (laddr, lkey) = unsafe { ((*mr).addr as u64, (*mr).lkey) };
     assert!(
-        b.write_sync(laddr, lkey, target, 64).is_err(),
+        write_64(&b, target).is_err(),
         "B wrote into A's write target"
     );
-    let mr = a_raw.register(4096).unwrap();
-    // SAFETY: as above.
-    let (laddr, lkey) = unsafe { ((*mr).addr as u64, (*mr).lkey) };
     assert_eq!(
-        a_raw.write_sync(laddr, lkey, target, 64).unwrap(),
+        write_64(&a_raw, target).unwrap(),
         64,
         "A writes its own target"
     );

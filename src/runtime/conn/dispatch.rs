@@ -328,25 +328,8 @@ impl Connection {
             len,
             extended: imm & IMM_EXTENDED != 0,
         };
-        if delivery.offset + len > self.inner.recv_ring.len() {
-            return self.fail(&format!(
-                "the peer wrote {len} bytes at {} outside the ring",
-                delivery.offset
-            ));
-        }
-        // A peer writes only after advertising its own buffer (RC keeps
-        // that order), and only version 1 has extended messages.
-        let version = {
-            let st = self.lock();
-            st.peer_ring.is_some().then_some(st.peer_version)
-        };
-        match version {
-            None => return self.fail("the peer wrote before advertising its buffer"),
-            Some(0) if delivery.extended => {
-                return self.fail("a legacy peer sent an extended message")
-            }
-            _ => {}
-        }
+        // Checked when delivered, under the one lock that takes: the ring
+        // (`RecvRing::accept` bounds it) and what the peer may send.
         self.callback(Deferred::Message(delivery), inline);
     }
 
@@ -390,6 +373,17 @@ impl Connection {
     pub(super) fn deliver(&self, d: Delivery) {
         {
             let mut st = self.lock();
+            // A peer writes only after advertising its own buffer (RC keeps
+            // that order), and only version 1 has extended messages.
+            let refused = match st.peer_ring.is_some().then_some(st.peer_version) {
+                None => Some("the peer wrote before advertising its buffer"),
+                Some(0) if d.extended => Some("a legacy peer sent an extended message"),
+                _ => None,
+            };
+            if let Some(why) = refused {
+                drop(st);
+                return self.fail(why);
+            }
             if !matches!(st.state, ConnState::MrReady | ConnState::Connected) {
                 return;
             }

@@ -3,7 +3,7 @@
 # on this host's RDMA device, or else in one Soft-RoCE VM boot.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-test_bin=$(cargo test --test device --no-run --message-format=json 2>/dev/null | python3 -c '
+test_bin=$(cargo test --features tokio --test device --no-run --message-format=json 2>/dev/null | python3 -c '
 import json, sys
 for line in sys.stdin:
     m = json.loads(line)

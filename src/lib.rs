@@ -13,6 +13,7 @@ pub mod kv;
 mod logging;
 mod mapping;
 pub mod runtime;
+pub mod safe;
 pub mod verbs;
 
 pub use logging::{init_logging, LOG_ENV};

@@ -155,6 +155,46 @@ impl Context {
         result
     }
 
+    /// The context librdmacm keeps for the device called `name` (with
+    /// `None`, as in [`Context::open`]). Protection domains and CQs made on
+    /// it can serve RDMA CM ids on that device as well as manual
+    /// connections; those of [`Context::open`] cannot, because librdmacm
+    /// opens each device itself.
+    pub fn open_with_cm(name: Option<&str>) -> Result<Context> {
+        let env_name = std::env::var(DEVICE_ENV).ok().filter(|s| !s.is_empty());
+        let wanted = name.map(str::to_owned).or(env_name);
+        let mut n = 0;
+        // SAFETY: n is an out-parameter; the list is freed below.
+        let list = unsafe { sys::rdma_get_devices(&mut n) };
+        if list.is_null() {
+            return Err(Error::last_os("rdma_get_devices"));
+        }
+        let mut chosen = None;
+        for i in 0..n.max(0) as usize {
+            // SAFETY: i < n; each entry is a live context librdmacm owns.
+            let ctx = unsafe { *list.add(i) };
+            // SAFETY: as above; the device outlives its context.
+            let dev_name = unsafe { CStr::from_ptr(sys::ibv_get_device_name((*ctx).device)) };
+            if wanted
+                .as_deref()
+                .is_none_or(|w| dev_name.to_bytes() == w.as_bytes())
+            {
+                chosen = NonNull::new(ctx);
+                break;
+            }
+        }
+        // SAFETY: freed once; the contexts stay open in librdmacm.
+        unsafe { sys::rdma_free_devices(list) };
+        match chosen {
+            // SAFETY: a context librdmacm owns and keeps open.
+            Some(ctx) => Ok(unsafe { Context::from_rdma_cm(ctx) }),
+            None => Err(match wanted {
+                Some(w) => Error::NoSuchDevice(w),
+                None => Error::NoDevice,
+            }),
+        }
+    }
+
     /// Wraps a context that librdmacm opened (an RDMA CM id's `verbs`).
     ///
     /// # Safety

@@ -38,6 +38,7 @@ pub use error::{Error, Result};
 pub use mr::{AccessFlags, MemoryRegion, RemoteAddr, RemoteRegion, Sge, REMOTE_REGION_WIRE_LEN};
 pub use mw::MemoryWindow;
 pub use pd::ProtectionDomain;
+pub(crate) use qp::{init_attr, random_psn};
 pub use qp::{
     PreparedQp, QpCaps, QpInfo, QpOptions, QpState, QueuePair, SendOp, SendRequest,
     QP_INFO_WIRE_LEN,

@@ -265,7 +265,7 @@ impl QueuePair {
         Ok(QpState(attr.qp_state))
     }
 
-    fn modify(
+    pub(crate) fn modify(
         &self,
         attr: &mut sys::ibv_qp_attr,
         mask: sys::ibv_qp_attr_mask,
@@ -387,7 +387,7 @@ impl ProtectionDomain {
     }
 }
 
-fn random_psn() -> u32 {
+pub(crate) fn random_psn() -> u32 {
     use std::hash::{BuildHasher, Hasher};
     let mut h = std::collections::hash_map::RandomState::new().build_hasher();
     h.write_u64(

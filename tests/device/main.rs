@@ -13,6 +13,7 @@ mod kv_limits;
 mod kv_programs;
 mod kv_strings;
 mod runtime;
+mod safe;
 mod verbs;
 
 use std::net::Ipv4Addr;

@@ -1,0 +1,445 @@
+//! Completion queues that wake futures: every posted operation owns a slot,
+//! named by its work request id; a reaped completion fills the slot and wakes
+//! the task, whichever executor it runs on.
+//!
+//! Progress comes one of three ways ([`Progress`]): the future polls the CQ
+//! itself; the program waits on the CQ's file descriptor and calls
+//! [`CompletionQueue::service`]; or a background thread sleeps on the
+//! completion channel.
+//!
+//! A dropped future parks its segments in the slot: they are released when
+//! the completion (or the flush after an error) is reaped, never before, so
+//! the device never writes memory that was given back.
+
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, RawFd};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::task::{Context as TaskContext, Poll, Waker};
+use std::time::Duration;
+
+use super::error::Result;
+use super::region::{ProtectionDomain, RawHold};
+use crate::verbs::{self, Completion};
+
+/// How completions are reaped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Progress {
+    /// A pending future polls the CQ each time it is polled and asks to be
+    /// polled again: lowest latency, one core busy while waiting. Works
+    /// under any executor.
+    Poll,
+    /// The CQ reports to a completion channel: wait until
+    /// [`CompletionQueue::as_fd`] is readable (with epoll, tokio's
+    /// `AsyncFd`, ...), then call [`CompletionQueue::service`]. An idle CQ
+    /// costs no CPU.
+    Channel,
+    /// A background thread sleeps on the completion channel and wakes the
+    /// futures; nothing to drive by hand.
+    Thread,
+}
+
+/// Reaped per `ibv_poll_cq` call.
+const BATCH: usize = 32;
+/// How often the background thread looks whether its CQ is gone.
+const THREAD_TICK: Duration = Duration::from_millis(200);
+/// Bit 63 of a work request id: the request that completes its operation
+/// (the only one of a batch that is signaled).
+const TAIL: u64 = 1 << 63;
+
+/// A completion queue of the safe layer. Cheap to clone.
+#[derive(Clone)]
+pub struct CompletionQueue {
+    pub(crate) shared: Arc<CqShared>,
+}
+
+/// What a completion queue has seen, for tests and statistics.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CqStats {
+    /// Completions reaped.
+    pub completions: u64,
+    /// Completions of operations whose future had been dropped: their
+    /// memory was released then.
+    pub cancelled: u64,
+}
+
+pub(crate) struct CqShared {
+    cq: verbs::CompletionQueue,
+    progress: Progress,
+    table: Mutex<Table>,
+    completions: AtomicU64,
+    cancelled: AtomicU64,
+}
+
+#[derive(Default)]
+struct Table {
+    slots: Vec<Slot>,
+    free: Vec<u32>,
+}
+
+#[derive(Default)]
+struct Slot {
+    gen: u32,
+    busy: bool,
+    /// The operation's result: its tail's completion, or its first failure.
+    done: Option<Completion>,
+    failed: Option<Completion>,
+    waker: Option<Waker>,
+    /// The future was dropped: the completion only releases `parked`.
+    abandoned: bool,
+    /// Segments of an operation whose future was dropped.
+    parked: Vec<RawHold>,
+}
+
+impl ProtectionDomain {
+    /// A completion queue of `capacity` entries on this PD's device.
+    pub fn create_cq(&self, capacity: u32, progress: Progress) -> Result<CompletionQueue> {
+        let ctx = self.verbs().context();
+        let channel = match progress {
+            Progress::Poll => None,
+            Progress::Channel | Progress::Thread => Some(ctx.create_comp_channel()?),
+        };
+        let cq = ctx.create_cq(capacity, channel.as_ref())?;
+        if channel.is_some() {
+            cq.arm(false)?;
+        }
+        let shared = Arc::new(CqShared {
+            cq,
+            progress,
+            table: Mutex::default(),
+            completions: AtomicU64::new(0),
+            cancelled: AtomicU64::new(0),
+        });
+        if progress == Progress::Thread {
+            let weak = Arc::downgrade(&shared);
+            std::thread::Builder::new()
+                .name("snowrdma-safe-cq".into())
+                .spawn(move || background(weak))
+                .map_err(|e| verbs::Error::Verb {
+                    verb: "spawn(completion thread)",
+                    source: e,
+                })?;
+        }
+        Ok(CompletionQueue { shared })
+    }
+}
+
+/// The background thread of [`Progress::Thread`]: sleeps on the channel,
+/// reaps, and ends once the CQ is gone (its last handle and every queue pair
+/// on it dropped).
+fn background(weak: Weak<CqShared>) {
+    while let Some(cq) = weak.upgrade() {
+        if let Err(e) = cq.service(THREAD_TICK) {
+            log::error!("safe completion thread: {e}");
+            break;
+        }
+    }
+}
+
+impl CompletionQueue {
+    /// Reaps what has completed, without waiting; returns how many
+    /// completions were reaped. Any progress mode may call it.
+    pub fn poll(&self) -> Result<usize> {
+        self.shared.drive()
+    }
+
+    /// [`Progress::Channel`]: takes the channel's events, reaps, and re-arms
+    /// the CQ so the descriptor signals the next completion. Call it when
+    /// [`CompletionQueue::as_fd`] is readable; nothing is lost if it is
+    /// called at other times too.
+    pub fn service(&self) -> Result<usize> {
+        self.shared.service(Duration::ZERO)
+    }
+
+    /// What the CQ has reaped so far.
+    pub fn stats(&self) -> CqStats {
+        CqStats {
+            completions: self.shared.completions.load(Ordering::Relaxed),
+            cancelled: self.shared.cancelled.load(Ordering::Relaxed),
+        }
+    }
+
+    pub fn progress(&self) -> Progress {
+        self.shared.progress
+    }
+
+    /// The verbs-layer CQ: the escape hatch.
+    pub fn verbs(&self) -> &verbs::CompletionQueue {
+        &self.shared.cq
+    }
+
+    /// The completion channel's descriptor ([`Progress::Channel`] and
+    /// [`Progress::Thread`]); `None` in [`Progress::Poll`].
+    pub fn as_fd(&self) -> Option<CqFd> {
+        self.shared.cq.channel().map(|_| CqFd(self.clone()))
+    }
+}
+
+#[cfg(feature = "tokio")]
+impl CompletionQueue {
+    /// [`Progress::Channel`] on tokio: reaps whenever the channel is
+    /// readable, until an error. Spawn it (`tokio::spawn(cq.clone()
+    /// .reap_on_tokio())`) and abort the task when done; it keeps the CQ
+    /// alive meanwhile.
+    pub async fn reap_on_tokio(self) -> Result<()> {
+        let fd = self
+            .as_fd()
+            .ok_or_else(|| super::Error::invalid("a CQ in Progress::Poll has no descriptor"))?;
+        // SAFETY: `CqFd` holds the CQ, so the channel's descriptor stays open
+        // and the same for as long as the AsyncFd owns it.
+        let fd =
+            unsafe { tokio::io::unix::AsyncFd::register(fd) }.map_err(|e| verbs::Error::Verb {
+                verb: "register(completion channel)",
+                source: e.into(),
+            })?;
+        loop {
+            let mut ready = fd.readable().await.map_err(|e| verbs::Error::Verb {
+                verb: "poll(completion channel)",
+                source: e,
+            })?;
+            self.service()?;
+            ready.clear_ready();
+        }
+    }
+}
+
+/// A CQ's completion channel descriptor, to register with an event loop.
+/// Keeps the CQ alive.
+#[derive(Clone)]
+pub struct CqFd(CompletionQueue);
+
+impl AsRawFd for CqFd {
+    fn as_raw_fd(&self) -> RawFd {
+        self.0
+            .shared
+            .cq
+            .channel()
+            .expect("made only for CQs with a channel")
+            .fd()
+    }
+}
+
+impl AsFd for CqFd {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        // SAFETY: the channel (and so the descriptor) lives as long as the
+        // CQ this value holds.
+        unsafe { BorrowedFd::borrow_raw(self.as_raw_fd()) }
+    }
+}
+
+fn encode(idx: u32, gen: u32, tail: bool) -> u64 {
+    u64::from(idx) | (u64::from(gen & 0x7fff_ffff) << 32) | if tail { TAIL } else { 0 }
+}
+
+fn decode(wr_id: u64) -> (u32, u32, bool) {
+    (
+        wr_id as u32,
+        ((wr_id >> 32) as u32) & 0x7fff_ffff,
+        wr_id & TAIL != 0,
+    )
+}
+
+/// A slot of a posted operation: its index and generation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Ticket {
+    idx: u32,
+    gen: u32,
+}
+
+impl Ticket {
+    /// The work request id of one of the operation's requests.
+    pub(crate) fn wr_id(self, tail: bool) -> u64 {
+        encode(self.idx, self.gen, tail)
+    }
+}
+
+impl CqShared {
+    fn table(&self) -> MutexGuard<'_, Table> {
+        // Every update leaves the table consistent.
+        self.table.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// A slot for an operation about to be posted.
+    pub(crate) fn open(&self) -> Ticket {
+        let mut t = self.table();
+        let idx = match t.free.pop() {
+            Some(i) => i,
+            None => {
+                t.slots.push(Slot::default());
+                (t.slots.len() - 1) as u32
+            }
+        };
+        let slot = &mut t.slots[idx as usize];
+        slot.gen = slot.gen.wrapping_add(1) & 0x7fff_ffff;
+        slot.busy = true;
+        Ticket { idx, gen: slot.gen }
+    }
+
+    /// Gives back the slot of an operation whose post failed.
+    pub(crate) fn abandon(&self, ticket: Ticket) {
+        let mut t = self.table();
+        t.close(ticket.idx);
+    }
+
+    /// The operation's completion, or `Pending` with the task's waker kept
+    /// (replaced at every poll, so a future moved between tasks wakes the
+    /// right one).
+    pub(crate) fn poll_ticket(
+        &self,
+        ticket: Ticket,
+        cx: &mut TaskContext<'_>,
+    ) -> Poll<Result<Completion>> {
+        if self.progress == Progress::Poll {
+            if let Err(e) = self.drive() {
+                return Poll::Ready(Err(e));
+            }
+        }
+        let mut t = self.table();
+        let slot = &mut t.slots[ticket.idx as usize];
+        debug_assert_eq!(slot.gen, ticket.gen);
+        if let Some(wc) = slot.done.take() {
+            t.close(ticket.idx);
+            return Poll::Ready(Ok(wc));
+        }
+        match &slot.waker {
+            Some(w) if w.will_wake(cx.waker()) => {}
+            _ => slot.waker = Some(cx.waker().clone()),
+        }
+        drop(t);
+        if self.progress == Progress::Poll {
+            cx.waker().wake_by_ref();
+        }
+        Poll::Pending
+    }
+
+    /// The future of `ticket` is gone: release `holds` now if the operation
+    /// is done, else when its completion is reaped.
+    pub(crate) fn cancel(&self, ticket: Ticket, holds: Vec<RawHold>) {
+        let mut t = self.table();
+        let slot = &mut t.slots[ticket.idx as usize];
+        if slot.done.is_some() {
+            t.close(ticket.idx);
+            drop(t);
+            drop(holds);
+        } else {
+            slot.waker = None;
+            slot.abandoned = true;
+            slot.parked = holds;
+        }
+    }
+
+    /// Reaps everything the CQ holds now.
+    fn drive(&self) -> Result<usize> {
+        let mut wcs: [Completion; BATCH] = std::array::from_fn(|_| Completion::default());
+        let mut total = 0;
+        loop {
+            let mut wake: [Option<Waker>; BATCH] = Default::default();
+            let mut released = Vec::new();
+            let n = {
+                // Polling under the table lock keeps a batch's completions in
+                // order even when several threads reap.
+                let mut t = self.table();
+                let n = self.cq.poll(&mut wcs)?;
+                for (wc, w) in wcs[..n].iter().zip(wake.iter_mut()) {
+                    *w = self.dispatch(&mut t, wc, &mut released);
+                }
+                n
+            };
+            // Wakers and segment releases run outside the lock.
+            wake.into_iter().flatten().for_each(Waker::wake);
+            drop(released);
+            total += n;
+            self.completions.fetch_add(n as u64, Ordering::Relaxed);
+            if n < BATCH {
+                return Ok(total);
+            }
+        }
+    }
+
+    fn dispatch(
+        &self,
+        t: &mut Table,
+        wc: &Completion,
+        released: &mut Vec<RawHold>,
+    ) -> Option<Waker> {
+        let (idx, gen, tail) = decode(wc.wr_id());
+        let Some(slot) = t.slots.get_mut(idx as usize) else {
+            log::warn!(
+                "safe CQ: completion for unknown work request {:#x}",
+                wc.wr_id()
+            );
+            return None;
+        };
+        if !slot.busy || slot.gen != gen || slot.done.is_some() {
+            log::debug!("safe CQ: stale completion {:#x}", wc.wr_id());
+            return None;
+        }
+        if !tail {
+            // Only failures of a batch's unsignaled requests come here; the
+            // tail still follows (flushed), and settles the batch.
+            if !wc.is_ok() && slot.failed.is_none() {
+                slot.failed = Some(wc.clone());
+            }
+            return None;
+        }
+        let result = slot.failed.take().unwrap_or_else(|| wc.clone());
+        if slot.abandoned {
+            released.append(&mut slot.parked);
+            self.cancelled.fetch_add(1, Ordering::Relaxed);
+            t.close(idx);
+            return None;
+        }
+        slot.done = Some(result);
+        slot.waker.take()
+    }
+
+    /// Drains the channel's events, reaps, re-arms, and reaps once more
+    /// (a completion between the last poll and the arm would otherwise
+    /// raise no event). With a `wait`, sleeps up to that long for an event
+    /// first when nothing was reaped.
+    fn service(&self, wait: Duration) -> Result<usize> {
+        let channel = self.cq.channel();
+        if let Some(ch) = channel {
+            while ch.get_event(Duration::ZERO)?.is_some() {}
+        }
+        let mut n = self.drive()?;
+        if channel.is_some() {
+            self.cq.arm(false)?;
+            n += self.drive()?;
+            if n == 0 && !wait.is_zero() {
+                if let Some(ch) = channel {
+                    if ch.get_event(wait)?.is_some() {
+                        n += self.drive()?;
+                        self.cq.arm(false)?;
+                        n += self.drive()?;
+                    }
+                }
+            }
+        }
+        Ok(n)
+    }
+}
+
+impl Table {
+    fn close(&mut self, idx: u32) {
+        let slot = &mut self.slots[idx as usize];
+        slot.busy = false;
+        slot.done = None;
+        slot.failed = None;
+        slot.waker = None;
+        slot.abandoned = false;
+        debug_assert!(slot.parked.is_empty());
+        self.free.push(idx);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn work_request_ids_round_trip() {
+        for (idx, gen, tail) in [(0, 1, true), (u32::MAX, 0x7fff_ffff, false), (7, 3, false)] {
+            assert_eq!(decode(encode(idx, gen, tail)), (idx, gen, tail));
+        }
+    }
+}

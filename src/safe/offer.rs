@@ -1,0 +1,163 @@
+//! Offering memory to a peer, and taking it back.
+//!
+//! An offer binds a type-2 memory window over one segment to one queue
+//! pair: only that QP's peer can use the rkey, only inside the segment, and
+//! only with the rights given. The offer holds the segment, so the program
+//! cannot touch what the peer may write. Revoking (or dropping) the offer
+//! deallocates the window; afterwards the peer's accesses fail.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use super::error::{Error, Result};
+use super::op::Op;
+use super::qp::{Connected, Qp, Rts};
+use super::region::{sealed, Local, RawHold};
+use crate::verbs::{AccessFlags, MemoryWindow, QueuePair, RemoteRegion, Sge};
+
+/// The rights an offer can give.
+const REMOTE: AccessFlags = AccessFlags::REMOTE_READ
+    .union(AccessFlags::REMOTE_WRITE)
+    .union(AccessFlags::REMOTE_ATOMIC);
+
+/// Memory lent to a peer: [`Offer::remote`] is what the peer needs.
+pub struct Offer<S> {
+    // Field order: the window goes before the QP it is bound to (a QP
+    // destroyed under a bound window stalls the rxe driver), and before the
+    // memory it exposes.
+    window: MemoryWindow,
+    _qp: QueuePair,
+    mem: S,
+    remote: RemoteRegion,
+}
+
+impl<S> std::fmt::Debug for Offer<S> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Offer")
+            .field("remote", &self.remote)
+            .finish()
+    }
+}
+
+impl<S: Local> Offer<S> {
+    /// The remote address, length and rkey, to tell the peer.
+    pub fn remote(&self) -> RemoteRegion {
+        self.remote
+    }
+
+    /// Ends the peer's access and gives the memory back.
+    pub fn revoke(self) -> S {
+        let Offer {
+            window, _qp, mem, ..
+        } = self;
+        drop(window);
+        mem
+    }
+}
+
+/// The memory and window of an offer while the bind is in flight.
+pub struct Binding<S> {
+    window: MemoryWindow,
+    qp: QueuePair,
+    mem: S,
+    remote: RemoteRegion,
+}
+
+impl<S: Local> sealed::Sealed for Binding<S> {}
+
+impl<S: Local> Local for Binding<S> {
+    fn sge(&self) -> Option<Sge> {
+        None
+    }
+    fn park(self, into: &mut Vec<RawHold>) {
+        into.push(RawHold::keep((self.window, self.qp)));
+        self.mem.park(into);
+    }
+    fn offer_parts(
+        &self,
+    ) -> Option<(
+        &crate::verbs::MemoryRegion,
+        std::ops::Range<usize>,
+        AccessFlags,
+    )> {
+        None
+    }
+}
+
+/// A bind in flight: resolves to the [`Offer`] once the device has bound the
+/// window.
+#[must_use = "the offer is made only when this is awaited"]
+pub struct OfferOp<S: Local>(Op<Binding<S>>);
+
+impl<S: Local + Unpin> Future for OfferOp<S> {
+    type Output = Result<Offer<S>>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        Pin::new(&mut self.0).poll(cx).map(|r| {
+            r.map(|done| {
+                let b = done.into_memory();
+                Offer {
+                    window: b.window,
+                    _qp: b.qp,
+                    mem: b.mem,
+                    remote: b.remote,
+                }
+            })
+        })
+    }
+}
+
+impl<T: Connected> Qp<T, Rts> {
+    /// Lends `mem` to this queue pair's peer with `access` (REMOTE_READ,
+    /// REMOTE_WRITE, REMOTE_ATOMIC; no more than the region allows, and only
+    /// REMOTE_READ for a read-only segment).
+    pub fn offer<S: Local>(&self, mem: S, access: AccessFlags) -> Result<OfferOp<S>> {
+        let (mr, bytes, most) = mem
+            .offer_parts()
+            .ok_or_else(|| Error::invalid("there is no memory to offer"))?;
+        if access.is_empty() || !REMOTE.contains(access) {
+            return Err(Error::invalid(format!(
+                "{access:?}: an offer gives remote read, write or atomic rights"
+            )));
+        }
+        if !most.contains(access) {
+            return Err(Error::invalid(format!(
+                "{access:?} asked, but this segment may be offered with {most:?} at most"
+            )));
+        }
+        let window = mr.pd().alloc_mw()?;
+        let send = &self.core.send;
+        let ticket = send.open();
+        // SAFETY: the window, the QP and the memory move into the returned
+        // Op (parked with the CQ if it is dropped) until the bind completes,
+        // then into the Offer, which deallocates the window before releasing
+        // them.
+        let remote = unsafe {
+            self.core.qp.post_bind(
+                ticket.wr_id(true),
+                &window,
+                mr,
+                bytes.start,
+                bytes.len(),
+                access,
+            )
+        };
+        match remote {
+            Ok(remote) => Ok(OfferOp(Op::new(
+                send.clone(),
+                ticket,
+                Binding {
+                    window,
+                    qp: self.core.qp.clone(),
+                    mem,
+                    remote,
+                },
+            ))),
+            Err(e) => {
+                send.abandon(ticket);
+                Err(e.into())
+            }
+        }
+    }
+}

@@ -1,0 +1,154 @@
+//! Posted operations as futures.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use super::cq::{CqShared, Ticket};
+use super::error::Result;
+use super::region::{Local, RawHold};
+use crate::verbs::{self, WcOpcode, WcStatus};
+
+/// A posted operation. It owns its memory until the completion arrives, then
+/// resolves to it: `Ok` with the memory back, or `Err` with the failed
+/// status (see [`super::Error::status`]).
+///
+/// Dropping it is safe at any time: the memory stays parked with the CQ
+/// until the device is done with it.
+#[must_use = "an operation does nothing useful unless awaited; dropping it only parks its memory"]
+pub struct Op<S: Local> {
+    cq: Arc<CqShared>,
+    ticket: Ticket,
+    mem: Option<S>,
+}
+
+impl<S: Local> Op<S> {
+    pub(crate) fn new(cq: Arc<CqShared>, ticket: Ticket, mem: S) -> Self {
+        Op {
+            cq,
+            ticket,
+            mem: Some(mem),
+        }
+    }
+}
+
+impl<S: Local + Unpin> Future for Op<S> {
+    type Output = Result<Completion<S>>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = &mut *self;
+        if this.mem.is_none() {
+            return Poll::Ready(Err(super::Error::invalid(
+                "operation polled after it resolved",
+            )));
+        }
+        let wc = match this.cq.poll_ticket(this.ticket, cx) {
+            Poll::Pending => return Poll::Pending,
+            Poll::Ready(r) => r,
+        };
+        let mem = this.mem.take().expect("checked above");
+        Poll::Ready(wc.and_then(|wc| {
+            let wc = wc.into_result()?;
+            Ok(Completion { wc, mem })
+        }))
+    }
+}
+
+impl<S: Local> Drop for Op<S> {
+    fn drop(&mut self) {
+        if let Some(mem) = self.mem.take() {
+            let mut holds = Vec::new();
+            mem.park(&mut holds);
+            self.cq.cancel(self.ticket, holds);
+        }
+    }
+}
+
+/// A batch posted with one doorbell: resolves when its last request
+/// completes, to that completion, or to the first failure in the batch.
+/// Holds every segment of the batch until then; dropping it is safe.
+#[must_use = "a batch does nothing useful unless awaited; dropping it only parks its memory"]
+pub struct BatchOp {
+    cq: Arc<CqShared>,
+    ticket: Ticket,
+    holds: Option<Vec<RawHold>>,
+}
+
+impl BatchOp {
+    pub(crate) fn new(cq: Arc<CqShared>, ticket: Ticket, holds: Vec<RawHold>) -> Self {
+        BatchOp {
+            cq,
+            ticket,
+            holds: Some(holds),
+        }
+    }
+}
+
+impl Future for BatchOp {
+    type Output = Result<verbs::Completion>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = &mut *self;
+        if this.holds.is_none() {
+            return Poll::Ready(Err(super::Error::invalid("batch polled after it resolved")));
+        }
+        match this.cq.poll_ticket(this.ticket, cx) {
+            Poll::Pending => Poll::Pending,
+            Poll::Ready(r) => {
+                this.holds = None;
+                Poll::Ready(r.and_then(|wc| Ok(wc.into_result()?)))
+            }
+        }
+    }
+}
+
+impl Drop for BatchOp {
+    fn drop(&mut self) {
+        if let Some(holds) = self.holds.take() {
+            self.cq.cancel(self.ticket, holds);
+        }
+    }
+}
+
+/// A successful completion, with the memory the operation used.
+#[derive(Debug)]
+pub struct Completion<S> {
+    wc: verbs::Completion,
+    mem: S,
+}
+
+impl<S> Completion<S> {
+    /// Bytes received (receives) or transferred.
+    pub fn byte_len(&self) -> u32 {
+        self.wc.byte_len()
+    }
+
+    /// The immediate of a SEND or WRITE WITH IMM that was received.
+    pub fn imm(&self) -> Option<u32> {
+        self.wc.imm()
+    }
+
+    pub fn opcode(&self) -> WcOpcode {
+        self.wc.opcode()
+    }
+
+    pub fn status(&self) -> WcStatus {
+        self.wc.status()
+    }
+
+    /// The raw work completion.
+    pub fn wc(&self) -> &verbs::Completion {
+        &self.wc
+    }
+
+    /// The memory the operation used.
+    pub fn memory(&self) -> &S {
+        &self.mem
+    }
+
+    /// The memory, to read what arrived or to use it again.
+    pub fn into_memory(self) -> S {
+        self.mem
+    }
+}

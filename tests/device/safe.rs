@@ -1,0 +1,368 @@
+//! The safe API (`snowrdma::safe`) on a real device: every operation, each
+//! progress mode under two executors, cancel safety, offers and their
+//! revocation, bounds, batches, UC and the RDMA CM path.
+
+use std::future::Future;
+use std::net::{IpAddr, SocketAddr};
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll, Waker};
+use std::time::{Duration, Instant};
+
+use snowrdma::safe::{
+    self, AccessFlags, CompletionQueue, Connected, Error, NoBuffer, Progress, ProtectionDomain, Qp,
+    Rc, Rts, Uc, WcStatus,
+};
+
+use crate::{device_ip, TIMEOUT};
+
+/// Two connected queue pairs of transport `T` on one device, each with its
+/// own CQ.
+struct Pair<T> {
+    pd: ProtectionDomain,
+    a: Qp<T, Rts>,
+    b: Qp<T, Rts>,
+    cq_a: CompletionQueue,
+    cq_b: CompletionQueue,
+}
+
+fn pair<T: Connected>(progress: Progress) -> Pair<T> {
+    let pd = ProtectionDomain::open(None).expect("an RDMA device");
+    let cq_a = pd.create_cq(256, progress).unwrap();
+    let cq_b = pd.create_cq(256, progress).unwrap();
+    let a = pd.qp::<T>(&cq_a, &cq_a).build().unwrap();
+    let b = pd.qp::<T>(&cq_b, &cq_b).build().unwrap();
+    let (ea, eb) = (a.endpoint().unwrap(), b.endpoint().unwrap());
+    Pair {
+        a: a.connect(&eb).unwrap(),
+        b: b.connect(&ea).unwrap(),
+        pd,
+        cq_a,
+        cq_b,
+    }
+}
+
+/// Completes after `after` (a thread wakes it): a timeout for executors
+/// without timers.
+struct Deadline {
+    at: Instant,
+    waker: Arc<Mutex<Option<Waker>>>,
+}
+
+fn deadline(after: Duration) -> Deadline {
+    let waker: Arc<Mutex<Option<Waker>>> = Arc::default();
+    let w = waker.clone();
+    std::thread::spawn(move || {
+        std::thread::sleep(after);
+        if let Some(w) = w.lock().unwrap().take() {
+            w.wake();
+        }
+    });
+    Deadline {
+        at: Instant::now() + after,
+        waker,
+    }
+}
+
+impl Future for Deadline {
+    type Output = ();
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
+        if Instant::now() >= self.at {
+            return Poll::Ready(());
+        }
+        *self.waker.lock().unwrap() = Some(cx.waker().clone());
+        Poll::Pending
+    }
+}
+
+/// `fut` under `futures::executor::block_on`, failing the test after
+/// TIMEOUT.
+fn block_on<F: Future + Unpin>(fut: F) -> F::Output {
+    use futures::future::{select, Either};
+    match futures::executor::block_on(select(fut, deadline(TIMEOUT))) {
+        Either::Left((out, _)) => out,
+        Either::Right(_) => panic!("timed out after {TIMEOUT:?}"),
+    }
+}
+
+fn fill(seg: &mut safe::RwSegment<u8>, seed: u8) {
+    for (i, b) in seg.as_mut_slice().iter_mut().enumerate() {
+        *b = seed.wrapping_add(i as u8).wrapping_mul(31);
+    }
+}
+
+fn two_sided_and_one_sided(progress: Progress) {
+    let p = pair::<Rc>(progress);
+    let src = p.pd.allocate::<u8>(8192, AccessFlags::empty()).unwrap();
+    let dst =
+        p.pd.allocate::<u8>(8192, AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_READ)
+            .unwrap();
+
+    // SEND with an immediate into a posted receive.
+    let recv = p.b.recv(dst.rw(..4096).unwrap()).unwrap();
+    let mut msg = src.rw(..1000).unwrap();
+    fill(&mut msg, 7);
+    let sent = block_on(p.a.send_with_imm(msg.freeze(), 0xabcd).unwrap()).unwrap();
+    let got = block_on(recv).unwrap();
+    assert_eq!(got.byte_len(), 1000);
+    assert_eq!(got.imm(), Some(0xabcd));
+    assert_eq!(&got.memory().as_slice()[..1000], sent.memory().as_slice());
+    drop((sent, got));
+
+    // WRITE WITH IMM into an offer, READ it back, outside refused.
+    let offer = block_on(
+        p.b.offer(
+            dst.rw(4096..).unwrap(),
+            AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_READ,
+        )
+        .unwrap(),
+    )
+    .unwrap();
+    let remote = offer.remote();
+    assert_eq!(remote.len, 4096);
+    let note = p.b.recv(NoBuffer).unwrap();
+    let mut data = src.rw(..4096).unwrap();
+    fill(&mut data, 3);
+    let data = data.freeze();
+    block_on(p.a.write_with_imm(data.clone(), &remote, 0, 5).unwrap()).unwrap();
+    assert_eq!(block_on(note).unwrap().imm(), Some(5));
+    let back = block_on(p.a.read(src.rw(4096..8192).unwrap(), &remote, 0).unwrap()).unwrap();
+    assert_eq!(back.memory().as_slice(), data.as_slice());
+    assert!(matches!(
+        p.a.write(data.clone(), &remote, 1),
+        Err(Error::RemoteOutOfBounds { len: 4096, .. })
+    ));
+    let seg = offer.revoke();
+    assert_eq!(seg.as_slice(), data.as_slice(), "the peer's WRITE landed");
+}
+
+#[test]
+#[ignore = "needs an RDMA device: run `make test`"]
+fn safe_rc_operations_with_futures_polling_the_cq() {
+    two_sided_and_one_sided(Progress::Poll);
+}
+
+#[test]
+#[ignore = "needs an RDMA device: run `make test`"]
+fn safe_rc_operations_with_the_background_thread() {
+    two_sided_and_one_sided(Progress::Thread);
+}
+
+#[test]
+#[ignore = "needs an RDMA device: run `make test`"]
+fn safe_atomics_through_an_offer() {
+    let p = pair::<Rc>(Progress::Poll);
+    let target = p.pd.allocate::<u64>(4, AccessFlags::REMOTE_ATOMIC).unwrap();
+    let mut init = target.rw(..).unwrap();
+    init.as_mut_slice()[1] = 40;
+    let offer = block_on(p.b.offer(init, AccessFlags::REMOTE_ATOMIC).unwrap()).unwrap();
+    let remote = offer.remote();
+    let old = p.pd.allocate::<u64>(1, AccessFlags::empty()).unwrap();
+    let r = block_on(p.a.faa(old.rw(..).unwrap(), &remote, 8, 2).unwrap()).unwrap();
+    assert_eq!(r.memory().as_slice(), [40]);
+    drop(r);
+    let r = block_on(p.a.cas(old.rw(..).unwrap(), &remote, 8, 42, 7).unwrap()).unwrap();
+    assert_eq!(r.memory().as_slice(), [42]);
+    drop(r);
+    assert!(
+        p.a.cas(old.rw(..).unwrap(), &remote, 4, 0, 1).is_err(),
+        "unaligned"
+    );
+    assert_eq!(offer.revoke().as_slice(), [0, 7, 0, 0]);
+}
+
+#[test]
+#[ignore = "needs an RDMA device: run `make test`"]
+fn safe_a_revoked_offer_refuses_the_peer() {
+    let p = pair::<Rc>(Progress::Poll);
+    let mem =
+        p.pd.allocate::<u8>(4096, AccessFlags::REMOTE_WRITE)
+            .unwrap();
+    let offer = block_on(
+        p.b.offer(mem.rw(..).unwrap(), AccessFlags::REMOTE_WRITE)
+            .unwrap(),
+    )
+    .unwrap();
+    let remote = offer.remote();
+    let src = p.pd.allocate::<u8>(64, AccessFlags::empty()).unwrap();
+    let mut s = src.rw(..).unwrap();
+    s.as_mut_slice().fill(0x5a);
+    let s = s.freeze();
+    block_on(p.a.write(s.clone(), &remote, 0).unwrap()).unwrap();
+    let seg = offer.revoke();
+    assert!(seg.as_slice()[..64].iter().all(|&b| b == 0x5a));
+    let mut seg = seg;
+    seg.as_mut_slice().fill(0);
+    let err = block_on(p.a.write(s, &remote, 0).unwrap()).unwrap_err();
+    assert_eq!(err.status(), Some(WcStatus::REM_ACCESS_ERR), "{err}");
+    assert!(
+        seg.as_slice().iter().all(|&b| b == 0),
+        "nothing landed after revoking"
+    );
+    // Read-only segments are offered for reading only.
+    drop(seg);
+    let ro = mem.ro(..10).unwrap();
+    assert!(matches!(
+        p.b.offer(ro, AccessFlags::REMOTE_WRITE),
+        Err(Error::InvalidArgument(_))
+    ));
+}
+
+#[test]
+#[ignore = "needs an RDMA device: run `make test`"]
+fn safe_a_dropped_receive_keeps_its_memory_until_the_completion() {
+    let p = pair::<Rc>(Progress::Poll);
+    let region = p.pd.allocate::<u8>(4096, AccessFlags::empty()).unwrap();
+    let weak = region.downgrade();
+    let recv = p.b.recv(region.rw(..).unwrap()).unwrap();
+    drop(recv);
+    drop(region);
+    assert!(weak.is_alive(), "the device may still write it");
+    // A canary allocated now must stay untouched by the send below.
+    let canary = p.pd.allocate::<u8>(4096, AccessFlags::empty()).unwrap();
+    let src = p.pd.allocate::<u8>(4096, AccessFlags::empty()).unwrap();
+    let mut s = src.rw(..).unwrap();
+    s.as_mut_slice().fill(0xee);
+    block_on(p.a.send(s).unwrap()).unwrap();
+    let start = Instant::now();
+    while p.cq_b.stats().cancelled == 0 {
+        p.cq_b.poll().unwrap();
+        assert!(start.elapsed() < TIMEOUT, "the receive never completed");
+    }
+    assert!(!weak.is_alive(), "released once reaped");
+    assert!(canary.ro(..).unwrap().as_slice().iter().all(|&b| b == 0));
+}
+
+#[test]
+#[ignore = "needs an RDMA device: run `make test`"]
+fn safe_a_batch_posts_many_writes_with_one_signaled_tail() {
+    let mut p = pair::<Rc>(Progress::Poll);
+    let dst =
+        p.pd.allocate::<u32>(1024, AccessFlags::REMOTE_WRITE)
+            .unwrap();
+    let offer = block_on(
+        p.b.offer(dst.rw(..).unwrap(), AccessFlags::REMOTE_WRITE)
+            .unwrap(),
+    )
+    .unwrap();
+    let remote = offer.remote();
+    let src = p.pd.allocate::<u32>(1024, AccessFlags::empty()).unwrap();
+    let mut s = src.rw(..).unwrap();
+    for (i, v) in s.as_mut_slice().iter_mut().enumerate() {
+        *v = i as u32 * 3;
+    }
+    let s = s.freeze();
+    let before = p.cq_a.stats().completions;
+    let mut batch = p.a.batch();
+    for i in 0..16 {
+        batch
+            .write(
+                src.ro(i * 64..(i + 1) * 64).unwrap(),
+                &remote,
+                (i * 256) as u64,
+            )
+            .unwrap();
+    }
+    assert_eq!(batch.len(), 16);
+    block_on(batch.post().unwrap()).unwrap();
+    assert_eq!(
+        p.cq_a.stats().completions - before,
+        1,
+        "one completion for the batch"
+    );
+    assert_eq!(offer.revoke().as_slice(), s.as_slice());
+    // An overlapping read-write segment cannot be taken while `s` is held.
+    let e = src.rw(10..20).unwrap_err();
+    assert!(e.to_string().contains("0..1024"), "{e}");
+}
+
+#[test]
+#[ignore = "needs an RDMA device: run `make test`"]
+fn safe_uc_writes_and_sends() {
+    let p = pair::<Uc>(Progress::Poll);
+    let dst =
+        p.pd.allocate::<u8>(4096, AccessFlags::REMOTE_WRITE)
+            .unwrap();
+    let offer = block_on(
+        p.b.offer(dst.rw(..2048).unwrap(), AccessFlags::REMOTE_WRITE)
+            .unwrap(),
+    )
+    .unwrap();
+    let note = p.b.recv(NoBuffer).unwrap();
+    let recv = p.b.recv(dst.rw(2048..).unwrap()).unwrap();
+    let src = p.pd.allocate::<u8>(2048, AccessFlags::empty()).unwrap();
+    let mut s = src.rw(..).unwrap();
+    fill(&mut s, 9);
+    let s = s.freeze();
+    block_on(
+        p.a.write_with_imm(s.clone(), &offer.remote(), 0, 1)
+            .unwrap(),
+    )
+    .unwrap();
+    block_on(p.a.send(s.clone()).unwrap()).unwrap();
+    assert_eq!(block_on(note).unwrap().imm(), Some(1));
+    let got = block_on(recv).unwrap();
+    assert!(got.memory().as_slice() == s.as_slice(), "the SEND arrived");
+    assert!(
+        offer.revoke().as_slice() == s.as_slice(),
+        "the WRITE landed"
+    );
+}
+
+#[cfg(feature = "tokio")]
+#[test]
+#[ignore = "needs an RDMA device: run `make test`"]
+fn safe_channel_mode_under_tokio() {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let p = pair::<Rc>(Progress::Channel);
+        // One task per CQ reaps when its descriptor is readable.
+        let reapers = [p.cq_a.clone(), p.cq_b.clone()].map(|cq| tokio::spawn(cq.reap_on_tokio()));
+        let mem = p.pd.allocate::<u8>(64, AccessFlags::empty()).unwrap();
+        let work = async {
+            for round in 0..20u8 {
+                let recv = p.b.recv(mem.rw(32..).unwrap()).unwrap();
+                let mut m = mem.rw(..32).unwrap();
+                m.as_mut_slice().fill(round);
+                p.a.send(m).unwrap().await.unwrap();
+                let got = recv.await.unwrap();
+                assert!(got.memory().as_slice().iter().all(|&b| b == round));
+            }
+        };
+        tokio::time::timeout(TIMEOUT, work)
+            .await
+            .expect("ping-pong in time");
+        reapers.iter().for_each(|r| r.abort());
+    });
+}
+
+#[test]
+#[ignore = "needs an RDMA device: run `make test`"]
+fn safe_rdma_cm_yields_rts_queue_pairs() {
+    let pd = ProtectionDomain::open(None).unwrap();
+    let listener = safe::Listener::bind(SocketAddr::new(IpAddr::V4(device_ip()), 0)).unwrap();
+    let addr = listener.local_addr().unwrap();
+    let server_pd = pd.clone();
+    let server = std::thread::spawn(move || {
+        let cq = server_pd.create_cq(16, Progress::Thread).unwrap();
+        let pending = listener.accept(server_pd.qp(&cq, &cq), TIMEOUT).unwrap();
+        assert_eq!(&pending.peer_data()[..2], b"hi", "zero-padded by RDMA CM");
+        let mem = server_pd.allocate::<u8>(64, AccessFlags::empty()).unwrap();
+        let recv = pending.recv(mem.rw(..).unwrap()).unwrap();
+        let (_qp, _) = pending.establish(b"welcome", TIMEOUT).unwrap();
+        let got = block_on(recv).unwrap();
+        got.memory().as_slice()[..got.byte_len() as usize].to_vec()
+    });
+    let cq = pd.create_cq(16, Progress::Thread).unwrap();
+    let pending = safe::connect(addr, pd.qp(&cq, &cq), TIMEOUT).unwrap();
+    let (qp, welcome) = pending.establish(b"hi", TIMEOUT).unwrap();
+    assert_eq!(&welcome[..7], b"welcome");
+    let mem = pd.allocate::<u8>(64, AccessFlags::empty()).unwrap();
+    let mut m = mem.rw(..16).unwrap();
+    m.as_mut_slice().copy_from_slice(b"Hello, SafeVerbs");
+    block_on(qp.send(m).unwrap()).unwrap();
+    assert_eq!(server.join().unwrap(), b"Hello, SafeVerbs");
+}

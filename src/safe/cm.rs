@@ -113,12 +113,13 @@ impl CmQp {
 impl QpBuilder<Rc> {
     /// The queue pair on a CM id (RDMA CM drives its states).
     fn build_on(self, id: &CmId) -> Result<QpCore> {
-        let (pd, send_cq, recv_cq, attrs) = self.into_parts();
+        let (pd, send_cq, recv_cq, attrs) = self.into_parts()?;
         let qp = id.create_qp(pd.verbs(), send_cq.verbs(), recv_cq.verbs(), &attrs.caps)?;
         Ok(QpCore {
             ctx: pd.verbs().context().clone(),
             qp,
             cm_id: Some(id.clone()),
+            _srq: None,
             send: send_cq.shared.clone(),
             recv: recv_cq.shared.clone(),
             attrs,

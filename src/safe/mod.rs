@@ -33,6 +33,8 @@ mod post;
 mod qp;
 mod region;
 mod segments;
+mod srq;
+mod ud;
 
 pub use cm::{connect, CmQp, Listener};
 pub use cq::{CompletionQueue, CqFd, CqStats, Progress};
@@ -46,6 +48,8 @@ pub use region::{
     WeakRegion, Writable,
 };
 pub use segments::SegmentError;
+pub use srq::SharedReceiveQueue;
+pub use ud::{UdPeer, GRH_LEN};
 
 pub use crate::verbs::{AccessFlags, QpInfo, RemoteRegion, WcStatus};
 pub use bytemuck::Pod;

@@ -21,6 +21,9 @@ pub struct Op<S: Local> {
     cq: Arc<CqShared>,
     ticket: Ticket,
     mem: Option<S>,
+    /// Something else the device uses until completion (a datagram's
+    /// address handle).
+    keep: Option<RawHold>,
 }
 
 impl<S: Local> Op<S> {
@@ -29,7 +32,13 @@ impl<S: Local> Op<S> {
             cq,
             ticket,
             mem: Some(mem),
+            keep: None,
         }
+    }
+
+    pub(crate) fn keeping(mut self, keep: RawHold) -> Self {
+        self.keep = Some(keep);
+        self
     }
 }
 
@@ -48,6 +57,7 @@ impl<S: Local + Unpin> Future for Op<S> {
             Poll::Ready(r) => r,
         };
         let mem = this.mem.take().expect("checked above");
+        this.keep = None;
         Poll::Ready(wc.and_then(|wc| {
             let wc = wc.into_result()?;
             Ok(Completion { wc, mem })
@@ -60,6 +70,7 @@ impl<S: Local> Drop for Op<S> {
         if let Some(mem) = self.mem.take() {
             let mut holds = Vec::new();
             mem.park(&mut holds);
+            holds.extend(self.keep.take());
             self.cq.cancel(self.ticket, holds);
         }
     }
@@ -131,6 +142,17 @@ impl<S> Completion<S> {
 
     pub fn opcode(&self) -> WcOpcode {
         self.wc.opcode()
+    }
+
+    /// The queue pair this completion belongs to (for a shared receive
+    /// queue: the one that received).
+    pub fn qp_num(&self) -> u32 {
+        self.wc.qp_num()
+    }
+
+    /// The sender's queue pair number (unreliable datagram receives).
+    pub fn src_qp(&self) -> u32 {
+        self.wc.src_qp()
     }
 
     pub fn status(&self) -> WcStatus {

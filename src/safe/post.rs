@@ -7,7 +7,7 @@ use std::marker::PhantomData;
 use super::cq::Ticket;
 use super::error::{Error, Result};
 use super::op::{BatchOp, Op};
-use super::qp::{CanRecv, Connected, Qp, QpCore, Rc, Rts, Transport};
+use super::qp::{CanRecv, Connected, Qp, QpCore, Rc, Rts};
 use super::region::{AtomicTarget, Local, RawHold, Writable};
 use crate::verbs::{RemoteAddr, RemoteRegion, SendOp, SendRequest, Sge};
 
@@ -70,7 +70,7 @@ impl QpCore {
     }
 }
 
-impl<T: Transport, S: CanRecv> Qp<T, S> {
+impl<T: Connected, S: CanRecv> Qp<T, S> {
     /// Receives one message into `mem` (a [`NoBuffer`](super::NoBuffer) for
     /// a WRITE WITH IMM or an empty message).
     pub fn recv<W: Writable>(&self, mem: W) -> Result<Op<W>> {

@@ -24,6 +24,7 @@ use rdma_sys as sys;
 use super::cq::{CompletionQueue, CqShared};
 use super::error::{Error, Result};
 use super::region::ProtectionDomain;
+use super::srq::SharedReceiveQueue;
 use crate::verbs::{self, AccessFlags, CmId, Mtu, QpCaps, QpInfo, QpState};
 
 /// Reliable connection: every operation, acknowledged and in order.
@@ -132,6 +133,7 @@ pub struct QpBuilder<T> {
     pd: ProtectionDomain,
     send_cq: CompletionQueue,
     recv_cq: CompletionQueue,
+    srq: Option<SharedReceiveQueue>,
     attrs: Attrs,
     _t: PhantomData<fn() -> T>,
 }
@@ -148,6 +150,7 @@ impl ProtectionDomain {
             pd: self.clone(),
             send_cq: send_cq.clone(),
             recv_cq: recv_cq.clone(),
+            srq: None,
             attrs: Attrs::default(),
             _t: PhantomData,
         }
@@ -205,8 +208,23 @@ impl<T: Transport> QpBuilder<T> {
         qkey: u32 => qkey;
     }
 
-    pub(crate) fn into_parts(self) -> (ProtectionDomain, CompletionQueue, CompletionQueue, Attrs) {
-        (self.pd, self.send_cq, self.recv_cq, self.attrs)
+    /// Takes receives from `srq` (and completes them on its CQ) instead of a
+    /// receive queue of its own.
+    pub fn srq(mut self, srq: &SharedReceiveQueue) -> Self {
+        self.recv_cq = srq.inner.cq.clone();
+        self.srq = Some(srq.clone());
+        self
+    }
+
+    pub(crate) fn into_parts(
+        self,
+    ) -> Result<(ProtectionDomain, CompletionQueue, CompletionQueue, Attrs)> {
+        if self.srq.is_some() {
+            return Err(Error::invalid(
+                "a shared receive queue cannot be used through RDMA CM yet",
+            ));
+        }
+        Ok((self.pd, self.send_cq, self.recv_cq, self.attrs))
     }
 
     /// Creates the queue pair, in INIT.
@@ -218,6 +236,9 @@ impl<T: Transport> QpBuilder<T> {
         let mut init =
             verbs::init_attr(self.send_cq.verbs(), self.recv_cq.verbs(), &self.attrs.caps);
         init.qp_type = T::QP_TYPE;
+        if let Some(srq) = &self.srq {
+            init.srq = srq.as_raw();
+        }
         // SAFETY: the PD and CQs are alive; init is filled.
         let raw = unsafe { sys::ibv_create_qp(pd.as_raw(), &mut init) };
         let raw =
@@ -232,6 +253,7 @@ impl<T: Transport> QpBuilder<T> {
             ctx: pd.context().clone(),
             qp,
             cm_id: None,
+            _srq: self.srq,
             send: self.send_cq.shared.clone(),
             recv: self.recv_cq.shared.clone(),
             attrs,
@@ -264,6 +286,8 @@ pub(crate) struct QpCore {
     pub(crate) qp: verbs::QueuePair,
     /// Set for queue pairs made through RDMA CM.
     pub(crate) cm_id: Option<CmId>,
+    /// Outlives the QP that takes its receives.
+    pub(crate) _srq: Option<SharedReceiveQueue>,
     pub(crate) send: Arc<CqShared>,
     pub(crate) recv: Arc<CqShared>,
     pub(crate) attrs: Attrs,

@@ -183,6 +183,14 @@ pub struct RawHold {
 }
 
 impl RawHold {
+    /// Keeps a shared object alive until the hold drops.
+    pub(crate) fn shared(owner: Arc<dyn Holder>) -> RawHold {
+        RawHold {
+            owner,
+            id: HoldId::NONE,
+        }
+    }
+
     /// Keeps `thing` alive until the hold drops.
     pub(crate) fn keep<K: Send + Sync + 'static>(thing: K) -> RawHold {
         struct Keep<K>(K);

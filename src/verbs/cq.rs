@@ -338,6 +338,11 @@ impl Completion {
         self.0.vendor_err
     }
 
+    /// The sender's QP number (unreliable datagram receives).
+    pub fn src_qp(&self) -> u32 {
+        self.0.src_qp
+    }
+
     /// `Ok(self)` on success, else [`Error::Completion`].
     pub fn into_result(self) -> Result<Completion> {
         if self.is_ok() {

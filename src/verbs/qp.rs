@@ -244,6 +244,11 @@ impl QueuePair {
         &self.inner.send_cq
     }
 
+    /// The protection domain the QP was made in.
+    pub fn pd(&self) -> &ProtectionDomain {
+        &self.inner._pd
+    }
+
     pub fn recv_cq(&self) -> &CompletionQueue {
         &self.inner.recv_cq
     }

@@ -366,3 +366,102 @@ fn safe_rdma_cm_yields_rts_queue_pairs() {
     block_on(qp.send(m).unwrap()).unwrap();
     assert_eq!(server.join().unwrap(), b"Hello, SafeVerbs");
 }
+
+#[test]
+#[ignore = "needs an RDMA device: run `make test`"]
+fn safe_ud_datagrams_carry_the_grh() {
+    use safe::{Ud, GRH_LEN};
+    let pd = ProtectionDomain::open(None).unwrap();
+    let cq = pd.create_cq(64, Progress::Poll).unwrap();
+    let a = pd.qp::<Ud>(&cq, &cq).qkey(0x42).build().unwrap();
+    let b = pd.qp::<Ud>(&cq, &cq).qkey(0x42).build().unwrap();
+    let eb = b.endpoint().unwrap();
+    let (a, b) = (a.activate().unwrap(), b.activate().unwrap());
+    let mem = pd.allocate::<u8>(4096, AccessFlags::empty()).unwrap();
+    assert!(
+        b.recv(mem.rw(..GRH_LEN - 1).unwrap()).is_err(),
+        "no room for the GRH"
+    );
+    let recv = b.recv(mem.rw(..1024).unwrap()).unwrap();
+    let to = a.peer(&eb, 0x42).unwrap();
+    let mut m = mem.rw(2048..2048 + 100).unwrap();
+    fill(&mut m, 1);
+    let m = m.freeze();
+    block_on(a.send_to_with_imm(m.clone(), &to, 77).unwrap()).unwrap();
+    let got = block_on(recv).unwrap();
+    assert_eq!(got.byte_len() as usize, GRH_LEN + 100);
+    assert_eq!(got.imm(), Some(77));
+    assert_eq!(got.src_qp(), a.qp_num());
+    assert!(got.memory().as_slice()[GRH_LEN..GRH_LEN + 100] == *m.as_slice());
+}
+
+#[test]
+#[ignore = "needs an RDMA device: run `make test`"]
+fn safe_a_shared_receive_queue_serves_two_queue_pairs() {
+    let pd = ProtectionDomain::open(None).unwrap();
+    let cq = pd.create_cq(64, Progress::Poll).unwrap();
+    let rcq = pd.create_cq(64, Progress::Poll).unwrap();
+    let srq = pd.create_srq(&rcq, 16, 1).unwrap();
+    let mut senders = Vec::new();
+    let mut receivers = Vec::new();
+    for _ in 0..2 {
+        let s = pd.qp::<Rc>(&cq, &cq).build().unwrap();
+        let r = pd.qp::<Rc>(&cq, &cq).srq(&srq).build().unwrap();
+        let (es, er) = (s.endpoint().unwrap(), r.endpoint().unwrap());
+        senders.push(s.connect(&er).unwrap());
+        receivers.push(r.connect(&es).unwrap());
+    }
+    let mem = pd.allocate::<u8>(4096, AccessFlags::empty()).unwrap();
+    let recvs: Vec<_> = (0..4)
+        .map(|i| srq.recv(mem.rw(i * 256..(i + 1) * 256).unwrap()).unwrap())
+        .collect();
+    for (i, s) in senders.iter().enumerate() {
+        for j in 0..2 {
+            let mut m = mem
+                .rw(2048 + (i * 2 + j) * 16..2048 + (i * 2 + j + 1) * 16)
+                .unwrap();
+            m.as_mut_slice().fill((i * 2 + j + 1) as u8);
+            block_on(s.send(m).unwrap()).unwrap();
+        }
+    }
+    let mut seen = Vec::new();
+    for r in recvs {
+        let got = block_on(r).unwrap();
+        assert_eq!(got.byte_len(), 16);
+        let tag = got.memory().as_slice()[0];
+        let by = receivers
+            .iter()
+            .position(|q| q.qp_num() == got.qp_num())
+            .unwrap();
+        assert_eq!(
+            usize::from(tag - 1) / 2,
+            by,
+            "message {tag} came in on its QP"
+        );
+        seen.push(tag);
+    }
+    seen.sort();
+    assert_eq!(seen, [1, 2, 3, 4]);
+}
+
+#[test]
+#[ignore = "needs an RDMA device: run `make test`"]
+fn safe_registered_memory_comes_back_when_no_segment_is_left() {
+    let p = pair::<Rc>(Progress::Poll);
+    let region =
+        p.pd.register(vec![7u32; 256], AccessFlags::empty())
+            .unwrap();
+    let recv = p.b.recv(
+        p.pd.allocate::<u32>(256, AccessFlags::empty())
+            .unwrap()
+            .rw(..)
+            .unwrap(),
+    );
+    let seg = region.ro(..).unwrap();
+    let region = region.into_inner().expect_err("a segment is still held");
+    block_on(p.a.send(seg).unwrap()).unwrap();
+    let got = block_on(recv.unwrap()).unwrap();
+    assert!(got.memory().as_slice().iter().all(|&v| v == 7));
+    let back = region.into_inner().expect("no segment is left");
+    assert_eq!(back.len(), 256);
+}

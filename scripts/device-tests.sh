@@ -3,6 +3,8 @@
 # on this host's RDMA device, or else in one Soft-RoCE VM boot.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# The safe API's examples run in the device tests too.
+cargo build --examples --features tokio
 test_bin=$(cargo test --features tokio --test device --no-run --message-format=json 2>/dev/null | python3 -c '
 import json, sys
 for line in sys.stdin:

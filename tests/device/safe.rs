@@ -465,3 +465,81 @@ fn safe_registered_memory_comes_back_when_no_segment_is_left() {
     let back = region.into_inner().expect("no segment is left");
     assert_eq!(back.len(), 256);
 }
+
+/// A program of examples/, built by `cargo build --examples` beside the tests.
+fn example(name: &str) -> std::process::Command {
+    let dir = std::env::current_exe().unwrap();
+    let dir = dir.parent().unwrap().parent().unwrap().join("examples");
+    let mut cmd = std::process::Command::new("timeout");
+    cmd.arg("60").arg(dir.join(name));
+    cmd
+}
+
+#[test]
+#[ignore = "needs an RDMA device: run `make test`"]
+fn safe_the_greeter_examples_greet() {
+    let addr = SocketAddr::new(IpAddr::V4(device_ip()), 18711).to_string();
+    let server = example("greeter_server").arg(&addr).output_async();
+    std::thread::sleep(Duration::from_millis(500));
+    let client = example("greeter_client").arg(&addr).output().unwrap();
+    assert!(client.status.success(), "{client:?}");
+    let server = server.join().unwrap();
+    let out = String::from_utf8_lossy(&server.stdout);
+    assert!(server.status.success(), "{server:?}");
+    assert!(out.contains("Hello, SafeVerbs"), "{out}");
+    assert!(
+        out.contains("(success)"),
+        "the completion is printed: {out}"
+    );
+}
+
+#[test]
+#[ignore = "needs an RDMA device: run `make test`"]
+fn safe_the_bandwidth_example_reports_like_ib_write_bw() {
+    for (port, transport) in [(18712, None), (18713, Some("--rc"))] {
+        let common = [
+            "-p",
+            &port.to_string(),
+            "-n",
+            "200",
+            "-w",
+            "10",
+            "-s",
+            "65536",
+        ]
+        .map(String::from);
+        let mut s = example("safe_write_bw");
+        s.args(&common).args(transport);
+        let server = s.output_async();
+        std::thread::sleep(Duration::from_millis(500));
+        let mut c = example("safe_write_bw");
+        c.args(&common)
+            .args(transport)
+            .args(["-c", &device_ip().to_string()]);
+        let client = c.output().unwrap();
+        let out = String::from_utf8_lossy(&client.stdout);
+        assert!(client.status.success(), "{client:?}");
+        assert!(out.contains("BW average[MB/sec]"), "{out}");
+        let row = out
+            .lines()
+            .find(|l| l.trim_start().starts_with("65536"))
+            .expect(&out);
+        assert_eq!(row.split_whitespace().nth(1), Some("200"), "{row}");
+        assert!(server.join().unwrap().status.success());
+    }
+}
+
+trait OutputAsync {
+    fn output_async(&mut self) -> std::thread::JoinHandle<std::process::Output>;
+}
+
+impl OutputAsync for std::process::Command {
+    fn output_async(&mut self) -> std::thread::JoinHandle<std::process::Output> {
+        let child = self
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        std::thread::spawn(move || child.wait_with_output().unwrap())
+    }
+}

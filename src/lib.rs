@@ -7,6 +7,7 @@
 //! - [`kv`]: the key-value store engine, server and client;
 //! - [`ffi`]: the C ABI (thin: pointer checks, the panic boundary, error codes).
 
+pub mod broker;
 mod copy;
 pub mod ffi;
 pub mod kv;

@@ -5,6 +5,7 @@
 //! Every wait is bounded, so a lost completion fails a test instead of
 //! hanging it.
 
+mod broker;
 mod c_programs;
 mod echo_load;
 mod hostile;

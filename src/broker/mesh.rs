@@ -1,0 +1,294 @@
+//! Building the full mesh: thread `t` of every server connects to thread
+//! `t` of every other server, one RC queue pair per pair of servers. A
+//! server connects to those listed before it and accepts those listed after
+//! it, so each pair has exactly one queue pair whatever the start order;
+//! refused attempts are retried until the init timeout.
+//!
+//! Each side tells the other, in a hello (RDMA CM private data, or the first
+//! bytes on the TCP socket), who it is and where its data region is.
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::time::{Duration, Instant};
+
+use super::peer::Peer;
+use super::{BrokerError, ConnectMode, Result, Shared};
+use crate::verbs::{
+    CmEventKind, CmId, ConnParam, QpInfo, RemoteRegion, QP_INFO_WIRE_LEN, REMOTE_REGION_WIRE_LEN,
+};
+
+const HELLO_MAGIC: [u8; 4] = *b"SNBK";
+const HELLO_LEN: usize = 4 + 2 + 2 + REMOTE_REGION_WIRE_LEN;
+/// Between connection attempts to a peer that is not listening yet.
+const RETRY: Duration = Duration::from_millis(20);
+
+/// Who a peer says it is, and its data region.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Hello {
+    pub server_id: u16,
+    pub thread_id: u16,
+    pub region: RemoteRegion,
+}
+
+impl Hello {
+    pub(crate) fn to_bytes(self) -> [u8; HELLO_LEN] {
+        let mut b = [0; HELLO_LEN];
+        b[..4].copy_from_slice(&HELLO_MAGIC);
+        b[4..6].copy_from_slice(&self.server_id.to_be_bytes());
+        b[6..8].copy_from_slice(&self.thread_id.to_be_bytes());
+        b[8..].copy_from_slice(&self.region.to_bytes());
+        b
+    }
+
+    /// Parses a hello (CM private data may carry trailing padding).
+    pub(crate) fn parse(b: &[u8]) -> Option<Hello> {
+        let b = b.get(..HELLO_LEN)?;
+        if b[..4] != HELLO_MAGIC {
+            return None;
+        }
+        Some(Hello {
+            server_id: u16::from_be_bytes([b[4], b[5]]),
+            thread_id: u16::from_be_bytes([b[6], b[7]]),
+            region: RemoteRegion::from_bytes(&b[8..]).ok()?,
+        })
+    }
+}
+
+impl Shared {
+    fn addr_of(&self, server: usize) -> SocketAddr {
+        let mut a = self.config.hosts[server];
+        a.set_port(a.port() + self.config.thread_id);
+        a
+    }
+
+    fn my_hello(&self) -> Hello {
+        Hello {
+            server_id: self.config.server_id as u16,
+            thread_id: self.config.thread_id,
+            region: self.data_remote,
+        }
+    }
+
+    /// Whether a hello is from a peer this side should accept now.
+    fn acceptable(&self, h: &Hello, peers: &[Option<Peer>]) -> bool {
+        let s = h.server_id as usize;
+        h.thread_id == self.config.thread_id
+            && s > self.config.server_id
+            && s < self.config.hosts.len()
+            && peers[s].is_none()
+    }
+
+    /// Connects to every other server, until `deadline`.
+    /// The peers, and in CM mode the listener, whose channel reports the
+    /// accepted connections' events from then on.
+    pub(crate) fn build_mesh(
+        &self,
+        deadline: Instant,
+    ) -> Result<(Vec<Option<Peer>>, Option<CmId>)> {
+        match self.config.mode {
+            ConnectMode::Cm => self.mesh_cm(deadline).map(|(p, l)| (p, Some(l))),
+            ConnectMode::Socket => self.mesh_socket(deadline).map(|p| (p, None)),
+        }
+    }
+
+    fn missing(&self, peers: &[Option<Peer>]) -> Vec<usize> {
+        (0..self.config.hosts.len())
+            .filter(|&s| s != self.config.server_id && peers[s].is_none())
+            .collect()
+    }
+
+    fn timed_out(&self, peers: &[Option<Peer>]) -> BrokerError {
+        BrokerError::InitTimeout {
+            missing: self.missing(peers),
+        }
+    }
+
+    fn mesh_cm(&self, deadline: Instant) -> Result<(Vec<Option<Peer>>, CmId)> {
+        let me = self.config.server_id;
+        let mut peers: Vec<Option<Peer>> = (0..self.config.hosts.len()).map(|_| None).collect();
+        let listener = CmId::listen_on(self.addr_of(me), 64)?;
+        // Accepted, waiting for ESTABLISHED.
+        let mut accepting: Vec<(CmId, Peer)> = Vec::new();
+        // Connecting, waiting for ESTABLISHED or a refusal.
+        let mut connecting: Vec<(usize, CmId, Peer)> = Vec::new();
+        let mut next_try = vec![Instant::now(); me];
+        let param = |hello: Hello| ConnParam {
+            private_data: hello.to_bytes().to_vec(),
+            rnr_retry_count: 7,
+            ..ConnParam::default()
+        };
+        while !self.missing(&peers).is_empty() {
+            if Instant::now() >= deadline {
+                return Err(self.timed_out(&peers));
+            }
+            // Requests and ESTABLISHED events of accepted ids.
+            while let Ok(mut ev) = listener.channel().get_event(Duration::ZERO) {
+                if ev.kind == CmEventKind::CONNECT_REQUEST {
+                    let Some(id) = ev.take_new_id() else { continue };
+                    match Hello::parse(&ev.private_data) {
+                        Some(h)
+                            if self.acceptable(&h, &peers)
+                                && !accepting
+                                    .iter()
+                                    .any(|(_, p)| p.server == h.server_id as usize) =>
+                        {
+                            let peer = Peer::on_cm(self, &id, h)?;
+                            id.accept(&param(self.my_hello()))?;
+                            accepting.push((id, peer));
+                        }
+                        _ => {
+                            log::warn!(
+                                "broker: refused a connect request from {:?}",
+                                id.peer_addr()
+                            );
+                            let _ = id.reject(&[]);
+                        }
+                    }
+                } else if ev.kind == CmEventKind::ESTABLISHED {
+                    if let Some(i) = accepting.iter().position(|(id, _)| id.id_ref() == ev.id) {
+                        let (_, peer) = accepting.swap_remove(i);
+                        let s = peer.server;
+                        peers[s] = Some(peer);
+                    }
+                } else {
+                    // A failed accept: the peer will try again.
+                    accepting.retain(|(id, _)| id.id_ref() != ev.id);
+                }
+            }
+            // Our own attempts.
+            let mut i = 0;
+            while i < connecting.len() {
+                match connecting[i].1.channel().get_event(Duration::ZERO) {
+                    Ok(ev) if ev.kind == CmEventKind::ESTABLISHED => {
+                        let (s, _, mut peer) = connecting.swap_remove(i);
+                        match Hello::parse(&ev.private_data) {
+                            Some(h)
+                                if h.server_id as usize == s
+                                    && h.thread_id == self.config.thread_id =>
+                            {
+                                peer.remote = h.region;
+                                peers[s] = Some(peer);
+                            }
+                            _ => {
+                                return Err(BrokerError::Protocol(format!(
+                                    "server {s} answered with a bad hello"
+                                )))
+                            }
+                        }
+                    }
+                    Ok(_) => {
+                        let (s, ..) = connecting.swap_remove(i);
+                        next_try[s] = Instant::now() + RETRY;
+                    }
+                    Err(_) => i += 1,
+                }
+            }
+            for s in 0..me {
+                if peers[s].is_some()
+                    || connecting.iter().any(|c| c.0 == s)
+                    || Instant::now() < next_try[s]
+                {
+                    continue;
+                }
+                let left = deadline.saturating_duration_since(Instant::now());
+                match CmId::resolve(self.addr_of(s), None, left.min(Duration::from_secs(2))) {
+                    Ok(id) => {
+                        let peer = Peer::on_cm(
+                            self,
+                            &id,
+                            Hello {
+                                server_id: s as u16,
+                                thread_id: self.config.thread_id,
+                                region: RemoteRegion {
+                                    addr: 0,
+                                    len: 0,
+                                    rkey: 0,
+                                },
+                            },
+                        )?;
+                        id.connect(&param(self.my_hello()))?;
+                        connecting.push((s, id, peer));
+                    }
+                    Err(e) => {
+                        log::debug!("broker: resolving server {s}: {e}");
+                        next_try[s] = Instant::now() + RETRY;
+                    }
+                }
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        Ok((peers, listener))
+    }
+
+    fn mesh_socket(&self, deadline: Instant) -> Result<Vec<Option<Peer>>> {
+        let me = self.config.server_id;
+        let mut peers: Vec<Option<Peer>> = (0..self.config.hosts.len()).map(|_| None).collect();
+        let listener = TcpListener::bind(self.addr_of(me))?;
+        listener.set_nonblocking(true)?;
+        while !self.missing(&peers).is_empty() {
+            if Instant::now() >= deadline {
+                return Err(self.timed_out(&peers));
+            }
+            while let Ok((tcp, _)) = listener.accept() {
+                if let Err(e) = self.handshake(tcp, None, deadline, &mut peers) {
+                    log::warn!("broker: a peer's handshake failed: {e}");
+                }
+            }
+            for s in 0..me {
+                if peers[s].is_some() {
+                    continue;
+                }
+                if let Ok(tcp) =
+                    TcpStream::connect_timeout(&self.addr_of(s), Duration::from_millis(200))
+                {
+                    if let Err(e) = self.handshake(tcp, Some(s), deadline, &mut peers) {
+                        log::warn!("broker: handshake with server {s} failed, retrying: {e}");
+                    }
+                }
+            }
+            std::thread::sleep(RETRY);
+        }
+        Ok(peers)
+    }
+
+    /// One socket handshake: hellos and QP endpoints both ways, connect,
+    /// then one byte each way so neither sends before the other can receive.
+    fn handshake(
+        &self,
+        mut tcp: TcpStream,
+        expect: Option<usize>,
+        deadline: Instant,
+        peers: &mut [Option<Peer>],
+    ) -> Result<()> {
+        tcp.set_nonblocking(false)?;
+        tcp.set_read_timeout(Some(
+            deadline
+                .saturating_duration_since(Instant::now())
+                .max(Duration::from_millis(1)),
+        ))?;
+        let (peer_qp, local) = Peer::manual(self)?;
+        let mut out = Vec::with_capacity(HELLO_LEN + QP_INFO_WIRE_LEN);
+        out.extend_from_slice(&self.my_hello().to_bytes());
+        out.extend_from_slice(&local.to_bytes());
+        tcp.write_all(&out)?;
+        let mut inb = [0u8; HELLO_LEN + QP_INFO_WIRE_LEN];
+        tcp.read_exact(&mut inb)?;
+        let hello = Hello::parse(&inb[..HELLO_LEN])
+            .ok_or_else(|| BrokerError::Protocol("a peer sent a bad hello".into()))?;
+        let ok = match expect {
+            Some(s) => hello.server_id as usize == s && hello.thread_id == self.config.thread_id,
+            None => self.acceptable(&hello, peers),
+        };
+        if !ok {
+            return Err(BrokerError::Protocol(format!("unexpected hello {hello:?}")));
+        }
+        let remote = QpInfo::from_bytes(&inb[HELLO_LEN..])?;
+        let mut peer = peer_qp.connect(self, hello, &remote)?;
+        tcp.write_all(&[1])?;
+        tcp.read_exact(&mut [0u8])?;
+        tcp.set_nonblocking(true)?;
+        peer.tcp = Some(tcp);
+        peers[hello.server_id as usize] = Some(peer);
+        Ok(())
+    }
+}

@@ -1,0 +1,915 @@
+//! An RC message broker, after RDMALib: one per worker thread, connecting
+//! thread `t` of this server to thread `t` of every other server (a full
+//! mesh from a list of `ip:port`). Each peer gets a ring of send slots the
+//! caller fills in place; sends are batched into one doorbell
+//! (`doorbell_batch` requests per `ibv_post_send`, only the last signaled);
+//! SEND, WRITE and READ (with immediates) complete into one callback, run on
+//! the owner's thread inside [`Broker::poll_sq`] and [`Broker::poll_rq`].
+//! No hidden threads.
+//!
+//! Fixed against the seed: a failed completion fails that peer (a
+//! [`EventKind::Failed`] event per operation, [`EventKind::PeerDown`] once)
+//! and never aborts; a full ring is [`BrokerError::Full`], not a spin; a slot
+//! is never handed out twice; connecting retries until the init timeout in
+//! any start order, with one queue pair per pair of servers.
+//!
+//! Memory: the send and receive rings live in memory of the broker's own,
+//! which peers cannot access; the data region (the caller's memory, or one
+//! the broker allocates) is what peers READ and WRITE, by offset or address.
+
+mod memmgr;
+mod mesh;
+mod peer;
+
+use std::cell::{Cell, RefCell};
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+pub use memmgr::{FreeError, MemManager, FIRST_CLASS_SIZE, SIZE_CLASSES};
+
+use crate::verbs::{
+    self, AccessFlags, Completion, Context, MemoryRegion, ProtectionDomain, RemoteAddr,
+    RemoteRegion, SendOp, Sge, WcOpcode, WcStatus,
+};
+use peer::{Peer, Pending, Slot};
+
+/// How the queue pairs are connected.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ConnectMode {
+    /// RDMA CM.
+    Cm,
+    /// A TCP socket exchange, then a manual RESET -> RTS.
+    Socket,
+}
+
+/// What a broker is built from.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// Every server, in server-id order; thread `t` uses port `port + t`.
+    pub hosts: Vec<SocketAddr>,
+    /// This server's index in `hosts`.
+    pub server_id: usize,
+    pub thread_id: u16,
+    /// Send slots (and receives) per peer.
+    pub slots: u32,
+    /// Bytes per slot: the largest message.
+    pub slot_size: u32,
+    /// Requests per doorbell.
+    pub doorbell_batch: u32,
+    /// Bytes of the data region the broker allocates (when the caller
+    /// gives none).
+    pub data_len: usize,
+    pub mode: ConnectMode,
+    /// The RDMA device (default: `SNOWRDMA_DEVICE`, else the first).
+    pub device: Option<String>,
+}
+
+impl Config {
+    /// Parses `ip:port,ip:port,...`.
+    pub fn parse_hosts(list: &str) -> Result<Vec<SocketAddr>> {
+        list.split(',')
+            .map(|h| {
+                h.trim()
+                    .parse()
+                    .map_err(|_| BrokerError::InvalidArgument(format!("{h:?} is not ip:port")))
+            })
+            .collect()
+    }
+
+    fn check(&self) -> Result<()> {
+        let bad = |m: &str| Err(BrokerError::InvalidArgument(m.into()));
+        if self.server_id >= self.hosts.len() {
+            return bad("server_id is not an index of hosts");
+        }
+        if self.hosts.len() > usize::from(u16::MAX) {
+            return bad("too many hosts");
+        }
+        if self.slots == 0 || self.slots > 4096 {
+            return bad("slots per peer must be 1 to 4096");
+        }
+        if self.slot_size == 0 || self.slot_size > 1 << 30 {
+            return bad("slot_size must be 1 byte to 1 GiB");
+        }
+        if self.doorbell_batch == 0 || self.doorbell_batch > self.slots {
+            return bad("doorbell_batch must be 1 to slots");
+        }
+        if self
+            .hosts
+            .iter()
+            .any(|h| h.port().checked_add(self.thread_id).is_none())
+        {
+            return bad("port + thread_id exceeds 65535");
+        }
+        Ok(())
+    }
+}
+
+/// Errors of the broker.
+#[derive(Debug, thiserror::Error)]
+pub enum BrokerError {
+    #[error(transparent)]
+    Verbs(#[from] verbs::Error),
+    #[error("socket: {0}")]
+    Io(#[from] std::io::Error),
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+    /// No free slot, or the send queue is full: poll the send side and try
+    /// again.
+    #[error("server {0}: no free send slot")]
+    Full(usize),
+    #[error("server {0} has failed")]
+    PeerFailed(usize),
+    #[error("not connected to server {0}")]
+    NoSuchPeer(usize),
+    #[error("init timed out; not connected to servers {missing:?}")]
+    InitTimeout { missing: Vec<usize> },
+    #[error("a peer broke the protocol: {0}")]
+    Protocol(String),
+    /// A poll was called from inside a callback.
+    #[error("called from inside a callback")]
+    Reentrant,
+    /// Debug builds: called from a thread other than the owner.
+    #[error("called from a thread other than the broker's owner")]
+    WrongThread,
+}
+
+pub type Result<T, E = BrokerError> = std::result::Result<T, E>;
+
+/// What a completion was.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(C)]
+pub enum EventKind {
+    /// A message arrived (its bytes are `buf`), or a WRITE WITH IMM (empty
+    /// `buf`, the immediate in `imm`).
+    Recv = 0,
+    SendDone = 1,
+    WriteDone = 2,
+    ReadDone = 3,
+    /// The operation `wr_id` failed with `status`; its peer has failed.
+    Failed = 4,
+    /// The peer failed (its receives were flushed); once per peer.
+    PeerDown = 5,
+}
+
+/// Kinds of posted operations.
+pub(crate) type OpKind = EventKind;
+
+/// One completion, handed to the callback.
+#[derive(Debug)]
+pub struct Event<'a> {
+    pub kind: EventKind,
+    pub peer: usize,
+    /// What the post returned; the slot index for receives.
+    pub wr_id: u64,
+    pub buf: &'a [u8],
+    pub imm: Option<u32>,
+    pub status: WcStatus,
+}
+
+/// Counters of a broker.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Stats {
+    pub sends: u64,
+    pub writes: u64,
+    pub reads: u64,
+    pub recvs: u64,
+    /// `ibv_post_send` calls.
+    pub doorbells: u64,
+    /// `ibv_post_recv` calls.
+    pub recv_doorbells: u64,
+    pub failed_ops: u64,
+}
+
+#[derive(Default)]
+pub(crate) struct Counters {
+    sends: Cell<u64>,
+    writes: Cell<u64>,
+    reads: Cell<u64>,
+    recvs: Cell<u64>,
+    doorbells: Cell<u64>,
+    recv_doorbells: Cell<u64>,
+    failed_ops: Cell<u64>,
+}
+
+/// Where a WRITE takes its bytes or a READ puts them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Local {
+    /// A send slot handed out by [`Broker::send_buf`] (it is used up).
+    Slot(u32),
+    /// Bytes of this broker's data region, from this offset.
+    Data(u64),
+}
+
+/// Where on the peer a WRITE or READ goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Remote {
+    /// An offset into the peer's data region.
+    Offset(u64),
+    /// An absolute address inside the peer's data region.
+    Addr(u64),
+}
+
+pub(crate) struct Shared {
+    pub config: Config,
+    pub pd: ProtectionDomain,
+    /// Send and receive rings of every peer; local access only.
+    pub rings: MemoryRegion,
+    pub data: MemoryRegion,
+    pub data_remote: RemoteRegion,
+    pub stats: Counters,
+}
+
+impl Shared {
+    pub(crate) fn max_send_wr(&self) -> u32 {
+        self.config.slots * 2
+    }
+
+    fn slot_addr(&self, server: usize, ring: u32, slot: u32) -> usize {
+        let c = &self.config;
+        let index = (server as u64 * 2 + u64::from(ring)) * u64::from(c.slots) + u64::from(slot);
+        self.rings.addr() as usize + (index * u64::from(c.slot_size)) as usize
+    }
+
+    pub(crate) fn recv_slot(&self, server: usize, slot: u32) -> (usize, usize) {
+        (
+            self.slot_addr(server, 0, slot),
+            self.config.slot_size as usize,
+        )
+    }
+
+    pub(crate) fn send_slot(&self, server: usize, slot: u32) -> (usize, usize) {
+        (
+            self.slot_addr(server, 1, slot),
+            self.config.slot_size as usize,
+        )
+    }
+}
+
+type Callback = Box<dyn FnMut(&Broker, &Event<'_>) + Send>;
+
+/// A broker: see the module documentation.
+pub struct Broker {
+    shared: Shared,
+    peers: Vec<Option<Peer>>,
+    callback: RefCell<Callback>,
+    owner: Cell<Option<std::thread::ThreadId>>,
+    down_reported: RefCell<Vec<bool>>,
+    /// CM mode: reports the accepted connections' disconnects.
+    listener: Option<verbs::CmId>,
+    last_cm_check: Cell<Instant>,
+}
+
+/// How often the polls look at RDMA CM events (a system call each).
+const CM_CHECK: Duration = Duration::from_millis(10);
+
+// SAFETY: the broker is used by one thread at a time (its owner; debug
+// builds check); the RefCells and Cells are never shared across threads
+// because `Broker` is not `Sync`.
+unsafe impl Send for Broker {}
+
+/// A send slot handed out by [`Broker::send_buf`].
+pub struct SendBuf<'b> {
+    broker: &'b Broker,
+    peer: usize,
+    slot: u32,
+    posted: bool,
+}
+
+impl Broker {
+    /// A broker whose data region it allocates (`config.data_len` bytes),
+    /// with `callback` for every completion. Not connected yet: call
+    /// [`Broker::init`].
+    pub fn new(
+        config: Config,
+        callback: impl FnMut(&Broker, &Event<'_>) + Send + 'static,
+    ) -> Result<Broker> {
+        config.check()?;
+        let pd = Context::open_with_cm(config.device.as_deref())?.alloc_pd()?;
+        let data = pd.allocate(config.data_len.max(1), data_access())?;
+        Self::build(config, pd, data, Box::new(callback))
+    }
+
+    /// A broker over the caller's memory as data region.
+    ///
+    /// # Safety
+    /// `ptr..ptr+len` must stay valid until the broker is dropped; peers may
+    /// write it at any time.
+    pub unsafe fn with_memory(
+        config: Config,
+        ptr: *mut u8,
+        len: usize,
+        callback: impl FnMut(&Broker, &Event<'_>) + Send + 'static,
+    ) -> Result<Broker> {
+        config.check()?;
+        let pd = Context::open_with_cm(config.device.as_deref())?.alloc_pd()?;
+        let data = pd.register_raw(ptr, len, data_access())?;
+        Self::build(config, pd, data, Box::new(callback))
+    }
+
+    fn build(
+        config: Config,
+        pd: ProtectionDomain,
+        data: MemoryRegion,
+        callback: Callback,
+    ) -> Result<Broker> {
+        let ring_bytes = (config.hosts.len() as u64)
+            .checked_mul(2 * u64::from(config.slots) * u64::from(config.slot_size))
+            .and_then(|b| usize::try_from(b).ok())
+            .ok_or_else(|| BrokerError::InvalidArgument("rings too large".into()))?;
+        let rings = pd.allocate(ring_bytes, AccessFlags::LOCAL_WRITE)?;
+        let data_remote = data.remote();
+        let n = config.hosts.len();
+        Ok(Broker {
+            shared: Shared {
+                config,
+                pd,
+                rings,
+                data,
+                data_remote,
+                stats: Counters::default(),
+            },
+            peers: (0..n).map(|_| None).collect(),
+            callback: RefCell::new(callback),
+            owner: Cell::new(None),
+            down_reported: RefCell::new(vec![false; n]),
+            listener: None,
+            last_cm_check: Cell::new(Instant::now()),
+        })
+    }
+
+    /// Connects to every other server, retrying until `timeout`. The thread
+    /// that calls it owns the broker from then on.
+    pub fn init(&mut self, timeout: Duration) -> Result<()> {
+        self.owner.set(Some(std::thread::current().id()));
+        let (peers, listener) = self.shared.build_mesh(Instant::now() + timeout)?;
+        self.peers = peers;
+        self.listener = listener;
+        Ok(())
+    }
+
+    /// Makes the calling thread the owner (after the broker moved to it).
+    pub fn take_ownership(&mut self) {
+        self.owner.set(Some(std::thread::current().id()));
+    }
+
+    fn check_owner(&self) -> Result<()> {
+        if cfg!(debug_assertions)
+            && self
+                .owner
+                .get()
+                .is_some_and(|o| o != std::thread::current().id())
+        {
+            return Err(BrokerError::WrongThread);
+        }
+        Ok(())
+    }
+
+    fn peer(&self, server: usize) -> Result<&Peer> {
+        self.check_owner()?;
+        let p = self
+            .peers
+            .get(server)
+            .and_then(Option::as_ref)
+            .ok_or(BrokerError::NoSuchPeer(server))?;
+        if p.failed.get() {
+            return Err(BrokerError::PeerFailed(server));
+        }
+        Ok(p)
+    }
+
+    /// The connected servers.
+    pub fn peers(&self) -> impl Iterator<Item = usize> + '_ {
+        self.peers.iter().flatten().map(|p| p.server)
+    }
+
+    /// This broker's data region as peers see it.
+    pub fn data_region(&self) -> RemoteRegion {
+        self.shared.data_remote
+    }
+
+    /// A peer's data region.
+    pub fn peer_region(&self, server: usize) -> Result<RemoteRegion> {
+        Ok(self.peer(server)?.remote)
+    }
+
+    pub fn config(&self) -> &Config {
+        &self.shared.config
+    }
+
+    /// The next send slot for `server`; [`BrokerError::Full`] when it is
+    /// still in flight (poll the send side and try again).
+    pub fn send_buf(&self, server: usize) -> Result<SendBuf<'_>> {
+        let peer = self.peer(server)?;
+        let mut send = peer.send.borrow_mut();
+        let slot = send.next;
+        if send.slots[slot as usize] != Slot::Free {
+            return Err(BrokerError::Full(server));
+        }
+        send.slots[slot as usize] = Slot::Handed;
+        send.next = (slot + 1) % self.shared.config.slots;
+        Ok(SendBuf {
+            broker: self,
+            peer: server,
+            slot,
+            posted: false,
+        })
+    }
+
+    /// [`Broker::send_buf`], polling the send side while the ring is full,
+    /// up to `timeout`.
+    pub fn send_buf_wait(&self, server: usize, timeout: Duration) -> Result<SendBuf<'_>> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            match self.send_buf(server) {
+                Err(BrokerError::Full(_)) if Instant::now() < deadline => {
+                    self.flush(server)?;
+                    self.poll_sq(Some(server))?;
+                }
+                r => return r,
+            }
+        }
+    }
+
+    /// The address and length of `server`'s send slot `slot`.
+    pub fn slot_ptr(&self, server: usize, slot: u32) -> (*mut u8, usize) {
+        let (a, l) = self.shared.send_slot(server, slot);
+        (a as *mut u8, l)
+    }
+
+    /// Finds the handed-out slot of `server` at `ptr` (for callers that
+    /// pass the slot's address back, as the seed's API does).
+    pub fn slot_at(&self, server: usize, ptr: *const u8) -> Option<u32> {
+        let (first, size) = self.shared.send_slot(server, 0);
+        let off = (ptr as usize).checked_sub(first)?;
+        let slot = u32::try_from(off / size).ok()?;
+        (off % size == 0 && slot < self.shared.config.slots).then_some(slot)
+    }
+
+    /// Queues a SEND of the first `len` bytes of a handed-out slot (`imm`
+    /// 0: none); goes out with the batch. Returns its id.
+    pub fn post_send(&self, server: usize, slot: u32, len: u32, imm: u32) -> Result<u64> {
+        let sge = self.slot_sge(server, slot, len)?;
+        let op = if imm == 0 {
+            SendOp::Send
+        } else {
+            SendOp::SendWithImm(imm)
+        };
+        self.queue(server, op, sge, EventKind::SendDone, Some(slot))
+    }
+
+    /// Queues a WRITE of `len` bytes from `local` to `remote` (`imm` != 0:
+    /// WRITE WITH IMM, which consumes a receive at the peer).
+    pub fn post_write(
+        &self,
+        server: usize,
+        local: Local,
+        len: u32,
+        remote: Remote,
+        imm: u32,
+    ) -> Result<u64> {
+        let (sge, slot) = self.local_sge(server, local, len)?;
+        let to = self.remote_addr(server, remote, len)?;
+        let op = if imm == 0 {
+            SendOp::Write(to)
+        } else {
+            SendOp::WriteWithImm(to, imm)
+        };
+        self.queue(server, op, sge, EventKind::WriteDone, slot)
+    }
+
+    /// Queues a READ of `len` bytes at `remote` into `local`.
+    pub fn post_read(&self, server: usize, local: Local, len: u32, remote: Remote) -> Result<u64> {
+        let (sge, slot) = self.local_sge(server, local, len)?;
+        let from = self.remote_addr(server, remote, len)?;
+        self.queue(server, SendOp::Read(from), sge, EventKind::ReadDone, slot)
+    }
+
+    fn slot_sge(&self, server: usize, slot: u32, len: u32) -> Result<Sge> {
+        let peer = self.peer(server)?;
+        let send = peer.send.borrow();
+        if send.slots.get(slot as usize) != Some(&Slot::Handed) {
+            return Err(BrokerError::InvalidArgument(format!(
+                "slot {slot} of server {server} was not handed out by send_buf"
+            )));
+        }
+        if len > self.shared.config.slot_size {
+            return Err(BrokerError::InvalidArgument(format!(
+                "{len} bytes do not fit a {}-byte slot",
+                self.shared.config.slot_size
+            )));
+        }
+        let (addr, _) = self.shared.send_slot(server, slot);
+        Ok(Sge {
+            addr: addr as u64,
+            length: len,
+            lkey: self.shared.rings.lkey(),
+        })
+    }
+
+    fn local_sge(&self, server: usize, local: Local, len: u32) -> Result<(Sge, Option<u32>)> {
+        match local {
+            Local::Slot(slot) => Ok((self.slot_sge(server, slot, len)?, Some(slot))),
+            Local::Data(off) => {
+                let data = &self.shared.data;
+                if off
+                    .checked_add(u64::from(len))
+                    .is_none_or(|end| end > data.len() as u64)
+                {
+                    return Err(BrokerError::InvalidArgument(format!(
+                        "{len} bytes at {off} are outside the {}-byte data region",
+                        data.len()
+                    )));
+                }
+                Ok((
+                    Sge {
+                        addr: data.addr() + off,
+                        length: len,
+                        lkey: data.lkey(),
+                    },
+                    None,
+                ))
+            }
+        }
+    }
+
+    fn remote_addr(&self, server: usize, remote: Remote, len: u32) -> Result<RemoteAddr> {
+        let r = self.peer(server)?.remote;
+        let off = match remote {
+            Remote::Offset(o) => Some(o),
+            Remote::Addr(a) => a.checked_sub(r.addr),
+        };
+        match off {
+            Some(o)
+                if o.checked_add(u64::from(len))
+                    .is_some_and(|end| end <= r.len) =>
+            {
+                Ok(RemoteAddr {
+                    addr: r.addr + o,
+                    rkey: r.rkey,
+                })
+            }
+            _ => Err(BrokerError::InvalidArgument(format!(
+                "{len} bytes at {remote:?} are outside server {server}'s {}-byte region",
+                r.len
+            ))),
+        }
+    }
+
+    fn queue(
+        &self,
+        server: usize,
+        op: SendOp,
+        sge: Sge,
+        kind: EventKind,
+        slot: Option<u32>,
+    ) -> Result<u64> {
+        let peer = self.peer(server)?;
+        let full = {
+            let mut send = peer.send.borrow_mut();
+            if send.in_queue + send.pending.len() >= self.shared.max_send_wr() as usize {
+                return Err(BrokerError::Full(server));
+            }
+            send.seq += 1;
+            let seq = send.seq;
+            if let Some(s) = slot {
+                // Used up: not handed out again until its completion.
+                send.slots[s as usize] = Slot::Posted;
+            }
+            send.pending.push(Pending {
+                seq,
+                op,
+                sge,
+                kind,
+                slot,
+            });
+            send.pending.len() >= self.shared.config.doorbell_batch as usize
+        };
+        let c = &self.shared.stats;
+        match kind {
+            EventKind::SendDone => c.sends.set(c.sends.get() + 1),
+            EventKind::WriteDone => c.writes.set(c.writes.get() + 1),
+            _ => c.reads.set(c.reads.get() + 1),
+        }
+        if full {
+            peer.flush(&self.shared)?;
+        }
+        Ok(peer.send.borrow().seq)
+    }
+
+    /// Posts `server`'s queued requests now (a partial batch).
+    pub fn flush(&self, server: usize) -> Result<()> {
+        self.peer(server)?.flush(&self.shared).map(drop)
+    }
+
+    /// Posts every peer's queued requests.
+    pub fn flush_all(&self) -> Result<()> {
+        self.check_owner()?;
+        for p in self.peers.iter().flatten().filter(|p| !p.failed.get()) {
+            p.flush(&self.shared)?;
+        }
+        Ok(())
+    }
+
+    /// A peer that disconnected (RDMA CM) or closed its socket has failed: its QP is moved to
+    /// the error state, so its operations flush. Looked at every CM_CHECK.
+    fn check_cm(&self) {
+        if self.last_cm_check.get().elapsed() < CM_CHECK {
+            return;
+        }
+        self.last_cm_check.set(Instant::now());
+        let by_id = |id: verbs::CmIdRef| {
+            self.peers
+                .iter()
+                .flatten()
+                .find(|p| p.cm_id.as_ref().is_some_and(|c| c.id_ref() == id))
+        };
+        let mut channels: Vec<&verbs::EventChannel> = self
+            .peers
+            .iter()
+            .flatten()
+            .filter_map(|p| p.cm_id.as_ref().map(|c| c.channel()))
+            .collect();
+        channels.extend(self.listener.as_ref().map(|l| l.channel()));
+        for p in self.peers.iter().flatten() {
+            if let Some(mut tcp) = p.tcp.as_ref() {
+                use std::io::Read;
+                match tcp.read(&mut [0u8; 1]) {
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                    Ok(0) => p.fail("its socket closed"),
+                    Ok(_) => p.fail("it sent bytes after the handshake"),
+                    Err(e) => p.fail(&format!("its socket: {e}")),
+                }
+            }
+        }
+        channels.dedup_by_key(|c| c.fd());
+        for ch in channels {
+            while let Ok(ev) = ch.get_event(Duration::ZERO) {
+                if ev.kind == verbs::CmEventKind::CONNECT_REQUEST {
+                    // The mesh is complete; a late request is refused.
+                    let mut ev = ev;
+                    if let Some(id) = ev.take_new_id() {
+                        let _ = id.reject(&[]);
+                    }
+                } else if let Some(p) = by_id(ev.id) {
+                    p.fail(&format!("RDMA CM reported {}", ev.kind));
+                }
+            }
+        }
+    }
+
+    fn targets(&self, server: Option<usize>) -> Result<Vec<&Peer>> {
+        self.check_owner()?;
+        self.check_cm();
+        Ok(match server {
+            Some(s) => vec![self
+                .peers
+                .get(s)
+                .and_then(Option::as_ref)
+                .ok_or(BrokerError::NoSuchPeer(s))?],
+            None => self.peers.iter().flatten().collect(),
+        })
+    }
+
+    /// Reaps send completions (of one server, or all): runs the callback for
+    /// each finished operation and frees its slot. Returns how many
+    /// operations finished.
+    pub fn poll_sq(&self, server: Option<usize>) -> Result<u32> {
+        let mut cb = self
+            .callback
+            .try_borrow_mut()
+            .map_err(|_| BrokerError::Reentrant)?;
+        let mut n = 0;
+        for peer in self.targets(server)? {
+            let mut wcs: [Completion; 32] = std::array::from_fn(|_| Completion::default());
+            let got = peer.send_cq.poll(&mut wcs)?;
+            for wc in &wcs[..got] {
+                let failed = peer::failed(peer, wc);
+                let done: Vec<_> = {
+                    let mut send = peer.send.borrow_mut();
+                    let mut done = Vec::new();
+                    while send
+                        .posted
+                        .front()
+                        .is_some_and(|p| p.seq <= wc.wr_id() || failed)
+                    {
+                        let p = send.posted.pop_front().expect("checked");
+                        send.in_queue -= 1;
+                        if let Some(s) = p.slot {
+                            send.slots[s as usize] = Slot::Free;
+                        }
+                        done.push(p);
+                    }
+                    done
+                };
+                if failed {
+                    peer.failed.set(true);
+                }
+                for p in done {
+                    let bad = failed && p.seq >= wc.wr_id();
+                    let ev = Event {
+                        kind: if bad { EventKind::Failed } else { p.kind },
+                        peer: peer.server,
+                        wr_id: p.seq,
+                        buf: &[],
+                        imm: None,
+                        status: if bad { wc.status() } else { WcStatus::SUCCESS },
+                    };
+                    if bad {
+                        let c = &self.shared.stats.failed_ops;
+                        c.set(c.get() + 1);
+                    }
+                    n += 1;
+                    (cb)(self, &ev);
+                }
+            }
+            if failed_now(peer) {
+                self.report_down(peer, &mut cb);
+            }
+        }
+        Ok(n)
+    }
+
+    /// Reaps receives (of one server, or all): runs the callback on each
+    /// message, reposts the slots, then posts every queued send, so replies
+    /// made in the callback go out in the same poll. Returns how many
+    /// messages arrived.
+    pub fn poll_rq(&self, server: Option<usize>) -> Result<u32> {
+        let mut cb = self
+            .callback
+            .try_borrow_mut()
+            .map_err(|_| BrokerError::Reentrant)?;
+        let mut n = 0;
+        for peer in self.targets(server)? {
+            let mut wcs: [Completion; 32] = std::array::from_fn(|_| Completion::default());
+            let got = peer.recv_cq.poll(&mut wcs)?;
+            let mut repost = Vec::with_capacity(got);
+            for wc in &wcs[..got] {
+                if peer::failed(peer, wc) {
+                    peer.failed.set(true);
+                    continue;
+                }
+                let slot = wc.wr_id() as u32;
+                let buf = if wc.opcode() == WcOpcode::RECV_RDMA_WITH_IMM {
+                    &[][..]
+                } else {
+                    &peer.recv_slot(&self.shared, slot)[..wc.byte_len() as usize]
+                };
+                let ev = Event {
+                    kind: EventKind::Recv,
+                    peer: peer.server,
+                    wr_id: u64::from(slot),
+                    buf,
+                    imm: wc.imm(),
+                    status: WcStatus::SUCCESS,
+                };
+                let c = &self.shared.stats.recvs;
+                c.set(c.get() + 1);
+                n += 1;
+                (cb)(self, &ev);
+                repost.push(slot);
+            }
+            if peer.failed.get() {
+                self.report_down(peer, &mut cb);
+            } else if !repost.is_empty() {
+                peer::post_recvs(&self.shared, &peer.qp, peer.server, repost.into_iter())?;
+            }
+        }
+        drop(cb);
+        self.flush_all()?;
+        Ok(n)
+    }
+
+    fn report_down(&self, peer: &Peer, cb: &mut Callback) {
+        let mut down = self.down_reported.borrow_mut();
+        if std::mem::replace(&mut down[peer.server], true) {
+            return;
+        }
+        drop(down);
+        cb(
+            self,
+            &Event {
+                kind: EventKind::PeerDown,
+                peer: peer.server,
+                wr_id: 0,
+                buf: &[],
+                imm: None,
+                status: WcStatus::WR_FLUSH_ERR,
+            },
+        );
+    }
+
+    /// The counters.
+    pub fn stats(&self) -> Stats {
+        let c = &self.shared.stats;
+        Stats {
+            sends: c.sends.get(),
+            writes: c.writes.get(),
+            reads: c.reads.get(),
+            recvs: c.recvs.get(),
+            doorbells: c.doorbells.get(),
+            recv_doorbells: c.recv_doorbells.get(),
+            failed_ops: c.failed_ops.get(),
+        }
+    }
+
+    /// Bytes of the data region at `offset`, copied out (peers may write the
+    /// region at any time).
+    pub fn read_data(&self, offset: usize, out: &mut [u8]) -> Result<()> {
+        let data = &self.shared.data;
+        if offset.checked_add(out.len()).is_none_or(|e| e > data.len()) {
+            return Err(BrokerError::InvalidArgument(
+                "outside the data region".into(),
+            ));
+        }
+        // SAFETY: inside the region (checked); a plain copy of memory the
+        // peers may be writing, as any shared memory is read.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                (data.addr() as usize + offset) as *const u8,
+                out.as_mut_ptr(),
+                out.len(),
+            )
+        };
+        Ok(())
+    }
+
+    /// Writes bytes into the data region at `offset`.
+    pub fn write_data(&self, offset: usize, bytes: &[u8]) -> Result<()> {
+        let data = &self.shared.data;
+        if offset
+            .checked_add(bytes.len())
+            .is_none_or(|e| e > data.len())
+        {
+            return Err(BrokerError::InvalidArgument(
+                "outside the data region".into(),
+            ));
+        }
+        // SAFETY: inside the region (checked).
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                bytes.as_ptr(),
+                (data.addr() as usize + offset) as *mut u8,
+                bytes.len(),
+            )
+        };
+        Ok(())
+    }
+}
+
+impl Drop for Broker {
+    fn drop(&mut self) {
+        // Peers learn at once (DISCONNECTED) instead of by retries.
+        for id in self.peers.iter().flatten().filter_map(|p| p.cm_id.as_ref()) {
+            let _ = id.disconnect();
+        }
+    }
+}
+
+fn failed_now(peer: &Peer) -> bool {
+    peer.failed.get()
+}
+
+fn data_access() -> AccessFlags {
+    AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_READ
+}
+
+impl SendBuf<'_> {
+    pub fn slot(&self) -> u32 {
+        self.slot
+    }
+
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        let (p, l) = self.broker.slot_ptr(self.peer, self.slot);
+        // SAFETY: the slot is handed to this value only, and no request
+        // uses it until it is posted (which consumes the value).
+        unsafe { std::slice::from_raw_parts_mut(p, l) }
+    }
+
+    /// Queues a SEND of the first `len` bytes (`imm` 0: none).
+    pub fn send(mut self, len: u32, imm: u32) -> Result<u64> {
+        self.posted = true;
+        self.broker.post_send(self.peer, self.slot, len, imm)
+    }
+
+    /// Queues a WRITE of the first `len` bytes to `remote`.
+    pub fn write(mut self, len: u32, remote: Remote, imm: u32) -> Result<u64> {
+        self.posted = true;
+        self.broker
+            .post_write(self.peer, Local::Slot(self.slot), len, remote, imm)
+    }
+}
+
+impl Drop for SendBuf<'_> {
+    fn drop(&mut self) {
+        if self.posted {
+            return;
+        }
+        // Never posted: the slot is free again.
+        if let Some(Some(p)) = self.broker.peers.get(self.peer) {
+            let mut send = p.send.borrow_mut();
+            if send.slots[self.slot as usize] == Slot::Handed {
+                send.slots[self.slot as usize] = Slot::Free;
+            }
+        }
+    }
+}

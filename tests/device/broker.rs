@@ -1,0 +1,412 @@
+//! The RC message broker on a real device: the full mesh in both connection
+//! modes and any start order, all-to-all messages with every byte checked,
+//! immediates, replies from the callback, a full ring, WRITE and READ,
+//! doorbell counting, and a peer that dies.
+
+use std::net::{IpAddr, SocketAddr};
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use snowrdma::broker::{Broker, BrokerError, Config, ConnectMode, EventKind, Local, Remote};
+
+use crate::device_ip;
+
+const INIT: Duration = Duration::from_secs(60);
+const WAIT: Duration = Duration::from_secs(30);
+
+fn config(servers: usize, me: usize, thread: u16, base_port: u16, mode: ConnectMode) -> Config {
+    Config {
+        hosts: (0..servers)
+            .map(|i| SocketAddr::new(IpAddr::V4(device_ip()), base_port + 10 * i as u16))
+            .collect(),
+        server_id: me,
+        thread_id: thread,
+        slots: 16,
+        slot_size: 256,
+        doorbell_batch: 4,
+        data_len: 1 << 16,
+        mode,
+        device: None,
+    }
+}
+
+/// What a callback saw, for the test to check.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Seen {
+    kind: EventKind,
+    peer: usize,
+    wr_id: u64,
+    buf: Vec<u8>,
+    imm: Option<u32>,
+}
+
+fn recorder() -> (
+    Arc<Mutex<Vec<Seen>>>,
+    impl FnMut(&Broker, &snowrdma::broker::Event<'_>) + Send + 'static,
+) {
+    let seen: Arc<Mutex<Vec<Seen>>> = Arc::default();
+    let s = seen.clone();
+    (seen, move |_: &Broker, ev: &snowrdma::broker::Event<'_>| {
+        s.lock().unwrap().push(Seen {
+            kind: ev.kind,
+            peer: ev.peer,
+            wr_id: ev.wr_id,
+            buf: ev.buf.to_vec(),
+            imm: ev.imm,
+        })
+    })
+}
+
+/// Polls both sides until `done` holds, failing after WAIT.
+fn poll_until(b: &Broker, mut done: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !done() {
+        b.poll_rq(None).unwrap();
+        b.poll_sq(None).unwrap();
+        assert!(start.elapsed() < WAIT, "timed out polling");
+    }
+}
+
+fn message(from: usize, to: usize, thread: u16, seq: u32) -> Vec<u8> {
+    let len = 8 + (seq as usize * 37 + from * 11 + to) % 200;
+    (0..len)
+        .map(|i| (from * 31 + to * 7 + thread as usize * 3 + seq as usize + i) as u8)
+        .collect()
+}
+
+fn mesh(mode: ConnectMode, base_port: u16) {
+    const SERVERS: usize = 4;
+    const THREADS: u16 = 2;
+    const MSGS: u32 = 12;
+    let mut handles = Vec::new();
+    // A start order that differs between runs and modes.
+    let mut order: Vec<(usize, u16)> = (0..SERVERS)
+        .flat_map(|s| (0..THREADS).map(move |t| (s, t)))
+        .collect();
+    let seed = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .subsec_nanos() as usize;
+    let n = order.len();
+    order.rotate_left(seed % n);
+    order.reverse();
+    for (k, (me, thread)) in order.into_iter().enumerate() {
+        handles.push(std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(40 * k as u64));
+            let (seen, cb) = recorder();
+            let mut b = Broker::new(config(SERVERS, me, thread, base_port, mode), cb).unwrap();
+            b.init(INIT)
+                .unwrap_or_else(|e| panic!("server {me} thread {thread}: {e}"));
+            assert_eq!(b.peers().count(), SERVERS - 1);
+            for seq in 0..MSGS {
+                for to in (0..SERVERS).filter(|&s| s != me) {
+                    let m = message(me, to, thread, seq);
+                    let mut buf = b.send_buf_wait(to, WAIT).unwrap();
+                    buf.as_mut_slice()[..m.len()].copy_from_slice(&m);
+                    buf.send(m.len() as u32, seq + 1).unwrap();
+                }
+            }
+            b.flush_all().unwrap();
+            let want = (SERVERS as u32 - 1) * MSGS;
+            poll_until(&b, || {
+                let s = seen.lock().unwrap();
+                s.iter().filter(|e| e.kind == EventKind::Recv).count() as u32 == want
+                    && s.iter().filter(|e| e.kind == EventKind::SendDone).count() as u32 == want
+            });
+            let s = seen.lock().unwrap();
+            for e in s.iter().filter(|e| e.kind == EventKind::Recv) {
+                let seq = e.imm.expect("sent with an immediate") - 1;
+                assert_eq!(
+                    e.buf,
+                    message(e.peer, me, thread, seq),
+                    "from {} seq {seq}",
+                    e.peer
+                );
+            }
+            assert!(s.iter().all(|e| e.kind != EventKind::Failed));
+            // Keep the QPs until every broker is done receiving.
+            std::thread::sleep(Duration::from_secs(2));
+            b.stats()
+        }));
+    }
+    for h in handles {
+        let stats = h.join().unwrap();
+        assert!(
+            stats.doorbells < stats.sends,
+            "sends were batched: {stats:?}"
+        );
+    }
+}
+
+#[test]
+#[ignore = "needs an RDMA device: run `make test`"]
+fn broker_full_mesh_over_rdma_cm() {
+    mesh(ConnectMode::Cm, 19100);
+}
+
+#[test]
+#[ignore = "needs an RDMA device: run `make test`"]
+fn broker_full_mesh_over_sockets() {
+    mesh(ConnectMode::Socket, 19200);
+}
+
+/// Two brokers on two threads; `other` runs on its own thread with `cb`.
+fn two(
+    base_port: u16,
+    tweak: impl Fn(&mut Config),
+) -> (Broker, Arc<Mutex<Vec<Seen>>>, Broker, Arc<Mutex<Vec<Seen>>>) {
+    let (tx, rx) = mpsc::channel();
+    let mut c1 = config(2, 1, 0, base_port, ConnectMode::Cm);
+    tweak(&mut c1);
+    let other = std::thread::spawn(move || {
+        let (seen, cb) = recorder();
+        let mut b = Broker::new(c1, cb).unwrap();
+        b.init(INIT).unwrap();
+        tx.send(()).unwrap();
+        (b, seen)
+    });
+    let (seen0, cb) = recorder();
+    let mut c0 = config(2, 0, 0, base_port, ConnectMode::Cm);
+    tweak(&mut c0);
+    let mut b0 = Broker::new(c0, cb).unwrap();
+    b0.init(INIT).unwrap();
+    rx.recv_timeout(WAIT).unwrap();
+    let (mut b1, seen1) = other.join().unwrap();
+    // The test drives both from this thread: it owns them now.
+    b1.take_ownership();
+    (b0, seen0, b1, seen1)
+}
+
+#[test]
+#[ignore = "needs an RDMA device: run `make test`"]
+fn broker_ping_pong_with_replies_from_the_callback() {
+    let (tx, rx) = mpsc::channel::<(usize, u32)>();
+    let (seen0, cb0) = recorder();
+    let echo = move |b: &Broker, ev: &snowrdma::broker::Event<'_>| {
+        if ev.kind == EventKind::Recv {
+            let _ = tx.send((ev.buf.len(), ev.imm.unwrap_or(0)));
+            // The reply goes out in this same poll.
+            let mut buf = b.send_buf(ev.peer).unwrap();
+            buf.as_mut_slice()[..ev.buf.len()].copy_from_slice(ev.buf);
+            buf.send(ev.buf.len() as u32, ev.imm.unwrap_or(0) + 1)
+                .unwrap();
+        }
+    };
+    let port = 19300;
+    let server = std::thread::spawn(move || {
+        let mut b = Broker::new(config(2, 1, 0, port, ConnectMode::Cm), echo).unwrap();
+        b.init(INIT).unwrap();
+        let start = Instant::now();
+        let mut handled = 0;
+        while handled < 10 && start.elapsed() < WAIT {
+            handled += b.poll_rq(None).unwrap();
+            b.poll_sq(None).unwrap();
+        }
+        std::thread::sleep(Duration::from_millis(500));
+        handled
+    });
+    let mut b = Broker::new(config(2, 0, 0, port, ConnectMode::Cm), cb0).unwrap();
+    b.init(INIT).unwrap();
+    for round in 0..10u32 {
+        let mut buf = b.send_buf_wait(1, WAIT).unwrap();
+        buf.as_mut_slice()[..5].copy_from_slice(b"ping!");
+        buf.send(5, 100 * round + 1).unwrap();
+        b.flush(1).unwrap();
+        poll_until(&b, || {
+            seen0
+                .lock()
+                .unwrap()
+                .iter()
+                .any(|e| e.kind == EventKind::Recv && e.imm == Some(100 * round + 2))
+        });
+        assert_eq!(rx.recv_timeout(WAIT).unwrap(), (5, 100 * round + 1));
+    }
+    assert!(seen0
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|e| e.kind == EventKind::Recv)
+        .all(|e| e.buf == b"ping!"));
+    assert_eq!(server.join().unwrap(), 10);
+}
+
+#[test]
+#[ignore = "needs an RDMA device: run `make test`"]
+fn broker_one_sided_ring_full_and_doorbells() {
+    let (b0, seen0, b1, seen1) = two(19400, |c| c.doorbell_batch = 4);
+    // WRITE by offset, READ back by address.
+    let mut buf = b0.send_buf(1).unwrap();
+    buf.as_mut_slice()[..6].copy_from_slice(b"remote");
+    let w = buf.write(6, Remote::Offset(100), 0).unwrap();
+    b0.flush(1).unwrap();
+    poll_until(&b0, || {
+        seen0
+            .lock()
+            .unwrap()
+            .iter()
+            .any(|e| e.kind == EventKind::WriteDone && e.wr_id == w)
+    });
+    let mut got = [0u8; 6];
+    b1.read_data(100, &mut got).unwrap();
+    assert_eq!(&got, b"remote");
+    let region = b0.peer_region(1).unwrap();
+    b0.write_data(0, &[0; 16]).unwrap();
+    let r = b0
+        .post_read(1, Local::Data(0), 6, Remote::Addr(region.addr + 100))
+        .unwrap();
+    b0.flush(1).unwrap();
+    poll_until(&b0, || {
+        seen0
+            .lock()
+            .unwrap()
+            .iter()
+            .any(|e| e.kind == EventKind::ReadDone && e.wr_id == r)
+    });
+    b0.read_data(0, &mut got).unwrap();
+    assert_eq!(&got, b"remote");
+    assert!(matches!(
+        b0.post_read(1, Local::Data(0), 8, Remote::Offset(region.len - 4)),
+        Err(BrokerError::InvalidArgument(_))
+    ));
+    // WRITE WITH IMM: the peer gets the immediate.
+    b1.write_data(200, b"0123").unwrap();
+    b1.post_write(0, Local::Data(200), 4, Remote::Offset(300), 9)
+        .unwrap();
+    b1.flush(0).unwrap();
+    poll_until(&b0, || {
+        seen0
+            .lock()
+            .unwrap()
+            .iter()
+            .any(|e| e.kind == EventKind::Recv && e.imm == Some(9))
+    });
+    poll_until(&b1, || {
+        seen1
+            .lock()
+            .unwrap()
+            .iter()
+            .any(|e| e.kind == EventKind::WriteDone)
+    });
+    b0.read_data(300, &mut got[..4]).unwrap();
+    assert_eq!(&got[..4], b"0123");
+
+    // Doorbells: 10 sends at batch 4 ring twice by themselves; the flush
+    // posts the partial third.
+    b0.poll_sq(None).unwrap();
+    let before = b0.stats().doorbells;
+    for i in 0..10u32 {
+        b0.send_buf(1).unwrap().send(1, i + 1).unwrap();
+    }
+    assert_eq!(b0.stats().doorbells - before, 2);
+    b0.flush(1).unwrap();
+    assert_eq!(b0.stats().doorbells - before, 3);
+    poll_until(&b1, || {
+        seen1
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|e| e.kind == EventKind::Recv)
+            .count()
+            == 10
+    });
+
+    // The ring: 16 slots; with nothing reaped, slot 17 is refused.
+    let mut held = Vec::new();
+    let err = loop {
+        match b0.send_buf(1) {
+            Ok(buf) => {
+                held.push(buf.slot());
+                buf.send(1, 0).unwrap();
+            }
+            Err(e) => break e,
+        }
+        assert!(held.len() <= 16, "a slot was handed out twice");
+    };
+    assert!(matches!(err, BrokerError::Full(1)), "{err}");
+    let mut unique = held.clone();
+    unique.sort();
+    unique.dedup();
+    assert_eq!(unique.len(), held.len(), "no slot handed out twice");
+    b0.flush(1).unwrap();
+    poll_until(&b0, || b0.send_buf(1).is_ok());
+    drop(b1);
+}
+
+#[test]
+#[ignore = "needs an RDMA device: run `make test`"]
+fn broker_a_dead_peer_fails_only_its_own_operations() {
+    dead_peer(ConnectMode::Cm, 19500);
+}
+
+#[test]
+#[ignore = "needs an RDMA device: run `make test`"]
+fn broker_a_dead_peer_is_noticed_over_sockets_too() {
+    dead_peer(ConnectMode::Socket, 19600);
+}
+
+/// Three servers; server 2 dies; server 0 keeps talking to 1.
+fn dead_peer(mode: ConnectMode, port: u16) {
+    let (tx, rx) = mpsc::channel();
+    let mut others = Vec::new();
+    for me in 1..3 {
+        let tx = tx.clone();
+        others.push(std::thread::spawn(move || {
+            let (seen, cb) = recorder();
+            let mut b = Broker::new(config(3, me, 0, port, mode), cb).unwrap();
+            b.init(INIT).unwrap();
+            tx.send(me).unwrap();
+            if me == 2 {
+                return; // dies: its queue pairs are destroyed
+            }
+            poll_until(&b, || {
+                seen.lock()
+                    .unwrap()
+                    .iter()
+                    .filter(|e| e.kind == EventKind::Recv)
+                    .count()
+                    == 3
+            });
+        }));
+    }
+    let (seen, cb) = recorder();
+    let mut b = Broker::new(config(3, 0, 0, port, mode), cb).unwrap();
+    b.init(INIT).unwrap();
+    for _ in 0..2 {
+        rx.recv_timeout(WAIT).unwrap();
+    }
+    others.remove(1).join().unwrap();
+    let start = Instant::now();
+    loop {
+        match b.send_buf(2) {
+            Ok(buf) => {
+                buf.send(1, 0).unwrap();
+                b.flush(2).unwrap();
+            }
+            Err(BrokerError::PeerFailed(2)) => break,
+            Err(BrokerError::Full(2)) => {}
+            Err(e) => panic!("{e}"),
+        }
+        b.poll_sq(None).unwrap();
+        b.poll_rq(None).unwrap();
+        assert!(
+            start.elapsed() < WAIT * 2,
+            "the dead peer was never noticed"
+        );
+    }
+    assert!(seen
+        .lock()
+        .unwrap()
+        .iter()
+        .any(|e| e.kind == EventKind::Failed && e.peer == 2));
+    for i in 0..3u32 {
+        b.send_buf(1).unwrap().send(1, i + 1).unwrap();
+    }
+    b.flush(1).unwrap();
+    others.remove(0).join().unwrap();
+    assert!(seen
+        .lock()
+        .unwrap()
+        .iter()
+        .all(|e| e.kind != EventKind::Failed || e.peer == 2));
+}

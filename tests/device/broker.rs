@@ -41,8 +41,10 @@ struct Seen {
     imm: Option<u32>,
 }
 
+type Log = Arc<Mutex<Vec<Seen>>>;
+
 fn recorder() -> (
-    Arc<Mutex<Vec<Seen>>>,
+    Log,
     impl FnMut(&Broker, &snowrdma::broker::Event<'_>) + Send + 'static,
 ) {
     let seen: Arc<Mutex<Vec<Seen>>> = Arc::default();
@@ -152,10 +154,7 @@ fn broker_full_mesh_over_sockets() {
 }
 
 /// Two brokers on two threads; `other` runs on its own thread with `cb`.
-fn two(
-    base_port: u16,
-    tweak: impl Fn(&mut Config),
-) -> (Broker, Arc<Mutex<Vec<Seen>>>, Broker, Arc<Mutex<Vec<Seen>>>) {
+fn two(base_port: u16, tweak: impl Fn(&mut Config)) -> (Broker, Log, Broker, Log) {
     let (tx, rx) = mpsc::channel();
     let mut c1 = config(2, 1, 0, base_port, ConnectMode::Cm);
     tweak(&mut c1);

@@ -1,0 +1,198 @@
+//! Polling: reaping send and receive completions into the callback,
+//! reposting receives, and noticing peers that are gone.
+
+use std::time::{Duration, Instant};
+
+use super::peer::{self, Peer, Slot};
+use super::{Broker, BrokerError, Callback, Event, EventKind, Result, CM_CHECK};
+use crate::verbs::{self, Completion, WcOpcode, WcStatus};
+
+impl Broker {
+    /// A peer that disconnected (RDMA CM) or closed its socket has failed: its QP is moved to
+    /// the error state, so its operations flush. Looked at every CM_CHECK.
+    fn check_cm(&self) {
+        if self.last_cm_check.get().elapsed() < CM_CHECK {
+            return;
+        }
+        self.last_cm_check.set(Instant::now());
+        let by_id = |id: verbs::CmIdRef| {
+            self.peers
+                .iter()
+                .flatten()
+                .find(|p| p.cm_id.as_ref().is_some_and(|c| c.id_ref() == id))
+        };
+        let mut channels: Vec<&verbs::EventChannel> = self
+            .peers
+            .iter()
+            .flatten()
+            .filter_map(|p| p.cm_id.as_ref().map(|c| c.channel()))
+            .collect();
+        channels.extend(self.listener.as_ref().map(|l| l.channel()));
+        for p in self.peers.iter().flatten() {
+            if let Some(mut tcp) = p.tcp.as_ref() {
+                use std::io::Read;
+                match tcp.read(&mut [0u8; 1]) {
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                    Ok(0) => p.fail("its socket closed"),
+                    Ok(_) => p.fail("it sent bytes after the handshake"),
+                    Err(e) => p.fail(&format!("its socket: {e}")),
+                }
+            }
+        }
+        channels.dedup_by_key(|c| c.fd());
+        for ch in channels {
+            while let Ok(ev) = ch.get_event(Duration::ZERO) {
+                if ev.kind == verbs::CmEventKind::CONNECT_REQUEST {
+                    // The mesh is complete; a late request is refused.
+                    let mut ev = ev;
+                    if let Some(id) = ev.take_new_id() {
+                        let _ = id.reject(&[]);
+                    }
+                } else if let Some(p) = by_id(ev.id) {
+                    p.fail(&format!("RDMA CM reported {}", ev.kind));
+                }
+            }
+        }
+    }
+
+    fn targets(&self, server: Option<usize>) -> Result<Vec<&Peer>> {
+        self.check_owner()?;
+        self.check_cm();
+        Ok(match server {
+            Some(s) => vec![self
+                .peers
+                .get(s)
+                .and_then(Option::as_ref)
+                .ok_or(BrokerError::NoSuchPeer(s))?],
+            None => self.peers.iter().flatten().collect(),
+        })
+    }
+
+    /// Reaps send completions (of one server, or all): runs the callback for
+    /// each finished operation and frees its slot. Returns how many
+    /// operations finished.
+    pub fn poll_sq(&self, server: Option<usize>) -> Result<u32> {
+        let mut cb = self
+            .callback
+            .try_borrow_mut()
+            .map_err(|_| BrokerError::Reentrant)?;
+        let mut n = 0;
+        for peer in self.targets(server)? {
+            let mut wcs: [Completion; 32] = std::array::from_fn(|_| Completion::default());
+            let got = peer.send_cq.poll(&mut wcs)?;
+            for wc in &wcs[..got] {
+                let failed = peer::failed(peer, wc);
+                let done: Vec<_> = {
+                    let mut send = peer.send.borrow_mut();
+                    let mut done = Vec::new();
+                    while send
+                        .posted
+                        .front()
+                        .is_some_and(|p| p.seq <= wc.wr_id() || failed)
+                    {
+                        let p = send.posted.pop_front().expect("checked");
+                        send.in_queue -= 1;
+                        if let Some(s) = p.slot {
+                            send.slots[s as usize] = Slot::Free;
+                        }
+                        done.push(p);
+                    }
+                    done
+                };
+                if failed {
+                    peer.failed.set(true);
+                }
+                for p in done {
+                    let bad = failed && p.seq >= wc.wr_id();
+                    let ev = Event {
+                        kind: if bad { EventKind::Failed } else { p.kind },
+                        peer: peer.server,
+                        wr_id: p.seq,
+                        buf: &[],
+                        imm: None,
+                        status: if bad { wc.status() } else { WcStatus::SUCCESS },
+                    };
+                    if bad {
+                        let c = &self.shared.stats.failed_ops;
+                        c.set(c.get() + 1);
+                    }
+                    n += 1;
+                    (cb)(self, &ev);
+                }
+            }
+            if peer.failed.get() {
+                self.report_down(peer, &mut cb);
+            }
+        }
+        Ok(n)
+    }
+
+    /// Reaps receives (of one server, or all): runs the callback on each
+    /// message, reposts the slots, then posts every queued send, so replies
+    /// made in the callback go out in the same poll. Returns how many
+    /// messages arrived.
+    pub fn poll_rq(&self, server: Option<usize>) -> Result<u32> {
+        let mut cb = self
+            .callback
+            .try_borrow_mut()
+            .map_err(|_| BrokerError::Reentrant)?;
+        let mut n = 0;
+        for peer in self.targets(server)? {
+            let mut wcs: [Completion; 32] = std::array::from_fn(|_| Completion::default());
+            let got = peer.recv_cq.poll(&mut wcs)?;
+            let mut repost = Vec::with_capacity(got);
+            for wc in &wcs[..got] {
+                if peer::failed(peer, wc) {
+                    peer.failed.set(true);
+                    continue;
+                }
+                let slot = wc.wr_id() as u32;
+                let buf = if wc.opcode() == WcOpcode::RECV_RDMA_WITH_IMM {
+                    &[][..]
+                } else {
+                    &peer.recv_slot(&self.shared, slot)[..wc.byte_len() as usize]
+                };
+                let ev = Event {
+                    kind: EventKind::Recv,
+                    peer: peer.server,
+                    wr_id: u64::from(slot),
+                    buf,
+                    imm: wc.imm(),
+                    status: WcStatus::SUCCESS,
+                };
+                let c = &self.shared.stats.recvs;
+                c.set(c.get() + 1);
+                n += 1;
+                (cb)(self, &ev);
+                repost.push(slot);
+            }
+            if peer.failed.get() {
+                self.report_down(peer, &mut cb);
+            } else if !repost.is_empty() {
+                peer::post_recvs(&self.shared, &peer.qp, peer.server, repost.into_iter())?;
+            }
+        }
+        drop(cb);
+        self.flush_all()?;
+        Ok(n)
+    }
+
+    fn report_down(&self, peer: &Peer, cb: &mut Callback) {
+        let mut down = self.down_reported.borrow_mut();
+        if std::mem::replace(&mut down[peer.server], true) {
+            return;
+        }
+        drop(down);
+        cb(
+            self,
+            &Event {
+                kind: EventKind::PeerDown,
+                peer: peer.server,
+                wr_id: 0,
+                buf: &[],
+                imm: None,
+                status: WcStatus::WR_FLUSH_ERR,
+            },
+        );
+    }
+}

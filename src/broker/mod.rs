@@ -251,12 +251,12 @@ type Callback = Box<dyn FnMut(&Broker, &Event<'_>) + Send>;
 /// A broker: see the module documentation.
 pub struct Broker {
     shared: Shared,
-    peers: Vec<Option<Peer>>,
+    /// Set once by `init`: the peers by server id, and in CM mode the
+    /// listener, which reports the accepted connections' events.
+    links: std::cell::OnceCell<(Vec<Option<Peer>>, Option<verbs::CmId>)>,
     callback: RefCell<Callback>,
     owner: Cell<Option<std::thread::ThreadId>>,
     down_reported: RefCell<Vec<bool>>,
-    /// CM mode: reports the accepted connections' disconnects.
-    listener: Option<verbs::CmId>,
     last_cm_check: Cell<Instant>,
 }
 
@@ -329,23 +329,33 @@ impl Broker {
                 data_remote,
                 stats: Counters::default(),
             },
-            peers: (0..n).map(|_| None).collect(),
+            links: std::cell::OnceCell::new(),
             callback: RefCell::new(callback),
             owner: Cell::new(None),
             down_reported: RefCell::new(vec![false; n]),
-            listener: None,
             last_cm_check: Cell::new(Instant::now()),
         })
     }
 
     /// Connects to every other server, retrying until `timeout`. The thread
     /// that calls it owns the broker from then on.
-    pub fn init(&mut self, timeout: Duration) -> Result<()> {
+    pub fn init(&self, timeout: Duration) -> Result<()> {
+        if self.links.get().is_some() {
+            return Err(BrokerError::InvalidArgument("already initialised".into()));
+        }
         self.owner.set(Some(std::thread::current().id()));
-        let (peers, listener) = self.shared.build_mesh(Instant::now() + timeout)?;
-        self.peers = peers;
-        self.listener = listener;
+        let links = self.shared.build_mesh(Instant::now() + timeout)?;
+        let _ = self.links.set(links);
         Ok(())
+    }
+
+    /// The peers by server id (none before `init`).
+    fn all(&self) -> &[Option<Peer>] {
+        self.links.get().map_or(&[], |l| &l.0)
+    }
+
+    fn listener(&self) -> Option<&verbs::CmId> {
+        self.links.get().and_then(|l| l.1.as_ref())
     }
 
     /// Makes the calling thread the owner (after the broker moved to it).
@@ -368,7 +378,7 @@ impl Broker {
     fn peer(&self, server: usize) -> Result<&Peer> {
         self.check_owner()?;
         let p = self
-            .peers
+            .all()
             .get(server)
             .and_then(Option::as_ref)
             .ok_or(BrokerError::NoSuchPeer(server))?;
@@ -380,7 +390,7 @@ impl Broker {
 
     /// The connected servers.
     pub fn peers(&self) -> impl Iterator<Item = usize> + '_ {
-        self.peers.iter().flatten().map(|p| p.server)
+        self.all().iter().flatten().map(|p| p.server)
     }
 
     /// This broker's data region as peers see it.
@@ -458,7 +468,7 @@ impl Broker {
 impl Drop for Broker {
     fn drop(&mut self) {
         // Peers learn at once (DISCONNECTED) instead of by retries.
-        for id in self.peers.iter().flatten().filter_map(|p| p.cm_id.as_ref()) {
+        for id in self.all().iter().flatten().filter_map(|p| p.cm_id.as_ref()) {
             let _ = id.disconnect();
         }
     }

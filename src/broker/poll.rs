@@ -16,19 +16,19 @@ impl Broker {
         }
         self.last_cm_check.set(Instant::now());
         let by_id = |id: verbs::CmIdRef| {
-            self.peers
+            self.all()
                 .iter()
                 .flatten()
                 .find(|p| p.cm_id.as_ref().is_some_and(|c| c.id_ref() == id))
         };
         let mut channels: Vec<&verbs::EventChannel> = self
-            .peers
+            .all()
             .iter()
             .flatten()
             .filter_map(|p| p.cm_id.as_ref().map(|c| c.channel()))
             .collect();
-        channels.extend(self.listener.as_ref().map(|l| l.channel()));
-        for p in self.peers.iter().flatten() {
+        channels.extend(self.listener().map(|l| l.channel()));
+        for p in self.all().iter().flatten() {
             if let Some(mut tcp) = p.tcp.as_ref() {
                 use std::io::Read;
                 match tcp.read(&mut [0u8; 1]) {
@@ -60,11 +60,11 @@ impl Broker {
         self.check_cm();
         Ok(match server {
             Some(s) => vec![self
-                .peers
+                .all()
                 .get(s)
                 .and_then(Option::as_ref)
                 .ok_or(BrokerError::NoSuchPeer(s))?],
-            None => self.peers.iter().flatten().collect(),
+            None => self.all().iter().flatten().collect(),
         })
     }
 

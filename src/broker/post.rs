@@ -244,7 +244,7 @@ impl Broker {
     /// Posts every peer's queued requests.
     pub fn flush_all(&self) -> Result<()> {
         self.check_owner()?;
-        for p in self.peers.iter().flatten().filter(|p| !p.failed.get()) {
+        for p in self.all().iter().flatten().filter(|p| !p.failed.get()) {
             p.flush(&self.shared)?;
         }
         Ok(())
@@ -283,7 +283,7 @@ impl Drop for SendBuf<'_> {
             return;
         }
         // Never posted: the slot is free again.
-        if let Some(Some(p)) = self.broker.peers.get(self.peer) {
+        if let Some(Some(p)) = self.broker.all().get(self.peer) {
             let mut send = p.send.borrow_mut();
             if send.slots[self.slot as usize] == Slot::Handed {
                 send.slots[self.slot as usize] = Slot::Free;

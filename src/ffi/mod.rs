@@ -5,6 +5,7 @@
 //! The header `include/snowrdma.h` is generated from this module by cbindgen.
 
 mod boundary;
+pub mod broker;
 pub mod kv;
 pub mod kv_strings;
 pub mod rdma;

@@ -97,7 +97,7 @@ fn mesh(mode: ConnectMode, base_port: u16) {
         handles.push(std::thread::spawn(move || {
             std::thread::sleep(Duration::from_millis(40 * k as u64));
             let (seen, cb) = recorder();
-            let mut b = Broker::new(config(SERVERS, me, thread, base_port, mode), cb).unwrap();
+            let b = Broker::new(config(SERVERS, me, thread, base_port, mode), cb).unwrap();
             b.init(INIT)
                 .unwrap_or_else(|e| panic!("server {me} thread {thread}: {e}"));
             assert_eq!(b.peers().count(), SERVERS - 1);
@@ -160,7 +160,7 @@ fn two(base_port: u16, tweak: impl Fn(&mut Config)) -> (Broker, Log, Broker, Log
     tweak(&mut c1);
     let other = std::thread::spawn(move || {
         let (seen, cb) = recorder();
-        let mut b = Broker::new(c1, cb).unwrap();
+        let b = Broker::new(c1, cb).unwrap();
         b.init(INIT).unwrap();
         tx.send(()).unwrap();
         (b, seen)
@@ -168,7 +168,7 @@ fn two(base_port: u16, tweak: impl Fn(&mut Config)) -> (Broker, Log, Broker, Log
     let (seen0, cb) = recorder();
     let mut c0 = config(2, 0, 0, base_port, ConnectMode::Cm);
     tweak(&mut c0);
-    let mut b0 = Broker::new(c0, cb).unwrap();
+    let b0 = Broker::new(c0, cb).unwrap();
     b0.init(INIT).unwrap();
     rx.recv_timeout(WAIT).unwrap();
     let (mut b1, seen1) = other.join().unwrap();
@@ -194,7 +194,7 @@ fn broker_ping_pong_with_replies_from_the_callback() {
     };
     let port = 19300;
     let server = std::thread::spawn(move || {
-        let mut b = Broker::new(config(2, 1, 0, port, ConnectMode::Cm), echo).unwrap();
+        let b = Broker::new(config(2, 1, 0, port, ConnectMode::Cm), echo).unwrap();
         b.init(INIT).unwrap();
         let start = Instant::now();
         let mut handled = 0;
@@ -205,7 +205,7 @@ fn broker_ping_pong_with_replies_from_the_callback() {
         std::thread::sleep(Duration::from_millis(500));
         handled
     });
-    let mut b = Broker::new(config(2, 0, 0, port, ConnectMode::Cm), cb0).unwrap();
+    let b = Broker::new(config(2, 0, 0, port, ConnectMode::Cm), cb0).unwrap();
     b.init(INIT).unwrap();
     for round in 0..10u32 {
         let mut buf = b.send_buf_wait(1, WAIT).unwrap();
@@ -352,7 +352,7 @@ fn dead_peer(mode: ConnectMode, port: u16) {
         let tx = tx.clone();
         others.push(std::thread::spawn(move || {
             let (seen, cb) = recorder();
-            let mut b = Broker::new(config(3, me, 0, port, mode), cb).unwrap();
+            let b = Broker::new(config(3, me, 0, port, mode), cb).unwrap();
             b.init(INIT).unwrap();
             tx.send(me).unwrap();
             if me == 2 {
@@ -369,7 +369,7 @@ fn dead_peer(mode: ConnectMode, port: u16) {
         }));
     }
     let (seen, cb) = recorder();
-    let mut b = Broker::new(config(3, 0, 0, port, mode), cb).unwrap();
+    let b = Broker::new(config(3, 0, 0, port, mode), cb).unwrap();
     b.init(INIT).unwrap();
     for _ in 0..2 {
         rx.recv_timeout(WAIT).unwrap();

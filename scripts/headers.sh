@@ -2,6 +2,7 @@
 # Generates the C headers from src/ffi with the pinned cbindgen:
 #   include/rdma.h      <- src/ffi/mod.rs, src/ffi/rdma/ (cbindgen.toml)
 #   include/kv_store.h  <- src/ffi/kv/, kv_strings.rs      (cbindgen-kv.toml)
+#   include/snowrdma/broker.h <- src/ffi/broker.rs         (cbindgen-broker.toml)
 # cbindgen sees the whole crate, so each header's config excludes the items
 # the other header declares and the constants of the Rust layers (its
 # "@FOREIGN@" entry is replaced by their names).
@@ -15,11 +16,15 @@ items() {
     grep -hoE 'pub (unsafe )?extern "C" fn [A-Za-z0-9_]+|^pub (static mut|struct|enum|type|const|static) [A-Za-z0-9_]+' "$@" \
         | awk '{print "\"" $NF "\""}' | sort -u | paste -sd, -
 }
-internal=$(grep -rhoE '^ *pub (const|static) [A-Za-z0-9_]+' src/kv src/runtime src/verbs \
+internal=$(grep -rhoE '^ *pub (const|static) [A-Za-z0-9_]+' src/kv src/runtime src/verbs src/broker src/safe \
     | awk '{print "\"" $NF "\""}' | sort -u | paste -sd, -)
-kv_items=$(items src/ffi/kv/*.rs src/ffi/kv_strings.rs),$internal
-rdma_items=$(items src/ffi/mod.rs src/ffi/rdma/*.rs),$internal
-sed "s/\"@FOREIGN@\"/$kv_items/" cbindgen.toml >target/headers/rdma.toml
-sed "s/\"@FOREIGN@\"/$rdma_items/" cbindgen-kv.toml >target/headers/kv.toml
+broker_items=$(items src/ffi/broker.rs),\"EventKind\"
+kv_items=$(items src/ffi/kv/*.rs src/ffi/kv_strings.rs)
+rdma_items=$(items src/ffi/mod.rs src/ffi/rdma/*.rs)
+sed "s/\"@FOREIGN@\"/$kv_items,$broker_items,$internal/" cbindgen.toml >target/headers/rdma.toml
+sed "s/\"@FOREIGN@\"/$rdma_items,$broker_items,$internal/" cbindgen-kv.toml >target/headers/kv.toml
+sed "s/\"@FOREIGN@\"/$rdma_items,$kv_items,$internal/" cbindgen-broker.toml >target/headers/broker.toml
 cbindgen -q --config target/headers/rdma.toml --crate snowrdma --output "$out/rdma.h"
 cbindgen -q --config target/headers/kv.toml --crate snowrdma --output "$out/kv_store.h"
+mkdir -p "$out/snowrdma"
+cbindgen -q --config target/headers/broker.toml --crate snowrdma --output "$out/snowrdma/broker.h"

@@ -136,7 +136,11 @@ pub enum BrokerError {
 
 pub type Result<T, E = BrokerError> = std::result::Result<T, E>;
 
-/// What a completion was.
+/// What a completion was. (C: `snowrdma_broker_event_kind`, the variants
+/// prefixed `SNOWRDMA_BROKER_EVENT_KIND_`.)
+///
+/// cbindgen:prefix-with-name
+/// cbindgen:rename-all=ScreamingSnakeCase
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(C)]
 pub enum EventKind {

@@ -596,7 +596,7 @@ pub unsafe extern "C" fn snowrdma_broker_peer_region(
 /// # Safety
 /// `stats` must be writable.
 #[no_mangle]
-pub unsafe extern "C" fn snowrdma_broker_stats(
+pub unsafe extern "C" fn snowrdma_broker_get_stats(
     b: *mut snowrdma_broker,
     stats: *mut snowrdma_broker_stats,
 ) -> c_int {

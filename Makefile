@@ -1,5 +1,6 @@
-# snowrdma: `make` builds the library, the headers and the C examples
-# (including the kv_open API's `application` and its `client` symlink);
+# snowrdma: `make` builds the library and the C examples (including the
+# kv_open API's `application` and its `client` symlink) against the committed
+# headers; `make header` regenerates them from the source;
 # `make run` starts a kv_server and runs a short kv_client benchmark against
 # it (Soft-RoCE in a VM where the host has no RDMA device); `make test` runs
 # everything.
@@ -9,18 +10,23 @@ PROFILE ?= release
 CC      ?= cc
 CFLAGS  ?= -O2 -g
 CFLAGS  += -Wall -Wextra -Werror -I include
-PREFIX  ?= /usr/local
+# Where `make install` puts things ($(DESTDIR) in front of each).
+PREFIX     ?= /usr/local
+LIBDIR     ?= $(PREFIX)/lib
+INCLUDEDIR ?= $(PREFIX)/include
+PKGCONFIGDIR ?= $(LIBDIR)/pkgconfig
 # Where `make bench` writes its table as JSON.
 BENCH_JSON ?= target/bench/results.json
 
-LIBDIR     := target/$(PROFILE)
+# Cargo's output for $(PROFILE).
+BUILDDIR   := target/$(PROFILE)
 EXAMPLEDIR := target/c-examples
 RDMA_LIBS  := -lrdmacm -libverbs -lpthread
 CARGO_FLAGS := $(if $(filter release,$(PROFILE)),--release,)
 
 .PHONY: all lib header check-header c-examples c-examples-asan run deps lint host-test device-test test install bench clean
 
-all: lib header c-examples
+all: lib c-examples
 
 # The SONAME is libsnowrdma.so.$(SOVERSION) (build.rs); programs linked
 # here find it through this link.
@@ -29,7 +35,7 @@ VERSION   := $(shell sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -1)
 
 lib:
 	$(CARGO) build $(CARGO_FLAGS)
-	ln -sf libsnowrdma.so $(LIBDIR)/libsnowrdma.so.$(SOVERSION)
+	ln -sf libsnowrdma.so $(BUILDDIR)/libsnowrdma.so.$(SOVERSION)
 
 header:
 	scripts/headers.sh include
@@ -50,27 +56,27 @@ c-examples: lib
 	@mkdir -p $(EXAMPLEDIR)
 	for p in $(C_PROGRAMS); do \
 	    $(CC) $(CFLAGS) c-examples/$$p.c -o $(EXAMPLEDIR)/$$p \
-	        -L$(LIBDIR) -Wl,-rpath,$(abspath $(LIBDIR)) -lsnowrdma -lpthread || exit 1; \
+	        -L$(BUILDDIR) -Wl,-rpath,$(abspath $(BUILDDIR)) -lsnowrdma -lpthread || exit 1; \
 	done
 	$(CC) $(CFLAGS) c-examples/devices.c -o $(EXAMPLEDIR)/devices-static \
-	    -L$(LIBDIR) -Wl,-Bstatic -lsnowrdma -Wl,-Bdynamic $(RDMA_LIBS)
+	    -L$(BUILDDIR) -Wl,-Bstatic -lsnowrdma -Wl,-Bdynamic $(RDMA_LIBS)
 	# The legacy compile line, dynamic and static.
 	$(CC) $(CFLAGS) c-examples/legacy_style.c -o $(EXAMPLEDIR)/legacy_style -I include \
-	    -L$(LIBDIR) -Wl,-rpath,$(abspath $(LIBDIR)) -lsnowrdma -lrdmacm -libverbs -lpthread
+	    -L$(BUILDDIR) -Wl,-rpath,$(abspath $(BUILDDIR)) -lsnowrdma -lrdmacm -libverbs -lpthread
 	$(CC) $(CFLAGS) c-examples/legacy_style.c -o $(EXAMPLEDIR)/legacy_style-static -I include \
-	    -L$(LIBDIR) -Wl,-Bstatic -lsnowrdma -Wl,-Bdynamic -lrdmacm -libverbs -lpthread
+	    -L$(BUILDDIR) -Wl,-Bstatic -lsnowrdma -Wl,-Bdynamic -lrdmacm -libverbs -lpthread
 	# The kv_open API's legacy program: application, and client -> application.
 	@mkdir -p $(EXAMPLEDIR)/kv-app
 	$(CC) $(CFLAGS) c-examples/kv-app/application.c c-examples/kv-app/client.c \
 	    -o $(EXAMPLEDIR)/kv-app/application \
-	    -L$(LIBDIR) -Wl,-rpath,$(abspath $(LIBDIR)) -lsnowrdma -lpthread
+	    -L$(BUILDDIR) -Wl,-rpath,$(abspath $(BUILDDIR)) -lsnowrdma -lpthread
 	ln -sf application $(EXAMPLEDIR)/kv-app/client
 
 c-examples-asan: lib
 	@mkdir -p $(ASAN_EXAMPLEDIR)
 	for p in $(C_PROGRAMS); do \
 	    $(CC) $(CFLAGS) $(ASAN_CFLAGS) c-examples/$$p.c -o $(ASAN_EXAMPLEDIR)/$$p \
-	        -L$(LIBDIR) -Wl,-rpath,$(abspath $(LIBDIR)) -lsnowrdma -lpthread || exit 1; \
+	        -L$(BUILDDIR) -Wl,-rpath,$(abspath $(BUILDDIR)) -lsnowrdma -lpthread || exit 1; \
 	done
 
 deps:
@@ -78,14 +84,19 @@ deps:
 
 # The main job: a kv_server and a short kv_client benchmark against it.
 run: deps all
-	scripts/rdma-run.sh scripts/kv-demo.sh $(LIBDIR)
+	scripts/rdma-run.sh scripts/kv-demo.sh $(BUILDDIR)
 
 lint:
 	$(CARGO) fmt --check
 	$(CARGO) clippy --all-targets -- -D warnings
 	RUSTDOCFLAGS="-D warnings" $(CARGO) doc --no-deps
 
+# Needs cargo, cc, nm, readelf, pkg-config, libibverbs-dev and librdmacm-dev
+# (scripts/install-deps.sh installs them; `make test` runs it first), and
+# for the TSan run a nightly toolchain with rust-src (skipped without).
+INSTALL_CHECK := $(abspath target/install-check)
 host-test:
+	@echo "host-test: needs cargo, cc, nm, readelf, pkg-config, libibverbs-dev, librdmacm-dev (scripts/install-deps.sh)"
 	$(CARGO) test
 	scripts/tsan.sh
 	# The library alone, as a Rust program with default features off uses it:
@@ -95,13 +106,9 @@ host-test:
 	$(EXAMPLEDIR)/layout
 	$(EXAMPLEDIR)/devices
 	$(EXAMPLEDIR)/devices-static
-	scripts/check-symbols.sh $(LIBDIR)/libsnowrdma.so include/rdma.h include/kv_store.h
-	readelf -d $(LIBDIR)/libsnowrdma.so | grep -q 'SONAME.*\[libsnowrdma.so.$(SOVERSION)\]'
-	$(MAKE) install PREFIX=$(abspath target/install-check)
-	$(CC) -Wall -Wextra -Werror c-examples/layout.c -o target/install-check/layout \
-	    $$(PKG_CONFIG_PATH=$(abspath target/install-check)/lib/pkgconfig pkg-config --cflags --libs snowrdma) \
-	    -Wl,-rpath,$(abspath target/install-check)/lib
-	target/install-check/layout
+	scripts/check-symbols.sh $(BUILDDIR)/libsnowrdma.so include/rdma.h include/kv_store.h
+	readelf -d $(BUILDDIR)/libsnowrdma.so | grep -q 'SONAME.*\[libsnowrdma.so.$(SOVERSION)\]'
+	scripts/check-install.sh $(INSTALL_CHECK)
 
 device-test:
 	scripts/device-tests.sh
@@ -119,21 +126,23 @@ bench: deps c-examples
 	scripts/rdma-run.sh scripts/bench.sh target/bench/results.txt
 	target/release/snowrdma-bench report target/bench/results.txt --json $(BENCH_JSON)
 
-# Installs the library, the headers (rdma.h and snowrdma/rdma.h) and a
-# pkg-config file: `pkg-config --cflags --libs snowrdma`.
-install: lib header
-	install -d $(DESTDIR)$(PREFIX)/lib/pkgconfig $(DESTDIR)$(PREFIX)/include/snowrdma
-	install -m 755 $(LIBDIR)/libsnowrdma.so $(DESTDIR)$(PREFIX)/lib/libsnowrdma.so.$(VERSION)
-	# The build keeps its debug info; the installed library does not.
-	strip --strip-debug $(DESTDIR)$(PREFIX)/lib/libsnowrdma.so.$(VERSION)
-	ln -sf libsnowrdma.so.$(VERSION) $(DESTDIR)$(PREFIX)/lib/libsnowrdma.so.$(SOVERSION)
-	ln -sf libsnowrdma.so.$(SOVERSION) $(DESTDIR)$(PREFIX)/lib/libsnowrdma.so
-	install -m 644 $(LIBDIR)/libsnowrdma.a $(DESTDIR)$(PREFIX)/lib/
-	strip --strip-debug $(DESTDIR)$(PREFIX)/lib/libsnowrdma.a
-	install -m 644 include/rdma.h include/kv_store.h $(DESTDIR)$(PREFIX)/include/
-	install -m 644 include/snowrdma/rdma.h $(DESTDIR)$(PREFIX)/include/snowrdma/
-	sed -e 's|@PREFIX@|$(PREFIX)|' -e 's|@VERSION@|$(VERSION)|' \
-	    snowrdma.pc.in > $(DESTDIR)$(PREFIX)/lib/pkgconfig/snowrdma.pc
+# Installs the library (libsnowrdma.so.$(VERSION), its SONAME link
+# libsnowrdma.so.$(SOVERSION) and the link-time libsnowrdma.so; libsnowrdma.a),
+# the committed headers (rdma.h, kv_store.h, snowrdma/rdma.h) and snowrdma.pc
+# pointing at them: `pkg-config --cflags --libs [--static] snowrdma`.
+# Installed files have no debug info (the build keeps its own).
+install: lib
+	install -d $(DESTDIR)$(LIBDIR) $(DESTDIR)$(PKGCONFIGDIR) $(DESTDIR)$(INCLUDEDIR)/snowrdma
+	install -m 755 $(BUILDDIR)/libsnowrdma.so $(DESTDIR)$(LIBDIR)/libsnowrdma.so.$(VERSION)
+	strip --strip-debug $(DESTDIR)$(LIBDIR)/libsnowrdma.so.$(VERSION)
+	ln -sf libsnowrdma.so.$(VERSION) $(DESTDIR)$(LIBDIR)/libsnowrdma.so.$(SOVERSION)
+	ln -sf libsnowrdma.so.$(SOVERSION) $(DESTDIR)$(LIBDIR)/libsnowrdma.so
+	install -m 644 $(BUILDDIR)/libsnowrdma.a $(DESTDIR)$(LIBDIR)/
+	strip --strip-debug $(DESTDIR)$(LIBDIR)/libsnowrdma.a
+	install -m 644 include/rdma.h include/kv_store.h $(DESTDIR)$(INCLUDEDIR)/
+	install -m 644 include/snowrdma/rdma.h $(DESTDIR)$(INCLUDEDIR)/snowrdma/
+	sed -e 's|@PREFIX@|$(PREFIX)|' -e 's|@LIBDIR@|$(LIBDIR)|' -e 's|@INCLUDEDIR@|$(INCLUDEDIR)|' \
+	    -e 's|@VERSION@|$(VERSION)|' -e '/^#/d' snowrdma.pc.in > $(DESTDIR)$(PKGCONFIGDIR)/snowrdma.pc
 
 clean:
 	$(CARGO) clean

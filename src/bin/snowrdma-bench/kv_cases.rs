@@ -6,7 +6,7 @@ use std::time::Instant;
 use snowrdma::kv;
 use snowrdma::verbs::Context;
 
-use super::{median, us, Case};
+use super::{median, us};
 
 /// A key-value server on the device, for the kv cases.
 fn kv_server(port: u16) -> kv::Server {
@@ -25,26 +25,31 @@ fn kv_server(port: u16) -> kv::Server {
     server
 }
 
-/// Median microseconds of one GET, PUT or one-sided GET (16 B key).
-pub(crate) fn kv_lat(case: Case, iters: usize, size: usize, port: u16) -> f64 {
+/// The operations the kv latency and throughput cases measure.
+pub(crate) enum KvOp {
+    /// GET through the server.
+    Get,
+    Put,
+    /// GET by READing the key's block (its place remembered).
+    GetOneSided,
+}
+
+/// Median microseconds of one GET, PUT or one-sided GET (16 B key), with
+/// `idle` more clients connected.
+pub(crate) fn kv_lat(op: KvOp, idle: usize, iters: usize, size: usize, port: u16) -> f64 {
     let server = kv_server(port);
     let addr = server.local_addr().expect("bound");
     let client = kv::Client::connect(addr).expect("kv connect");
-    let idle = if case == Case::KvGetLatCrowd {
-        IDLE_CLIENTS
-    } else {
-        0
-    };
     let _idle: Vec<kv::Client> = (0..idle)
         .map(|_| kv::Client::connect(addr).expect("kv connect"))
         .collect();
     let key = b"bench-key-16byte";
     let value = vec![7u8; size];
     client.put(key, &value).expect("put");
-    let op = |c: &kv::Client| match case {
-        Case::KvGetLat | Case::KvGetLatCrowd => c.get(key).map(drop),
-        Case::KvPutLat => c.put(key, &value).map(drop),
-        _ => c.get_one_sided(key).map(drop),
+    let op = |c: &kv::Client| match op {
+        KvOp::Get => c.get(key).map(drop),
+        KvOp::Put => c.put(key, &value).map(drop),
+        KvOp::GetOneSided => c.get_one_sided(key).map(drop),
     };
     for _ in 0..iters / 10 {
         op(&client).expect("warm-up");
@@ -62,7 +67,7 @@ pub(crate) fn kv_lat(case: Case, iters: usize, size: usize, port: u16) -> f64 {
 /// MiB/s of GETs (through the server or one-sided) or PUTs of `size`-byte
 /// values, in batches of [`BW_BATCH`] keys (several in flight, as perftest
 /// keeps its queue full).
-pub(crate) fn kv_bw(case: Case, iters: usize, size: usize, port: u16) -> f64 {
+pub(crate) fn kv_bw(op: KvOp, iters: usize, size: usize, port: u16) -> f64 {
     let server = kv_server(port);
     let client = kv::Client::connect(server.local_addr().expect("bound")).expect("kv connect");
     let value = vec![7u8; size];
@@ -70,13 +75,13 @@ pub(crate) fn kv_bw(case: Case, iters: usize, size: usize, port: u16) -> f64 {
     let pairs: Vec<(&[u8], &[u8])> = keys.iter().map(|k| (k.as_bytes(), &value[..])).collect();
     let key_refs: Vec<&[u8]> = keys.iter().map(|k| k.as_bytes()).collect();
     let batch = || {
-        let ok = match case {
-            Case::KvGetBw => client.batch_get(&key_refs).iter().all(Result::is_ok),
-            Case::KvOneSidedGetBw => client
+        let ok = match op {
+            KvOp::Get => client.batch_get(&key_refs).iter().all(Result::is_ok),
+            KvOp::GetOneSided => client
                 .batch_get_one_sided(&key_refs)
                 .iter()
                 .all(Result::is_ok),
-            _ => client.batch_put(&pairs).iter().all(Result::is_ok),
+            KvOp::Put => client.batch_put(&pairs).iter().all(Result::is_ok),
         };
         assert!(ok, "a batched kv operation failed");
     };
@@ -98,8 +103,8 @@ pub(crate) fn kv_bw(case: Case, iters: usize, size: usize, port: u16) -> f64 {
     (batches * BW_BATCH * size) as f64 / start.elapsed().as_secs_f64() / 1048576.0
 }
 
-/// Clients connected besides the measuring one in KvGetLatCrowd.
-const IDLE_CLIENTS: usize = 127;
+/// Clients connected besides the measuring one in kv_get_lat_crowd.
+pub(crate) const IDLE_CLIENTS: usize = 127;
 
 /// Keys per batch in the kv throughput cases.
 const BW_BATCH: usize = 32;

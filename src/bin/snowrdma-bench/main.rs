@@ -5,11 +5,13 @@
 //!
 //! ```text
 //!   snowrdma-bench addr                 the device and its IPv4 address
-//!   snowrdma-bench run <case> [-n N]    one repetition; prints the figure
+//!   snowrdma-bench cases                the cases, for scripts/bench.sh
+//!   snowrdma-bench run <case> <side>    one repetition; prints the figure
 //!   snowrdma-bench report <results> [--json PATH]
 //! ```
 
 mod c_api_cases;
+mod cases;
 mod kv_cases;
 mod report;
 mod verbs_cases;
@@ -19,13 +21,13 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
+use clap::builder::PossibleValuesParser;
 use clap::{Parser, Subcommand, ValueEnum};
 use snowrdma::verbs::Context;
 
-use c_api_cases::{echo_lat, echo_remote_lat, serve_legacy_peer, stream, sync_lat};
-use kv_cases::{kv_bw, kv_lat, kv_mix};
+use c_api_cases::serve_legacy_peer;
+use cases::{print_cases, Measure, CASES};
 use report::report;
-use verbs_cases::{verbs_imm_lat, verbs_op_lat, verbs_write_lat};
 
 #[derive(Parser)]
 #[command(about = "snowrdma benchmarks, compared with perftest by `make bench`")]
@@ -38,16 +40,22 @@ struct Args {
 enum Cmd {
     /// Print the first device's name and IPv4 address.
     Addr,
-    /// Run one repetition of a case and print its figure.
+    /// Print the cases, one line per side, as scripts/bench.sh reads them.
+    Cases,
+    /// Run one repetition of a side of a case measured here and print its
+    /// figure.
     Run {
-        case: Case,
-        /// Iterations (latency) or messages (throughput).
+        #[arg(value_parser = PossibleValuesParser::new(CASES.iter().map(|c| c.name)))]
+        case: String,
+        side: Side,
+        /// Iterations (latency) or messages (throughput); the case's own
+        /// when not given.
         #[arg(short = 'n', long)]
-        iters: usize,
-        /// Message size in bytes.
+        iters: Option<usize>,
+        /// Message size in bytes; the case's own when not given.
         #[arg(short, long)]
-        size: usize,
-        /// Port for the cases that run a server.
+        size: Option<usize>,
+        /// Port for the cases that run a server or talk to one.
         #[arg(short, long, default_value_t = 7700)]
         port: u16,
     },
@@ -65,52 +73,10 @@ enum Cmd {
     },
 }
 
-#[derive(Clone, Copy, ValueEnum, PartialEq, Eq, Debug)]
-enum Case {
-    /// Verbs layer: RDMA WRITE ping-pong, half round trip (ib_write_lat).
-    VerbsWriteLat,
-    /// Verbs layer: WRITE WITH IMM ping-pong, half round trip, each side
-    /// spinning on its receive CQ: the runtime's wire operation without the
-    /// runtime (ib_send_lat).
-    VerbsImmLat,
-    /// Verbs layer: RDMA READ, post to completion (ib_read_lat).
-    VerbsReadLat,
-    /// Verbs layer: atomic compare-and-swap (ib_atomic_lat).
-    VerbsCasLat,
-    /// Verbs layer: one signaled RDMA WRITE, post to completion.
-    VerbsWriteSignaled,
-    /// C API: rdmaSyncReadSignaled.
-    SyncRead,
-    /// C API: rdmaSyncWriteSignaled.
-    SyncWrite,
-    /// C API: rdmaConnSend echo, half round trip (ib_send_lat).
-    EchoLat,
-    /// C API: rdmaConnSend echo against a server in another process on
-    /// `--port` (the bench starts our `echo_server` or a legacy-protocol
-    /// peer there), half round trip.
-    EchoRemoteLat,
-    /// C API: rdmaConnSend streaming, MiB/s (ib_write_bw).
-    StreamBw,
-    /// C API: rdmaConnSend message rate, Mpps (ib_write_bw).
-    MsgRate,
-    /// Key-value GET, 16 B key, 64 B value, request and reply (ib_send_lat).
-    KvGetLat,
-    /// Key-value GET as KvGetLat, with 127 more clients connected and idle
-    /// (ib_send_lat).
-    KvGetLatCrowd,
-    /// Key-value PUT, 16 B key, 64 B value (ib_send_lat).
-    KvPutLat,
-    /// Key-value one-sided GET of a remembered key: one READ of its block
-    /// (ib_read_lat).
-    KvOneSidedLat,
-    /// Key-value GET of large values, MiB/s (ib_read_bw).
-    KvGetBw,
-    /// Key-value one-sided GET of large values, MiB/s (ib_read_bw).
-    KvOneSidedGetBw,
-    /// Key-value PUT of large values, MiB/s (ib_write_bw).
-    KvPutBw,
-    /// Key-value 95/5 GET/PUT mix of 64 B values, 4 clients, Mops/s.
-    KvMix,
+#[derive(Clone, Copy, ValueEnum)]
+enum Side {
+    Reference,
+    Snowrdma,
 }
 
 fn median(v: &mut [f64]) -> f64 {
@@ -122,24 +88,33 @@ fn us(d: Duration) -> f64 {
     d.as_secs_f64() * 1e6
 }
 
-fn run(case: Case, iters: usize, size: usize, port: u16) -> f64 {
-    match case {
-        Case::VerbsWriteLat => verbs_write_lat(iters, size),
-        Case::VerbsImmLat => verbs_imm_lat(iters, size),
-        Case::VerbsReadLat | Case::VerbsCasLat | Case::VerbsWriteSignaled => {
-            verbs_op_lat(case, iters, size)
+/// Runs a side of a case measured in this program; None for the sides the
+/// script measures (perftest, the kv_open menu).
+fn run(
+    case: &str,
+    side: Side,
+    iters: Option<usize>,
+    size: Option<usize>,
+    port: u16,
+) -> Option<f64> {
+    let case = cases::find(case)?;
+    let measure = match side {
+        Side::Reference => &case.reference,
+        Side::Snowrdma => &case.snowrdma,
+    };
+    match *measure {
+        Measure::Here {
+            run,
+            size: s,
+            iters: n,
         }
-        Case::SyncRead => sync_lat(true, iters, size, port),
-        Case::SyncWrite => sync_lat(false, iters, size, port),
-        Case::EchoLat => echo_lat(iters, size, port),
-        Case::EchoRemoteLat => echo_remote_lat(iters, size, port),
-        Case::StreamBw => stream(iters, size, port).0,
-        Case::MsgRate => stream(iters, size, port).1,
-        Case::KvGetLat | Case::KvGetLatCrowd | Case::KvPutLat | Case::KvOneSidedLat => {
-            kv_lat(case, iters, size, port)
-        }
-        Case::KvGetBw | Case::KvOneSidedGetBw | Case::KvPutBw => kv_bw(case, iters, size, port),
-        Case::KvMix => kv_mix(iters, size, port),
+        | Measure::AgainstServer {
+            run,
+            size: s,
+            iters: n,
+            ..
+        } => Some(run(iters.unwrap_or(n), size.unwrap_or(s), port)),
+        Measure::Perftest { .. } | Measure::KvAppMenu { .. } => None,
     }
 }
 
@@ -161,12 +136,20 @@ fn main() -> ExitCode {
                 ip.map_or("-".into(), |i| SocketAddr::new(i, 0).ip().to_string())
             );
         }
+        Cmd::Cases => print_cases(),
         Cmd::Run {
             case,
+            side,
             iters,
             size,
             port,
-        } => println!("{:.4}", run(case, iters, size, port)),
+        } => match run(&case, side, iters, size, port) {
+            Some(figure) => println!("{figure:.4}"),
+            None => {
+                eprintln!("{case}: that side is measured by scripts/bench.sh, not here");
+                return ExitCode::FAILURE;
+            }
+        },
         Cmd::LegacyPeer { port } => {
             if let Err(e) = serve_legacy_peer(port) {
                 eprintln!("legacy peer: {e}");

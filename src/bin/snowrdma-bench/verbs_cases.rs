@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 use snowrdma::verbs::selftest::{ConnectMode, Endpoint, LoopbackPair};
 use snowrdma::verbs::{Completion, Context, RemoteAddr, SendOp, SendRequest};
 
-use super::{median, us, Case};
+use super::{median, us};
 
 fn spin_one(cq: &snowrdma::verbs::CompletionQueue) -> Completion {
     let mut wc = [Completion::default()];
@@ -19,9 +19,18 @@ fn spin_one(cq: &snowrdma::verbs::CompletionQueue) -> Completion {
     }
 }
 
+/// The one-sided operations [`verbs_op_lat`] measures.
+pub(crate) enum VerbsOp {
+    Read,
+    /// Atomic compare-and-swap (8 bytes whatever the size).
+    CompareSwap,
+    /// One signaled WRITE.
+    Write,
+}
+
 /// Post-to-completion latency of one operation, spinning on the CQ, as
 /// ib_read_lat / ib_atomic_lat do.
-pub(crate) fn verbs_op_lat(case: Case, iters: usize, size: usize) -> f64 {
+pub(crate) fn verbs_op_lat(op: VerbsOp, iters: usize, size: usize) -> f64 {
     let ctx = Context::open(None).expect("device");
     let mut pair = LoopbackPair::connect(
         &ctx,
@@ -31,27 +40,30 @@ pub(crate) fn verbs_op_lat(case: Case, iters: usize, size: usize) -> f64 {
     )
     .expect("pair");
     let remote = pair.b.mr.remote().at(0);
-    let sge = pair
-        .a
-        .mr
-        .sge(..if case == Case::VerbsCasLat { 8 } else { size });
+    let sge = pair.a.mr.sge(
+        ..if matches!(op, VerbsOp::CompareSwap) {
+            8
+        } else {
+            size
+        },
+    );
     let mut lat = Vec::with_capacity(iters);
     for i in 0..iters {
-        let op = match case {
-            Case::VerbsReadLat => SendOp::Read(remote),
-            Case::VerbsCasLat => SendOp::CompareSwap {
+        let send_op = match op {
+            VerbsOp::Read => SendOp::Read(remote),
+            VerbsOp::CompareSwap => SendOp::CompareSwap {
                 remote,
                 compare: i as u64,
                 swap: i as u64 + 1,
             },
-            _ => SendOp::Write(remote),
+            VerbsOp::Write => SendOp::Write(remote),
         };
         let t = Instant::now();
         // SAFETY: a's buffer is touched by nothing else until the completion.
         unsafe {
             pair.a
                 .qp
-                .post_send(&[SendRequest::new(i as u64, op, &[sge])])
+                .post_send(&[SendRequest::new(i as u64, send_op, &[sge])])
                 .expect("post")
         };
         spin_one(&pair.a.send_cq);

@@ -1,0 +1,399 @@
+//! The one list of benchmark cases: what each compares, how each side is
+//! measured, and how the report shows it. `snowrdma-bench cases` prints it
+//! for `scripts/bench.sh` (which runs the perftest programs and the servers
+//! in their own processes), `run` measures the sides measured here and
+//! `report` prints the table in this order: adding a case is one entry.
+
+use super::c_api_cases::{echo_lat, echo_remote_lat, stream, sync_lat};
+use super::kv_cases::{kv_bw, kv_lat, kv_mix, KvOp, IDLE_CLIENTS};
+use super::verbs_cases::{verbs_imm_lat, verbs_op_lat, verbs_write_lat, VerbsOp};
+
+/// A measurement in this program: (iterations, size, port) to its figure.
+pub(crate) type Run = fn(usize, usize, u16) -> f64;
+
+/// How one side of a case is measured.
+pub(crate) enum Measure {
+    /// A perftest program's server and client on the device; the figure is
+    /// field `column` of the client's result line.
+    Perftest {
+        tool: &'static str,
+        column: u8,
+        args: &'static str,
+    },
+    /// Here: `snowrdma-bench run <case> <side>`.
+    Here { run: Run, size: usize, iters: usize },
+    /// Here, against a server the script starts in its own process first:
+    /// `server`, in which the script puts the device's address for IP, a
+    /// fresh port for PORT and this program for BENCH.
+    AgainstServer {
+        server: &'static str,
+        run: Run,
+        size: usize,
+        iters: usize,
+    },
+    /// The kv_open application's `client` menu option 3 (SET+GET pairs of 1
+    /// B to 16 MiB), which the script runs once: its figure at `size`, MB/s.
+    KvAppMenu { size: usize },
+}
+
+/// When the script measures a case.
+#[derive(PartialEq, Eq)]
+pub(crate) enum Schedule {
+    /// In each of the SNOWRDMA_BENCH_REPS repetitions, interleaved with the
+    /// other cases, reference then snowrdma.
+    EachRepetition,
+    /// Once, after the repetitions (the kv_open menu takes minutes).
+    Once,
+}
+
+pub(crate) struct Case {
+    /// The name in the results file and the JSON.
+    pub name: &'static str,
+    /// What the snowrdma side measures, as the table says it.
+    pub what: &'static str,
+    /// What the reference side is, as the table says it.
+    pub reference_label: &'static str,
+    pub unit: &'static str,
+    pub higher_is_better: bool,
+    /// The ratio snowrdma / reference aimed at, or "reported".
+    pub target: &'static str,
+    pub schedule: Schedule,
+    pub reference: Measure,
+    pub snowrdma: Measure,
+}
+
+const fn perftest(tool: &'static str, column: u8, args: &'static str) -> Measure {
+    Measure::Perftest { tool, column, args }
+}
+
+const fn here(run: Run, size: usize, iters: usize) -> Measure {
+    Measure::Here { run, size, iters }
+}
+
+/// A latency case run in each repetition (lower is better, microseconds).
+const fn lat(
+    name: &'static str,
+    what: &'static str,
+    reference_label: &'static str,
+    target: &'static str,
+    reference: Measure,
+    snowrdma: Measure,
+) -> Case {
+    Case {
+        name,
+        what,
+        reference_label,
+        unit: "us",
+        higher_is_better: false,
+        target,
+        schedule: Schedule::EachRepetition,
+        reference,
+        snowrdma,
+    }
+}
+
+/// A throughput case run in each repetition (higher is better).
+const fn bw(
+    name: &'static str,
+    what: &'static str,
+    reference_label: &'static str,
+    unit: &'static str,
+    target: &'static str,
+    reference: Measure,
+    snowrdma: Measure,
+) -> Case {
+    Case {
+        name,
+        what,
+        reference_label,
+        unit,
+        higher_is_better: true,
+        target,
+        schedule: Schedule::EachRepetition,
+        reference,
+        snowrdma,
+    }
+}
+
+/// The kv_open application's throughput at `size` beside a perftest
+/// bandwidth program at the same size, once.
+const fn kv_app(
+    name: &'static str,
+    what: &'static str,
+    reference_label: &'static str,
+    tool: &'static str,
+    args: &'static str,
+    size: usize,
+) -> Case {
+    Case {
+        name,
+        what,
+        reference_label,
+        unit: "MB/s",
+        higher_is_better: true,
+        target: "reported",
+        schedule: Schedule::Once,
+        reference: perftest(tool, 4, args),
+        snowrdma: Measure::KvAppMenu { size },
+    }
+}
+
+pub(crate) const CASES: &[Case] = &[
+    // The verbs layer, each operation as its perftest program does it.
+    lat(
+        "write_lat",
+        "verbs RDMA WRITE 64 B, half RTT",
+        "ib_write_lat",
+        "<= 1.05",
+        perftest("ib_write_lat", 5, "-s 64 -n 1000"),
+        here(|n, s, _| verbs_write_lat(n, s), 64, 1000),
+    ),
+    lat(
+        "read_lat",
+        "verbs RDMA READ 64 B",
+        "ib_read_lat",
+        "<= 1.05",
+        perftest("ib_read_lat", 5, "-s 64 -n 1000"),
+        here(|n, s, _| verbs_op_lat(VerbsOp::Read, n, s), 64, 1000),
+    ),
+    lat(
+        "cas_lat",
+        "verbs atomic CAS",
+        "ib_atomic_lat",
+        "<= 1.05",
+        perftest("ib_atomic_lat", 5, "-n 1000"),
+        here(|n, s, _| verbs_op_lat(VerbsOp::CompareSwap, n, s), 8, 1000),
+    ),
+    // The C API's synchronous one-sided operations.
+    lat(
+        "sync_read",
+        "rdmaSyncReadSignaled 64 B",
+        "ib_read_lat",
+        "<= 1.10",
+        perftest("ib_read_lat", 5, "-s 64 -n 1000"),
+        here(|n, s, p| sync_lat(true, n, s, p), 64, 1000),
+    ),
+    lat(
+        "sync_write",
+        "rdmaSyncWriteSignaled 64 B",
+        "verbs signaled WRITE",
+        "<= 1.10",
+        // perftest has no signaled-WRITE latency: one signaled WRITE, post
+        // to completion, through our verbs layer.
+        here(|n, s, _| verbs_op_lat(VerbsOp::Write, n, s), 64, 1000),
+        here(|n, s, p| sync_lat(false, n, s, p), 64, 1000),
+    ),
+    // WRITE WITH IMM ping-pong, each side spinning on its receive CQ: the
+    // runtime's wire operation without the runtime.
+    lat(
+        "imm_lat",
+        "verbs WRITE WITH IMM 64 B, half RTT",
+        "ib_send_lat",
+        "reported",
+        perftest("ib_send_lat", 5, "-s 64 -n 1000"),
+        here(|n, s, _| verbs_imm_lat(n, s), 64, 1000),
+    ),
+    // The C API's messages.
+    lat(
+        "echo_lat",
+        "rdmaConnSend echo 64 B, half RTT",
+        "ib_send_lat",
+        "<= 1.30",
+        perftest("ib_send_lat", 5, "-s 64 -n 1000"),
+        here(echo_lat, 64, 1000),
+    ),
+    // The same echo client, in its own process, against our echo_server
+    // (as the legacy sample echoes) and against a legacy-protocol peer.
+    lat(
+        "echo_legacy_lat",
+        "rdmaConnSend echo 64 B vs legacy-protocol peer, 2 procs",
+        "echo_server, 2 procs",
+        "<= 1.0",
+        Measure::AgainstServer {
+            server: "target/c-examples/echo_server IP PORT legacy",
+            run: echo_remote_lat,
+            size: 64,
+            iters: 1000,
+        },
+        Measure::AgainstServer {
+            server: "BENCH legacy-peer --port PORT",
+            run: echo_remote_lat,
+            size: 64,
+            iters: 1000,
+        },
+    ),
+    bw(
+        "stream_bw",
+        "rdmaConnSend stream 64 KiB",
+        "ib_write_bw",
+        "MiB/s",
+        ">= 0.90",
+        perftest("ib_write_bw", 4, "-s 65536 -n 1000"),
+        here(|n, s, p| stream(n, s, p).0, 65536, 1000),
+    ),
+    bw(
+        "msg_rate",
+        "rdmaConnSend 64 B message rate",
+        "ib_write_bw -s 64",
+        "Mpps",
+        ">= 0.80",
+        perftest("ib_write_bw", 5, "-s 64 -n 20000"),
+        here(|n, s, p| stream(n, s, p).1, 64, 20000),
+    ),
+    // The key-value store: a full round trip beside perftest's half.
+    lat(
+        "kv_get_lat",
+        "kv GET 16 B key, 64 B value (full RTT)",
+        "ib_send_lat (half RTT)",
+        "<= 2.30",
+        perftest("ib_send_lat", 5, "-s 64 -n 1000"),
+        here(|n, s, p| kv_lat(KvOp::Get, 0, n, s, p), 64, 1000),
+    ),
+    lat(
+        "kv_get_lat_crowd",
+        "kv GET as above, 127 more clients connected",
+        "ib_send_lat (half RTT)",
+        "reported",
+        perftest("ib_send_lat", 5, "-s 64 -n 1000"),
+        here(|n, s, p| kv_lat(KvOp::Get, IDLE_CLIENTS, n, s, p), 64, 1000),
+    ),
+    lat(
+        "kv_put_lat",
+        "kv PUT 16 B key, 64 B value (full RTT)",
+        "ib_send_lat (half RTT)",
+        "<= 2.30",
+        perftest("ib_send_lat", 5, "-s 64 -n 1000"),
+        here(|n, s, p| kv_lat(KvOp::Put, 0, n, s, p), 64, 1000),
+    ),
+    // One READ of a remembered key's block.
+    lat(
+        "kv_onesided_lat",
+        "kv one-sided GET 64 B (1 READ)",
+        "ib_read_lat",
+        "<= 2.20",
+        perftest("ib_read_lat", 5, "-s 64 -n 1000"),
+        here(|n, s, p| kv_lat(KvOp::GetOneSided, 0, n, s, p), 64, 1000),
+    ),
+    bw(
+        "kv_get_bw",
+        "kv batch_get 64 KiB, 32 per batch",
+        "ib_read_bw",
+        "MiB/s",
+        ">= 0.80",
+        perftest("ib_read_bw", 4, "-s 65536 -n 500"),
+        here(|n, s, p| kv_bw(KvOp::Get, n, s, p), 65536, 500),
+    ),
+    bw(
+        "kv_onesided_get_bw",
+        "kv one-sided batch GET 64 KiB, 32 per batch",
+        "ib_read_bw",
+        "MiB/s",
+        ">= 0.80",
+        perftest("ib_read_bw", 4, "-s 65536 -n 500"),
+        here(|n, s, p| kv_bw(KvOp::GetOneSided, n, s, p), 65536, 500),
+    ),
+    bw(
+        "kv_put_bw",
+        "kv batch_put 64 KiB, 32 per batch",
+        "ib_write_bw",
+        "MiB/s",
+        ">= 0.80",
+        perftest("ib_write_bw", 4, "-s 65536 -n 500"),
+        here(|n, s, p| kv_bw(KvOp::Put, n, s, p), 65536, 500),
+    ),
+    bw(
+        "kv_mix",
+        "kv 95/5 GET/PUT 64 B, 4 clients",
+        "ib_send_bw -s 64 (Mpps)",
+        "Mops",
+        "reported",
+        perftest("ib_send_bw", 5, "-s 64 -n 20000"),
+        here(kv_mix, 64, 4000),
+    ),
+    // The kv_open API (the legacy client's menu option 3).
+    kv_app(
+        "kv_app_write_1024",
+        "kv_set+kv_get 1 KiB (menu 3)",
+        "ib_write_bw 1 KiB",
+        "ib_write_bw",
+        "-s 1024 -n 100",
+        1024,
+    ),
+    kv_app(
+        "kv_app_read_1024",
+        "kv_set+kv_get 1 KiB (menu 3)",
+        "ib_read_bw 1 KiB",
+        "ib_read_bw",
+        "-s 1024 -n 100",
+        1024,
+    ),
+    kv_app(
+        "kv_app_write_65536",
+        "kv_set+kv_get 64 KiB (menu 3)",
+        "ib_write_bw 64 KiB",
+        "ib_write_bw",
+        "-s 65536 -n 100",
+        65536,
+    ),
+    kv_app(
+        "kv_app_read_65536",
+        "kv_set+kv_get 64 KiB (menu 3)",
+        "ib_read_bw 64 KiB",
+        "ib_read_bw",
+        "-s 65536 -n 100",
+        65536,
+    ),
+    kv_app(
+        "kv_app_write_16777216",
+        "kv_set+kv_get 16 MiB (menu 3)",
+        "ib_write_bw 16 MiB",
+        "ib_write_bw",
+        "-s 16777216 -n 100",
+        16777216,
+    ),
+    kv_app(
+        "kv_app_read_16777216",
+        "kv_set+kv_get 16 MiB (menu 3)",
+        "ib_read_bw 16 MiB",
+        "ib_read_bw",
+        "-s 16777216 -n 100",
+        16777216,
+    ),
+];
+
+/// The case called `name`.
+pub(crate) fn find(name: &str) -> Option<&'static Case> {
+    CASES.iter().find(|c| c.name == name)
+}
+
+/// One line per side of every case, in the order to measure them, for
+/// `scripts/bench.sh`:
+///
+/// ```text
+/// <each|once> <case> <reference|snowrdma> perftest <column> <tool> <args...>
+/// <each|once> <case> <reference|snowrdma> here
+/// <each|once> <case> <reference|snowrdma> server <command with IP, PORT, BENCH...>
+/// <each|once> <case> <reference|snowrdma> kv-app-menu <size>
+/// ```
+///
+/// `here` and `server` mean `snowrdma-bench run <case> <side> --port P`
+/// (after starting the server on port P).
+pub(crate) fn print_cases() {
+    for case in CASES {
+        let schedule = match case.schedule {
+            Schedule::EachRepetition => "each",
+            Schedule::Once => "once",
+        };
+        for (side, m) in [("reference", &case.reference), ("snowrdma", &case.snowrdma)] {
+            let how = match m {
+                Measure::Perftest { tool, column, args } => {
+                    format!("perftest {column} {tool} {args}")
+                }
+                Measure::Here { .. } => "here".to_string(),
+                Measure::AgainstServer { server, .. } => format!("server {server}"),
+                Measure::KvAppMenu { size } => format!("kv-app-menu {size}"),
+            };
+            println!("{schedule} {} {side} {how}", case.name);
+        }
+    }
+}

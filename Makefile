@@ -8,8 +8,11 @@
 CARGO   ?= cargo
 PROFILE ?= release
 CC      ?= cc
+CXX     ?= c++
 CFLAGS  ?= -O2 -g
 CFLAGS  += -Wall -Wextra -Werror -I include
+CXXFLAGS ?= -O2 -g
+CXXFLAGS += -std=c++17 -Wall -Wextra -Werror -I include
 # Where `make install` puts things ($(DESTDIR) in front of each).
 PREFIX     ?= /usr/local
 LIBDIR     ?= $(PREFIX)/lib
@@ -45,8 +48,11 @@ check-header:
 	scripts/headers.sh target/header-check
 	diff -u include/rdma.h target/header-check/rdma.h
 	diff -u include/kv_store.h target/header-check/kv_store.h
+	diff -u include/snowrdma/broker.h target/header-check/snowrdma/broker.h
 
-C_PROGRAMS := devices layout echo_server client misuse kv_check handles callbacks
+C_PROGRAMS := devices layout echo_server client misuse kv_check handles callbacks broker_example
+# C++ programs (the broker's header-only C++ API).
+CXX_PROGRAMS := broker_example_cpp
 # The C programs again, built with AddressSanitizer and UBSan (any finding
 # fails the program); the device tests run a few of them.
 ASAN_EXAMPLEDIR := target/c-examples-asan
@@ -71,11 +77,19 @@ c-examples: lib
 	    -o $(EXAMPLEDIR)/kv-app/application \
 	    -L$(BUILDDIR) -Wl,-rpath,$(abspath $(BUILDDIR)) -lsnowrdma -lpthread
 	ln -sf application $(EXAMPLEDIR)/kv-app/client
+	for p in $(CXX_PROGRAMS); do \
+	    $(CXX) $(CXXFLAGS) c-examples/$${p%_cpp}.cpp -o $(EXAMPLEDIR)/$$p \
+	        -L$(BUILDDIR) -Wl,-rpath,$(abspath $(BUILDDIR)) -lsnowrdma -lpthread || exit 1; \
+	done
 
 c-examples-asan: lib
 	@mkdir -p $(ASAN_EXAMPLEDIR)
 	for p in $(C_PROGRAMS); do \
 	    $(CC) $(CFLAGS) $(ASAN_CFLAGS) c-examples/$$p.c -o $(ASAN_EXAMPLEDIR)/$$p \
+	        -L$(BUILDDIR) -Wl,-rpath,$(abspath $(BUILDDIR)) -lsnowrdma -lpthread || exit 1; \
+	done
+	for p in $(CXX_PROGRAMS); do \
+	    $(CXX) $(CXXFLAGS) $(ASAN_CFLAGS) c-examples/$${p%_cpp}.cpp -o $(ASAN_EXAMPLEDIR)/$$p \
 	        -L$(BUILDDIR) -Wl,-rpath,$(abspath $(BUILDDIR)) -lsnowrdma -lpthread || exit 1; \
 	done
 
@@ -89,6 +103,7 @@ run: deps all
 lint:
 	$(CARGO) fmt --check
 	$(CARGO) clippy --all-targets -- -D warnings
+	$(CARGO) clippy --all-targets --all-features -- -D warnings
 	RUSTDOCFLAGS="-D warnings" $(CARGO) doc --no-deps
 
 # Needs cargo, cc, nm, readelf, pkg-config, libibverbs-dev and librdmacm-dev
@@ -96,7 +111,7 @@ lint:
 # for the TSan run a nightly toolchain with rust-src (skipped without).
 INSTALL_CHECK := $(abspath target/install-check)
 host-test:
-	@echo "host-test: needs cargo, cc, nm, readelf, pkg-config, libibverbs-dev, librdmacm-dev (scripts/install-deps.sh)"
+	@echo "host-test: needs cargo, cc, c++, nm, readelf, pkg-config, libibverbs-dev, librdmacm-dev (scripts/install-deps.sh)"
 	$(CARGO) test
 	scripts/tsan.sh
 	# The library alone, as a Rust program with default features off uses it:
@@ -106,7 +121,7 @@ host-test:
 	$(EXAMPLEDIR)/layout
 	$(EXAMPLEDIR)/devices
 	$(EXAMPLEDIR)/devices-static
-	scripts/check-symbols.sh $(BUILDDIR)/libsnowrdma.so include/rdma.h include/kv_store.h
+	scripts/check-symbols.sh $(BUILDDIR)/libsnowrdma.so include/rdma.h include/kv_store.h include/snowrdma/broker.h
 	readelf -d $(BUILDDIR)/libsnowrdma.so | grep -q 'SONAME.*\[libsnowrdma.so.$(SOVERSION)\]'
 	scripts/check-install.sh $(INSTALL_CHECK)
 
@@ -128,7 +143,8 @@ bench: deps c-examples
 
 # Installs the library (libsnowrdma.so.$(VERSION), its SONAME link
 # libsnowrdma.so.$(SOVERSION) and the link-time libsnowrdma.so; libsnowrdma.a),
-# the committed headers (rdma.h, kv_store.h, snowrdma/rdma.h) and snowrdma.pc
+# the committed headers (rdma.h, kv_store.h, snowrdma/rdma.h, snowrdma/broker.h
+# and .hpp) and snowrdma.pc
 # pointing at them: `pkg-config --cflags --libs [--static] snowrdma`.
 # Installed files have no debug info (the build keeps its own).
 install: lib
@@ -140,7 +156,8 @@ install: lib
 	install -m 644 $(BUILDDIR)/libsnowrdma.a $(DESTDIR)$(LIBDIR)/
 	strip --strip-debug $(DESTDIR)$(LIBDIR)/libsnowrdma.a
 	install -m 644 include/rdma.h include/kv_store.h $(DESTDIR)$(INCLUDEDIR)/
-	install -m 644 include/snowrdma/rdma.h $(DESTDIR)$(INCLUDEDIR)/snowrdma/
+	install -m 644 include/snowrdma/rdma.h include/snowrdma/broker.h include/snowrdma/broker.hpp \
+	    $(DESTDIR)$(INCLUDEDIR)/snowrdma/
 	sed -e 's|@PREFIX@|$(PREFIX)|' -e 's|@LIBDIR@|$(LIBDIR)|' -e 's|@INCLUDEDIR@|$(INCLUDEDIR)|' \
 	    -e 's|@VERSION@|$(VERSION)|' -e '/^#/d' snowrdma.pc.in > $(DESTDIR)$(PKGCONFIGDIR)/snowrdma.pc
 

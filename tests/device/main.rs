@@ -6,6 +6,7 @@
 //! hanging it.
 
 mod broker;
+mod broker_programs;
 mod c_programs;
 mod echo_load;
 mod hostile;

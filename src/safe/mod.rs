@@ -40,7 +40,7 @@ pub use cm::{connect, CmQp, Listener};
 pub use cq::{CompletionQueue, CqFd, CqStats, Progress};
 pub use error::{Error, Result};
 pub use offer::{Offer, OfferOp};
-pub use op::{BatchOp, Completion, Op};
+pub use op::{block_on, BatchOp, Completion, Op};
 pub use post::Batch;
 pub use qp::{CanRecv, Connected, Init, Qp, QpBuilder, Rc, Rtr, Rts, State, Transport, Uc, Ud};
 pub use region::{

@@ -42,6 +42,36 @@ impl<S: Local> Op<S> {
     }
 }
 
+/// Polls `fut` on this thread until it resolves or `timeout` passes, with
+/// no executor: for [`Progress::Poll`](super::Progress::Poll) CQs, whose
+/// futures reap their own completions, and for the other modes while their
+/// reaper runs elsewhere.
+pub fn block_on<F: Future + Unpin>(mut fut: F, timeout: std::time::Duration) -> Option<F::Output> {
+    let waker = noop_waker();
+    let mut cx = Context::from_waker(&waker);
+    let deadline = std::time::Instant::now() + timeout;
+    loop {
+        if let Poll::Ready(v) = Pin::new(&mut fut).poll(&mut cx) {
+            return Some(v);
+        }
+        if std::time::Instant::now() >= deadline {
+            return None;
+        }
+        std::hint::spin_loop();
+    }
+}
+
+fn noop_waker() -> std::task::Waker {
+    use std::task::{RawWaker, RawWakerVTable, Waker};
+    fn clone(_: *const ()) -> RawWaker {
+        RawWaker::new(std::ptr::null(), &VTABLE)
+    }
+    fn noop(_: *const ()) {}
+    static VTABLE: RawWakerVTable = RawWakerVTable::new(clone, noop, noop, noop);
+    // SAFETY: the vtable's functions ignore the (null) data pointer.
+    unsafe { Waker::from_raw(RawWaker::new(std::ptr::null(), &VTABLE)) }
+}
+
 impl<S: Local + Unpin> Future for Op<S> {
     type Output = Result<Completion<S>>;
 

@@ -6,6 +6,9 @@
 
 use super::c_api_cases::{echo_lat, echo_remote_lat, stream, sync_lat};
 use super::kv_cases::{kv_bw, kv_lat, kv_mix, KvOp, IDLE_CLIENTS};
+use super::safe_broker_cases::{
+    broker_all_to_all, broker_lat, broker_rate, safe_send_lat, safe_write_bw, safe_write_lat,
+};
 use super::verbs_cases::{verbs_imm_lat, verbs_op_lat, verbs_write_lat, VerbsOp};
 
 /// A measurement in this program: (iterations, size, port) to its figure.
@@ -239,6 +242,87 @@ pub(crate) const CASES: &[Case] = &[
         ">= 0.80",
         perftest("ib_write_bw", 5, "-s 64 -n 20000"),
         here(|n, s, p| stream(n, s, p).1, 64, 20000),
+    ),
+    // The safe API beside the raw verbs layer (its cost: at most 5%) and
+    // perftest.
+    lat(
+        "safe_write_lat",
+        "safe API WRITE 64 B, post to completion",
+        "verbs signaled WRITE",
+        "<= 1.05",
+        here(|n, s, _| verbs_op_lat(VerbsOp::Write, n, s), 64, 1000),
+        here(|n, s, _| safe_write_lat(n, s), 64, 1000),
+    ),
+    lat(
+        "safe_send_lat",
+        "safe API SEND 64 B ping-pong, half RTT",
+        "ib_send_lat",
+        "reported",
+        perftest("ib_send_lat", 5, "-s 64 -n 1000"),
+        here(|n, s, _| safe_send_lat(n, s), 64, 1000),
+    ),
+    bw(
+        "safe_write_bw",
+        "safe API WRITE 64 KiB, 8 per doorbell",
+        "ib_write_bw",
+        "MiB/s",
+        ">= 0.95",
+        perftest("ib_write_bw", 4, "-s 65536 -n 1000"),
+        here(|n, s, _| safe_write_bw(n, s), 65536, 1000),
+    ),
+    // The RC message broker.
+    bw(
+        "broker_rate_b1",
+        "broker 64 B messages, batch 1",
+        "ib_write_bw -s 64",
+        "Mpps",
+        "reported",
+        perftest("ib_write_bw", 5, "-s 64 -n 20000"),
+        here(|n, s, p| broker_rate(1, n, s, p), 64, 20000),
+    ),
+    bw(
+        "broker_rate_b8",
+        "broker 64 B messages, batch 8",
+        "ib_write_bw -s 64",
+        "Mpps",
+        "reported",
+        perftest("ib_write_bw", 5, "-s 64 -n 20000"),
+        here(|n, s, p| broker_rate(8, n, s, p), 64, 20000),
+    ),
+    bw(
+        "broker_rate_b32",
+        "broker 64 B messages, batch 32",
+        "ib_write_bw -s 64",
+        "Mpps",
+        ">= 0.90",
+        perftest("ib_write_bw", 5, "-s 64 -n 20000"),
+        here(|n, s, p| broker_rate(32, n, s, p), 64, 20000),
+    ),
+    lat(
+        "broker_lat",
+        "broker 64 B ping-pong, reply from the callback, half RTT",
+        "ib_send_lat",
+        "<= 1.30",
+        perftest("ib_send_lat", 5, "-s 64 -n 1000"),
+        here(broker_lat, 64, 1000),
+    ),
+    bw(
+        "broker_all2all_2",
+        "broker all-to-all 64 B, 2 peers",
+        "ib_send_bw -s 64",
+        "Mpps",
+        "reported",
+        perftest("ib_send_bw", 5, "-s 64 -n 20000"),
+        here(|n, s, p| broker_all_to_all(2, n, s, p), 64, 10000),
+    ),
+    bw(
+        "broker_all2all_4",
+        "broker all-to-all 64 B, 4 peers",
+        "ib_send_bw -s 64",
+        "Mpps",
+        "reported",
+        perftest("ib_send_bw", 5, "-s 64 -n 20000"),
+        here(|n, s, p| broker_all_to_all(4, n, s, p), 64, 3000),
     ),
     // The key-value store: a full round trip beside perftest's half.
     lat(

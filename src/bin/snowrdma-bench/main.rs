@@ -14,6 +14,7 @@ mod c_api_cases;
 mod cases;
 mod kv_cases;
 mod report;
+mod safe_broker_cases;
 mod verbs_cases;
 
 use std::net::{IpAddr, SocketAddr};

@@ -18,3 +18,12 @@ pub mod safe;
 pub mod verbs;
 
 pub use logging::{init_logging, LOG_ENV};
+
+/// The guides' Rust examples compile (`cargo test --doc`).
+#[cfg(doctest)]
+mod guides {
+    #[doc = include_str!("../docs/safe-api.md")]
+    struct SafeApi;
+    #[doc = include_str!("../docs/broker.md")]
+    struct Broker;
+}

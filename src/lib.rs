@@ -19,9 +19,11 @@ pub mod verbs;
 
 pub use logging::{init_logging, LOG_ENV};
 
-/// The guides' Rust examples compile (`cargo test --doc`).
+/// The README's and the guides' Rust examples compile (`cargo test --doc`).
 #[cfg(doctest)]
 mod guides {
+    #[doc = include_str!("../README.md")]
+    struct Readme;
     #[doc = include_str!("../docs/safe-api.md")]
     struct SafeApi;
     #[doc = include_str!("../docs/broker.md")]

@@ -47,7 +47,8 @@ typedef struct RdmaListener RdmaListener;
 #define RDMA_DEFAULT_RX_LEN (1024 * 1024)
 
 /**
- * First byte of every command message ('R').
+ * First byte of every command message ('R'); the C header's
+ * `RDMA_CMD_MAGIC` is generated from this constant.
  */
 #define RDMA_CMD_MAGIC 82
 
@@ -108,16 +109,33 @@ typedef enum RdmaCommMode {
   RDMA_NON_BLOCKING = 1,
 } RdmaCommMode;
 
+/**
+ * Connection state, numbered as the legacy `RdmaConnState`: the C header's
+ * `RdmaConnState` (`RDMA_CONN_STATE_*`) is generated from this enum.
+ *
+ */
 typedef enum RdmaConnState {
   RDMA_CONN_STATE_NONE = 0,
   RDMA_CONN_STATE_CONNECTING = 1,
   RDMA_CONN_STATE_ACCEPTING = 2,
+  /**
+   * RDMA CM connected; the peer's receive buffer is not known yet.
+   */
   RDMA_CONN_STATE_CONNECTED = 3,
+  /**
+   * Data can flow.
+   */
   RDMA_CONN_STATE_MR_READY = 4,
   RDMA_CONN_STATE_CLOSED = 5,
   RDMA_CONN_STATE_ERROR = 6,
 } RdmaConnState;
 
+/**
+ * Which side made the connection, numbered and named as the legacy
+ * `ConnectionType` (`ACCEPTED_CONN`, `CONNECTED_CONN`), which the C header
+ * generates from this enum.
+ *
+ */
 typedef enum ConnectionType {
   ACCEPTED_CONN = 0,
   CONNECTED_CONN = 1,
@@ -130,7 +148,9 @@ typedef enum RdmaReqCtxType {
 } RdmaReqCtxType;
 
 /**
- * Command opcodes on the wire.
+ * Command opcodes on the wire. The legacy header's enum: an `int`, with
+ * the legacy opcodes only; the runtime's `proto::Opcode` is a byte and adds
+ * CREDIT. The numbers are the runtime's, checked here at compile time.
  */
 typedef enum RdmaCmdType {
   REG_LOCAL_ADDR = 0,

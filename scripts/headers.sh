@@ -16,11 +16,13 @@ items() {
     grep -hoE 'pub (unsafe )?extern "C" fn [A-Za-z0-9_]+|^pub (static mut|struct|enum|type|const|static) [A-Za-z0-9_]+' "$@" \
         | awk '{print "\"" $NF "\""}' | sort -u | paste -sd, -
 }
-internal=$(grep -rhoE '^ *pub (const|static) [A-Za-z0-9_]+' src/kv src/runtime src/verbs src/broker src/safe \
-    | awk '{print "\"" $NF "\""}' | sort -u | paste -sd, -)
+# src/kv/codes.rs is kv_store.h's: the error codes and the default port.
+internal=$(grep -rhoE --exclude=codes.rs '^ *pub (const|static) [A-Za-z0-9_]+' src/kv src/runtime src/verbs src/broker src/safe \
+    | awk '{print "\"" $NF "\""}' | grep -v '"RDMA_CMD_MAGIC"' | sort -u | paste -sd, -)
 broker_items=$(items src/ffi/broker.rs),\"EventKind\"
-kv_items=$(items src/ffi/kv/*.rs src/ffi/kv_strings.rs)
-rdma_items=$(items src/ffi/mod.rs src/ffi/rdma/*.rs)
+kv_items=$(items src/ffi/kv/*.rs src/ffi/kv_strings.rs src/kv/codes.rs)
+# RDMA_CMD_MAGIC lives in the runtime's protocol module.
+rdma_items=$(items src/ffi/mod.rs src/ffi/rdma/*.rs),\"RDMA_CMD_MAGIC\"
 sed "s/\"@FOREIGN@\"/$kv_items,$broker_items,$internal/" cbindgen.toml >target/headers/rdma.toml
 sed "s/\"@FOREIGN@\"/$rdma_items,$broker_items,$internal/" cbindgen-kv.toml >target/headers/kv.toml
 sed "s/\"@FOREIGN@\"/$rdma_items,$kv_items,$internal/" cbindgen-broker.toml >target/headers/broker.toml

@@ -23,7 +23,7 @@ struct Args {
     /// Server address.
     #[arg(short = 'a', long = "address", default_value = "127.0.0.1")]
     address: String,
-    #[arg(short = 'p', long, default_value_t = 12345)]
+    #[arg(short = 'p', long, default_value_t = snowrdma::kv::SERVER_PORT)]
     port: u16,
     /// Socket mode: QP information over TCP instead of RDMA CM.
     #[arg(short = 'S', long)]

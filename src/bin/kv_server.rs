@@ -22,7 +22,7 @@ struct Args {
     /// Address to listen on.
     #[arg(short = 'a', long = "address", default_value = "0.0.0.0")]
     address: IpAddr,
-    #[arg(short = 'p', long, default_value_t = 12345)]
+    #[arg(short = 'p', long, default_value_t = snowrdma::kv::SERVER_PORT)]
     port: u16,
     /// Memory pool size in MiB.
     #[arg(short = 'm', long = "memory", default_value_t = 1024)]

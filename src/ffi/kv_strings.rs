@@ -17,10 +17,6 @@ use super::boundary::guard;
 use super::table::HandleTable;
 use crate::kv::{legacy_port, Client, KvError, Server, ServerConfig};
 
-/// The legacy server's TCP port, where `kv_open` connects and `run_server`
-/// listens unless `SNOWRDMA_KV_PORT` says otherwise.
-pub const KV_DEFAULT_PORT: u16 = 4792;
-
 static HANDLES: Lazy<HandleTable<Client>> = Lazy::new(HandleTable::new);
 
 /// A C string argument.
@@ -186,11 +182,6 @@ fn bad_handle() -> KvError {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn the_header_port_is_the_engine_port() {
-        assert_eq!(KV_DEFAULT_PORT, crate::kv::LEGACY_PORT);
-    }
 
     #[test]
     fn bad_handles_and_null_arguments_fail_with_1() {

@@ -6,6 +6,8 @@
 
 mod boundary;
 pub mod broker;
+#[cfg(test)]
+mod facts;
 pub mod kv;
 pub mod kv_strings;
 pub mod rdma;

@@ -8,6 +8,7 @@
 //! served by this engine; see `crate::ffi::kv`.
 
 mod client;
+pub mod codes;
 mod index;
 mod limits;
 mod pool;
@@ -19,6 +20,7 @@ use std::net::{SocketAddr, ToSocketAddrs};
 use std::time::Duration;
 
 pub use client::{Client, ClientOptions};
+pub use codes::KV_DEFAULT_PORT;
 pub use limits::Limits;
 pub use server::{Server, ServerConfig, Stats};
 
@@ -38,18 +40,20 @@ pub const TIMEOUT_ENV: &str = "SNOWRDMA_KV_TIMEOUT_MS";
 /// Within what RDMA devices take (Soft-RoCE: 400, ConnectX: more).
 const MESSAGE_INLINE: u32 = 256;
 
-/// The port of the legacy string API (`kv_open`, `run_server`, and
-/// [`Client::open`]) unless [`PORT_ENV`] says otherwise.
-pub const LEGACY_PORT: u16 = 4792;
-/// Environment variable overriding [`LEGACY_PORT`].
+/// The port `kv_server` and `kv_client` use unless told otherwise (the
+/// legacy programs' port).
+pub const SERVER_PORT: u16 = 12345;
+
+/// Environment variable overriding [`KV_DEFAULT_PORT`] (the port of the
+/// legacy string API: `kv_open`, `run_server`, [`Client::open`]).
 pub const PORT_ENV: &str = "SNOWRDMA_KV_PORT";
 
-/// [`LEGACY_PORT`], or `SNOWRDMA_KV_PORT`.
+/// [`KV_DEFAULT_PORT`], or `SNOWRDMA_KV_PORT`.
 pub fn legacy_port() -> u16 {
     std::env::var(PORT_ENV)
         .ok()
         .and_then(|v| v.trim().parse().ok())
-        .unwrap_or(LEGACY_PORT)
+        .unwrap_or(KV_DEFAULT_PORT)
 }
 
 /// Resolves "host" or "host:port" (the port defaulting to
@@ -113,32 +117,36 @@ pub type Result<T, E = KvError> = std::result::Result<T, E>;
 impl KvError {
     /// The C code (`KV_ERR_*`).
     pub fn code(&self) -> i32 {
+        use codes::*;
         match self {
-            KvError::NotFound => -1,
-            KvError::Exists => -2,
-            KvError::CasFailed { .. } => -3,
-            KvError::KeyTooLong => -4,
-            KvError::ValueTooLong { .. } => -5,
-            KvError::NoMemory => -6,
-            KvError::Internal(_) => -7,
-            KvError::InvalidArgument(_) => -8,
-            KvError::Disconnected(_) => -9,
-            KvError::Timeout(_) => -10,
-            KvError::BufferTooSmall { .. } => -11,
+            KvError::NotFound => KV_ERR_NOT_FOUND,
+            KvError::Exists => KV_ERR_EXISTS,
+            KvError::CasFailed { .. } => KV_ERR_CAS_FAILED,
+            KvError::KeyTooLong => KV_ERR_KEY_TOO_LONG,
+            KvError::ValueTooLong { .. } => KV_ERR_VALUE_TOO_LONG,
+            KvError::NoMemory => KV_ERR_NO_MEMORY,
+            KvError::Internal(_) => KV_ERR_INTERNAL,
+            KvError::InvalidArgument(_) => KV_ERR_INVALID_ARGUMENT,
+            KvError::Disconnected(_) => KV_ERR_DISCONNECTED,
+            KvError::Timeout(_) => KV_ERR_TIMEOUT,
+            KvError::BufferTooSmall { .. } => KV_ERR_BUFFER_TOO_SMALL,
         }
     }
 
     /// Rebuilds an error a server reported by its code; `detail` is the
     /// version (CAS), the length (buffer) or the maximum (value too long).
     pub(crate) fn from_code(code: i32, detail: u64) -> KvError {
+        use codes::*;
         match code {
-            -1 => KvError::NotFound,
-            -2 => KvError::Exists,
-            -3 => KvError::CasFailed { current: detail },
-            -4 => KvError::KeyTooLong,
-            -5 => KvError::ValueTooLong { max: detail },
-            -6 => KvError::NoMemory,
-            -8 => KvError::InvalidArgument("the server refused the request".into()),
+            KV_ERR_NOT_FOUND => KvError::NotFound,
+            KV_ERR_EXISTS => KvError::Exists,
+            KV_ERR_CAS_FAILED => KvError::CasFailed { current: detail },
+            KV_ERR_KEY_TOO_LONG => KvError::KeyTooLong,
+            KV_ERR_VALUE_TOO_LONG => KvError::ValueTooLong { max: detail },
+            KV_ERR_NO_MEMORY => KvError::NoMemory,
+            KV_ERR_INVALID_ARGUMENT => {
+                KvError::InvalidArgument("the server refused the request".into())
+            }
             other => KvError::Internal(format!("the server answered code {other}")),
         }
     }

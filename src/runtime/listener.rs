@@ -273,7 +273,7 @@ impl Listener {
             self.inner.rt.clone(),
             Link::Cm(id.clone()),
             &self.inner.opts,
-            ConnKind::Accepted,
+            ConnKind::AcceptedConn,
             self.inner.pds.as_deref(),
         ) {
             Ok((c, _)) => c,
@@ -340,7 +340,7 @@ impl Listener {
             self.inner.rt.clone(),
             Link::Socket(link),
             &self.inner.opts,
-            ConnKind::Accepted,
+            ConnKind::AcceptedConn,
             self.inner.pds.as_deref(),
         )?;
         let Some(handler) = (self.inner.on_accept)(&conn) else {

@@ -9,8 +9,9 @@
 //! messages (immediate bit 31 set: an 8-byte header precedes the payload in
 //! the ring). Nothing of version 1 is ever sent to a version-0 peer.
 
-/// `RDMA_CMD_MAGIC`.
-pub const MAGIC: u8 = b'R';
+/// First byte of every command message ('R'); the C header's
+/// `RDMA_CMD_MAGIC` is generated from this constant.
+pub const RDMA_CMD_MAGIC: u8 = b'R';
 /// The protocol version this library speaks.
 pub const VERSION: u8 = 1;
 /// Size of a command on the wire.
@@ -77,7 +78,7 @@ impl Cmd {
 
     pub fn encode(&self) -> [u8; CMD_LEN] {
         let mut b = [0u8; CMD_LEN];
-        b[0] = MAGIC;
+        b[0] = RDMA_CMD_MAGIC;
         b[1] = self.version;
         b[2] = self.opcode as u8;
         b[3..7].copy_from_slice(&self.recv_depth.to_be_bytes());
@@ -92,7 +93,7 @@ impl Cmd {
         if b.len() != CMD_LEN {
             return Err(CmdError::Length(b.len()));
         }
-        if b[0] != MAGIC {
+        if b[0] != RDMA_CMD_MAGIC {
             return Err(CmdError::Magic(b[0]));
         }
         let opcode = match b[2] {

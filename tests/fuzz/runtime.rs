@@ -2,7 +2,7 @@
 //! and what it writes at the head of a ring message.
 
 use proptest::prelude::*;
-use snowrdma::runtime::proto::{Cmd, ExtKind, Opcode, CMD_LEN, EXT_HEADER_LEN, MAGIC};
+use snowrdma::runtime::proto::{Cmd, ExtKind, Opcode, CMD_LEN, EXT_HEADER_LEN, RDMA_CMD_MAGIC};
 
 use crate::corpus::{self, Input};
 
@@ -66,7 +66,7 @@ fn check_cmd(b: &[u8]) -> bool {
         return false;
     };
     assert_eq!(b.len(), CMD_LEN);
-    assert_eq!(b[0], MAGIC);
+    assert_eq!(b[0], RDMA_CMD_MAGIC);
     let mut canonical = b.to_vec();
     canonical[11..16].fill(0);
     if c.version == 0 {

@@ -13,41 +13,11 @@ pub const CONN_MODE_CM: conn_mode_t = 0;
 /// A TCP connection exchanges QP information; QP states are set by hand.
 pub const CONN_MODE_SOCKET: conn_mode_t = 1;
 
-/// Success.
-pub const KV_OK: c_int = 0;
-
-/// No such key.
-pub const KV_ERR_NOT_FOUND: c_int = -1;
-
-/// The key exists.
-pub const KV_ERR_EXISTS: c_int = -2;
-
-/// CAS: the version did not match (the current one is reported).
-pub const KV_ERR_CAS_FAILED: c_int = -3;
-
-/// The key is longer than 1024 bytes.
-pub const KV_ERR_KEY_TOO_LONG: c_int = -4;
-
-/// The value is longer than the server's maximum (default 1 GiB).
-pub const KV_ERR_VALUE_TOO_LONG: c_int = -5;
-
-/// The server has no memory for the value.
-pub const KV_ERR_NO_MEMORY: c_int = -6;
-
-/// Anything else (a broken reply, a failed RDMA operation).
-pub const KV_ERR_INTERNAL: c_int = -7;
-
-/// snowrdma: a NULL, empty or unknown argument or handle.
-pub const KV_ERR_INVALID_ARGUMENT: c_int = -8;
-
-/// snowrdma: not connected, or the server went away.
-pub const KV_ERR_DISCONNECTED: c_int = -9;
-
-/// snowrdma: the server did not answer in time.
-pub const KV_ERR_TIMEOUT: c_int = -10;
-
-/// snowrdma: `value_buf` is too small; `*value_len` says how long the value is.
-pub const KV_ERR_BUFFER_TOO_SMALL: c_int = -11;
+pub use crate::kv::codes::{
+    KV_ERR_BUFFER_TOO_SMALL, KV_ERR_CAS_FAILED, KV_ERR_DISCONNECTED, KV_ERR_EXISTS,
+    KV_ERR_INTERNAL, KV_ERR_INVALID_ARGUMENT, KV_ERR_KEY_TOO_LONG, KV_ERR_NOT_FOUND,
+    KV_ERR_NO_MEMORY, KV_ERR_TIMEOUT, KV_ERR_VALUE_TOO_LONG, KV_OK,
+};
 
 /// Longest key accepted.
 pub const KV_MAX_KEY_LEN: usize = crate::kv::MAX_KEY_LEN;

@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 
 use crate::ffi::boundary::guard;
 use crate::ffi::table::CMemory;
-use crate::runtime::{ConnHandler, ConnState, Connection, Options, WeakConnection};
+use crate::runtime::{ConnHandler, ConnKind, ConnState, Connection, Options, WeakConnection};
 use crate::verbs::RemoteRegion;
 
 use super::globals::copy_options;
@@ -26,11 +26,7 @@ pub(super) struct FfiConn {
 }
 
 impl FfiConn {
-    pub(super) fn new(
-        opts: Options,
-        c_opts: *const RdmaOptions,
-        kind: ConnectionType,
-    ) -> Arc<FfiConn> {
+    pub(super) fn new(opts: Options, c_opts: *const RdmaOptions, kind: ConnKind) -> Arc<FfiConn> {
         // SAFETY: all-zero is a valid RdmaConn (NULL pointers, zero ints,
         // NONE enums, None callbacks, zeroed pthread objects).
         let raw: Arc<CMemory<RdmaConn>> = CMemory::new(unsafe { std::mem::zeroed() });
@@ -166,18 +162,9 @@ impl ConnHandler for FfiConn {
 
     fn state_changed(&self, conn: &Connection, state: ConnState) {
         self.bind(conn);
-        let c_state = match state {
-            ConnState::None => RdmaConnState::RDMA_CONN_STATE_NONE,
-            ConnState::Connecting => RdmaConnState::RDMA_CONN_STATE_CONNECTING,
-            ConnState::Accepting => RdmaConnState::RDMA_CONN_STATE_ACCEPTING,
-            ConnState::Connected => RdmaConnState::RDMA_CONN_STATE_CONNECTED,
-            ConnState::MrReady => RdmaConnState::RDMA_CONN_STATE_MR_READY,
-            ConnState::Closed => RdmaConnState::RDMA_CONN_STATE_CLOSED,
-            ConnState::Error => RdmaConnState::RDMA_CONN_STATE_ERROR,
-        };
         // SAFETY: a plain field of our own struct.
         unsafe {
-            std::ptr::write_volatile(addr_of_mut!((*self.ptr()).state), c_state);
+            std::ptr::write_volatile(addr_of_mut!((*self.ptr()).state), state);
             if state == ConnState::Error {
                 std::ptr::write_volatile(addr_of_mut!((*self.ptr()).last_errno), conn.last_errno());
             }

@@ -8,7 +8,7 @@ use rdma_sys::ibv_mr;
 
 use crate::ffi::boundary::guard;
 use crate::ffi::table::CMemory;
-use crate::runtime::{self, ConnHandler, Connection, Listener};
+use crate::runtime::{self, ConnHandler, ConnKind, ConnState, Connection, Listener};
 
 use super::bridge::*;
 use super::globals::*;
@@ -59,7 +59,7 @@ pub unsafe extern "C" fn rdmaServer(
             let ffi = FfiConn::new(
                 conn_opts.clone(),
                 unsafe { addr_of!((*lraw).options) },
-                ConnectionType::ACCEPTED_CONN,
+                ConnKind::AcceptedConn,
             );
             ffi.bind(conn);
             CONNS.insert(ffi.raw.clone(), ffi.clone());
@@ -166,7 +166,7 @@ pub unsafe extern "C" fn rdmaConn(opt: *const RdmaConnOptions) -> *mut RdmaConn 
     guard("rdmaConn", std::ptr::null_mut(), || {
         let opts = resolve_options(opt);
         runtime::configure(&opts);
-        let ffi = FfiConn::new(opts, opt, ConnectionType::CONNECTED_CONN);
+        let ffi = FfiConn::new(opts, opt, ConnKind::ConnectedConn);
         CONNS.insert(ffi.raw.clone(), ffi)
     })
 }
@@ -195,10 +195,7 @@ pub unsafe extern "C" fn rdmaConnect(
         let failed = |errno: c_int| {
             // SAFETY: our own struct, alive while `ffi` is.
             unsafe {
-                std::ptr::write_volatile(
-                    addr_of_mut!((*ffi.ptr()).state),
-                    RdmaConnState::RDMA_CONN_STATE_ERROR,
-                );
+                std::ptr::write_volatile(addr_of_mut!((*ffi.ptr()).state), ConnState::Error);
                 std::ptr::write_volatile(addr_of_mut!((*ffi.ptr()).last_errno), errno);
             }
             Err(errno)

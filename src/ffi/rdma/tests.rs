@@ -1,6 +1,6 @@
 use std::time::Duration;
 
-use crate::runtime::CommMode;
+use crate::runtime::{CommMode, ConnKind, ConnState};
 
 use super::globals::resolve_options;
 use super::*;
@@ -74,7 +74,7 @@ fn a_closed_connection_stays_dead_while_new_ones_are_made() {
             rdmaConnClose(c);
         }
         // Still readable, as a program that kept it finds it.
-        assert_eq!((*dead).r#type, ConnectionType::CONNECTED_CONN);
+        assert_eq!((*dead).r#type, ConnKind::ConnectedConn);
     }
 }
 
@@ -137,7 +137,7 @@ fn connect_failures_set_errno() {
         *libc::__errno_location() = 0;
         assert_eq!(rdmaConnect(c, c"1.2.3.4".as_ptr().cast_mut(), -1), RDMA_ERR);
         assert_eq!(*libc::__errno_location(), libc::EINVAL, "bad port");
-        assert_eq!((*c).state, RdmaConnState::RDMA_CONN_STATE_ERROR);
+        assert_eq!((*c).state, ConnState::Error);
         assert_eq!((*c).last_errno, libc::EINVAL);
         rdmaConnClose(c);
     }

@@ -5,7 +5,7 @@ use std::ffi::{c_char, c_int, c_uint, c_void};
 
 use rdma_sys::{ibv_comp_channel, ibv_cq, ibv_mr, ibv_pd, rdma_cm_id, rdma_event_channel};
 
-use crate::runtime::DEFAULT_RECV_BUF_LEN;
+use crate::runtime::{ConnKind, ConnState, DEFAULT_RECV_BUF_LEN};
 
 /// Success.
 pub const RDMA_OK: c_int = 0;
@@ -15,10 +15,9 @@ pub const RDMA_MAX_SGE: c_int = 1024;
 /// Size of each connection's receive buffer.
 pub const RDMA_DEFAULT_RX_LEN: c_int = 1024 * 1024;
 const _: () = assert!(RDMA_DEFAULT_RX_LEN as usize == DEFAULT_RECV_BUF_LEN);
-/// First byte of every command message ('R').
-pub const RDMA_CMD_MAGIC: u8 = b'R';
-
-/// Command opcodes on the wire.
+/// Command opcodes on the wire. The legacy header's enum: an `int`, with
+/// the legacy opcodes only; the runtime's `proto::Opcode` is a byte and adds
+/// CREDIT. The numbers are the runtime's, checked here at compile time.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum RdmaCmdType {
@@ -26,6 +25,13 @@ pub enum RdmaCmdType {
     REG_PHYS_ADDR = 1,
     CONN_GOODBYE = 2,
 }
+
+const _: () = {
+    use crate::runtime::proto::Opcode;
+    assert!(RdmaCmdType::REG_LOCAL_ADDR as u8 == Opcode::RegLocalAddr as u8);
+    assert!(RdmaCmdType::REG_PHYS_ADDR as u8 == Opcode::RegPhysAddr as u8);
+    assert!(RdmaCmdType::CONN_GOODBYE as u8 == Opcode::ConnGoodbye as u8);
+};
 
 #[repr(C)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -44,25 +50,6 @@ pub enum RdmaCommMode {
     /// `rdmaConnSend` never waits: a message that finds no room is queued
     /// and sent in order as room returns; 0 only when that queue is full.
     RDMA_NON_BLOCKING = 1,
-}
-
-#[repr(C)]
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum RdmaConnState {
-    RDMA_CONN_STATE_NONE = 0,
-    RDMA_CONN_STATE_CONNECTING = 1,
-    RDMA_CONN_STATE_ACCEPTING = 2,
-    RDMA_CONN_STATE_CONNECTED = 3,
-    RDMA_CONN_STATE_MR_READY = 4,
-    RDMA_CONN_STATE_CLOSED = 5,
-    RDMA_CONN_STATE_ERROR = 6,
-}
-
-#[repr(C)]
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ConnectionType {
-    ACCEPTED_CONN = 0,
-    CONNECTED_CONN = 1,
 }
 
 #[repr(C)]
@@ -164,8 +151,8 @@ pub type RdmaConnOptions = RdmaOptions;
 pub struct RdmaConn {
     pub cm_id: *mut rdma_cm_id,
     pub last_errno: c_int,
-    pub state: RdmaConnState,
-    pub r#type: ConnectionType,
+    pub state: ConnState,
+    pub r#type: ConnKind,
     /// The peer's address as text.
     pub ip: *mut c_char,
     /// The peer's port.

@@ -71,7 +71,7 @@ pub struct ServerConfig {
 impl Default for ServerConfig {
     fn default() -> Self {
         ServerConfig {
-            addr: SocketAddr::from(([0, 0, 0, 0], 12345)),
+            addr: SocketAddr::from(([0, 0, 0, 0], crate::kv::SERVER_PORT)),
             memory_size: 1024 << 20,
             huge_pages: false,
             table_size: 65536,

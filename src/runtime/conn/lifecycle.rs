@@ -57,7 +57,7 @@ impl Connection {
         self.fire_disconnected();
         // Again, for waiters whose answer the callback gave.
         self.wake();
-        if self.inner.kind == ConnKind::Accepted {
+        if self.inner.kind == ConnKind::AcceptedConn {
             self.retire();
         }
     }
@@ -92,7 +92,7 @@ impl Connection {
             self.fire_disconnected();
             self.wake();
         }
-        if self.inner.kind == ConnKind::Accepted {
+        if self.inner.kind == ConnKind::AcceptedConn {
             self.retire();
         }
     }
@@ -222,7 +222,7 @@ impl Connection {
         }
         self.notify_state(ConnState::Closed);
         self.unwatch();
-        if self.inner.kind == ConnKind::Accepted {
+        if self.inner.kind == ConnKind::AcceptedConn {
             self.inner.rt.forget_accepted(self);
         }
     }

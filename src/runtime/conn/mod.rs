@@ -80,9 +80,13 @@ pub(crate) fn thread_token() -> usize {
     THREAD_MARK.with(|m| m as *const u8 as usize)
 }
 
-/// Connection state, numbered as the legacy `RdmaConnState`.
+/// Connection state, numbered as the legacy `RdmaConnState`: the C header's
+/// `RdmaConnState` (`RDMA_CONN_STATE_*`) is generated from this enum.
+///
+/// cbindgen:prefix-with-name
+/// cbindgen:rename-all=ScreamingSnakeCase
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[repr(i32)]
+#[repr(C)]
 pub enum ConnState {
     None = 0,
     Connecting = 1,
@@ -95,12 +99,16 @@ pub enum ConnState {
     Error = 6,
 }
 
-/// Which side made the connection, numbered as the legacy `ConnectionType`.
+/// Which side made the connection, numbered and named as the legacy
+/// `ConnectionType` (`ACCEPTED_CONN`, `CONNECTED_CONN`), which the C header
+/// generates from this enum.
+///
+/// cbindgen:rename-all=ScreamingSnakeCase
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[repr(i32)]
+#[repr(C)]
 pub enum ConnKind {
-    Accepted = 0,
-    Connected = 1,
+    AcceptedConn = 0,
+    ConnectedConn = 1,
 }
 
 /// Gives the protection domain connections on a device are built in, so a

@@ -102,7 +102,7 @@ impl Connection {
         if opts.enable_phys_addr_access {
             warn_no_phys_addr();
         }
-        let state = if kind == ConnKind::Connected {
+        let state = if kind == ConnKind::ConnectedConn {
             ConnState::Connecting
         } else {
             ConnState::Accepting
@@ -183,8 +183,13 @@ impl Connection {
     ) -> Result<Connection> {
         let rt = runtime()?;
         let id = CmId::resolve(addr, None, opts.timeout)?;
-        let (conn, _) =
-            Connection::build(rt, Link::Cm(id.clone()), opts, ConnKind::Connected, None)?;
+        let (conn, _) = Connection::build(
+            rt,
+            Link::Cm(id.clone()),
+            opts,
+            ConnKind::ConnectedConn,
+            None,
+        )?;
         conn.set_handler(handler);
         conn.notify_state(ConnState::Connecting);
         id.connect(&conn.conn_param())?;
@@ -218,7 +223,7 @@ impl Connection {
             ctx: Context::open(device)?,
         };
         let (conn, prepared) =
-            Connection::build(rt, Link::Socket(link), opts, ConnKind::Connected, None)?;
+            Connection::build(rt, Link::Socket(link), opts, ConnKind::ConnectedConn, None)?;
         conn.set_handler(handler);
         conn.notify_state(ConnState::Connecting);
         let prepared = prepared.expect("socket-mode connections come back prepared");

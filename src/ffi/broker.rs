@@ -15,7 +15,7 @@ use once_cell::sync::Lazy;
 use crate::broker::{
     Broker, BrokerError, Config, ConnectMode, Event, EventKind, MemManager, Remote, Stats,
 };
-use crate::ffi::boundary::guard;
+use crate::ffi::boundary::{guard, guard_or};
 use crate::ffi::table::HandleTable;
 
 /// Opaque broker handle.
@@ -258,7 +258,7 @@ pub unsafe extern "C" fn snowrdma_broker_create(
     callback: snowrdma_broker_callback,
     user: *mut c_void,
 ) -> *mut snowrdma_broker {
-    guard("snowrdma_broker_create", std::ptr::null_mut(), || {
+    guard(|| {
         let Some(c) = config.as_ref() else {
             log::error!("snowrdma_broker_create: config is NULL");
             return std::ptr::null_mut();
@@ -323,16 +323,12 @@ pub unsafe extern "C" fn snowrdma_broker_create(
 /// after it).
 #[no_mangle]
 pub extern "C" fn snowrdma_broker_init(b: *mut snowrdma_broker, timeout_ms: u32) -> c_int {
-    guard(
-        "snowrdma_broker_init",
-        SNOWRDMA_BROKER_INTERNAL as c_int,
-        || {
-            status(with(b, |br| {
-                br.init(Duration::from_millis(u64::from(timeout_ms)))
-                    .inspect_err(|e| log::error!("snowrdma_broker_init: {e}"))
-            }))
-        },
-    )
+    guard_or(SNOWRDMA_BROKER_INTERNAL as c_int, || {
+        status(with(b, |br| {
+            br.init(Duration::from_millis(u64::from(timeout_ms)))
+                .inspect_err(|e| log::error!("snowrdma_broker_init: {e}"))
+        }))
+    })
 }
 
 fn set_errno(e: &BrokerError) {
@@ -353,10 +349,8 @@ fn set_errno(e: &BrokerError) {
 /// is never handed out twice before its completion.
 #[no_mangle]
 pub extern "C" fn snowrdma_broker_send_buf(b: *mut snowrdma_broker, peer: u32) -> *mut c_char {
-    guard(
-        "snowrdma_broker_send_buf",
-        std::ptr::null_mut(),
-        || match with(b, |br| {
+    guard(|| {
+        match with(b, |br| {
             let slot = br.hand_out(peer as usize)?;
             Ok(br.slot_ptr(peer as usize, slot).0)
         }) {
@@ -365,8 +359,8 @@ pub extern "C" fn snowrdma_broker_send_buf(b: *mut snowrdma_broker, peer: u32) -
                 set_errno(&e);
                 std::ptr::null_mut()
             }
-        },
-    )
+        }
+    })
 }
 
 /// Queues a SEND of `len` bytes of a slot from `snowrdma_broker_send_buf`
@@ -385,20 +379,16 @@ pub unsafe extern "C" fn snowrdma_broker_post_send(
     imm: u32,
     wr_id: *mut u64,
 ) -> c_int {
-    guard(
-        "snowrdma_broker_post_send",
-        SNOWRDMA_BROKER_INTERNAL as c_int,
-        || {
-            status(with(b, |br| {
-                let slot = br.slot_at(peer as usize, buf.cast()).ok_or_else(|| {
-                    BrokerError::InvalidArgument("buf is not a send slot of that peer".into())
-                })?;
-                let id = br.post_send(peer as usize, slot, len, imm)?;
-                out(wr_id, id);
-                Ok(())
-            }))
-        },
-    )
+    guard_or(SNOWRDMA_BROKER_INTERNAL as c_int, || {
+        status(with(b, |br| {
+            let slot = br.slot_at(peer as usize, buf.cast()).ok_or_else(|| {
+                BrokerError::InvalidArgument("buf is not a send slot of that peer".into())
+            })?;
+            let id = br.post_send(peer as usize, slot, len, imm)?;
+            out(wr_id, id);
+            Ok(())
+        }))
+    })
 }
 
 unsafe fn out(p: *mut u64, v: u64) {
@@ -433,28 +423,24 @@ pub unsafe extern "C" fn snowrdma_broker_post_write(
     imm: u32,
     wr_id: *mut u64,
 ) -> c_int {
-    guard(
-        "snowrdma_broker_post_write",
-        SNOWRDMA_BROKER_INTERNAL as c_int,
-        || {
-            status(with(b, |br| {
-                let local = br.locate(peer as usize, buf.cast(), len).ok_or_else(|| {
-                    BrokerError::InvalidArgument(
-                        "buf is neither a send slot nor in the data region".into(),
-                    )
-                })?;
-                let id = br.post_write(
-                    peer as usize,
-                    local,
-                    len,
-                    remote(remote_addr, remote_is_offset),
-                    imm,
-                )?;
-                out(wr_id, id);
-                Ok(())
-            }))
-        },
-    )
+    guard_or(SNOWRDMA_BROKER_INTERNAL as c_int, || {
+        status(with(b, |br| {
+            let local = br.locate(peer as usize, buf.cast(), len).ok_or_else(|| {
+                BrokerError::InvalidArgument(
+                    "buf is neither a send slot nor in the data region".into(),
+                )
+            })?;
+            let id = br.post_write(
+                peer as usize,
+                local,
+                len,
+                remote(remote_addr, remote_is_offset),
+                imm,
+            )?;
+            out(wr_id, id);
+            Ok(())
+        }))
+    })
 }
 
 /// Queues a READ of `len` bytes of the peer's data region (offset or
@@ -473,42 +459,34 @@ pub unsafe extern "C" fn snowrdma_broker_post_read(
     remote_is_offset: bool,
     wr_id: *mut u64,
 ) -> c_int {
-    guard(
-        "snowrdma_broker_post_read",
-        SNOWRDMA_BROKER_INTERNAL as c_int,
-        || {
-            status(with(b, |br| {
-                let local = br.locate(peer as usize, buf.cast(), len).ok_or_else(|| {
-                    BrokerError::InvalidArgument(
-                        "buf is neither a send slot nor in the data region".into(),
-                    )
-                })?;
-                let id = br.post_read(
-                    peer as usize,
-                    local,
-                    len,
-                    remote(remote_addr, remote_is_offset),
-                )?;
-                out(wr_id, id);
-                Ok(())
-            }))
-        },
-    )
+    guard_or(SNOWRDMA_BROKER_INTERNAL as c_int, || {
+        status(with(b, |br| {
+            let local = br.locate(peer as usize, buf.cast(), len).ok_or_else(|| {
+                BrokerError::InvalidArgument(
+                    "buf is neither a send slot nor in the data region".into(),
+                )
+            })?;
+            let id = br.post_read(
+                peer as usize,
+                local,
+                len,
+                remote(remote_addr, remote_is_offset),
+            )?;
+            out(wr_id, id);
+            Ok(())
+        }))
+    })
 }
 
 /// Posts the queued requests of `peer` (negative: of every peer) now.
 #[no_mangle]
 pub extern "C" fn snowrdma_broker_flush(b: *mut snowrdma_broker, peer: i32) -> c_int {
-    guard(
-        "snowrdma_broker_flush",
-        SNOWRDMA_BROKER_INTERNAL as c_int,
-        || {
-            status(with(b, |br| match usize::try_from(peer) {
-                Ok(p) => br.flush(p),
-                Err(_) => br.flush_all(),
-            }))
-        },
-    )
+    guard_or(SNOWRDMA_BROKER_INTERNAL as c_int, || {
+        status(with(b, |br| match usize::try_from(peer) {
+            Ok(p) => br.flush(p),
+            Err(_) => br.flush_all(),
+        }))
+    })
 }
 
 fn polled(r: Result<u32, BrokerError>) -> i64 {
@@ -523,11 +501,9 @@ fn polled(r: Result<u32, BrokerError>) -> i64 {
 /// `snowrdma_broker_status`.
 #[no_mangle]
 pub extern "C" fn snowrdma_broker_poll_sq(b: *mut snowrdma_broker, peer: i32) -> i64 {
-    guard(
-        "snowrdma_broker_poll_sq",
-        -(SNOWRDMA_BROKER_INTERNAL as i64),
-        || polled(with(b, |br| br.poll_sq(usize::try_from(peer).ok()))),
-    )
+    guard_or(-(SNOWRDMA_BROKER_INTERNAL as i64), || {
+        polled(with(b, |br| br.poll_sq(usize::try_from(peer).ok())))
+    })
 }
 
 /// Reaps received messages of `peer` (negative: all), running the callback
@@ -536,11 +512,9 @@ pub extern "C" fn snowrdma_broker_poll_sq(b: *mut snowrdma_broker, peer: i32) ->
 /// minus a `snowrdma_broker_status`.
 #[no_mangle]
 pub extern "C" fn snowrdma_broker_poll_rq(b: *mut snowrdma_broker, peer: i32) -> i64 {
-    guard(
-        "snowrdma_broker_poll_rq",
-        -(SNOWRDMA_BROKER_INTERNAL as i64),
-        || polled(with(b, |br| br.poll_rq(usize::try_from(peer).ok()))),
-    )
+    guard_or(-(SNOWRDMA_BROKER_INTERNAL as i64), || {
+        polled(with(b, |br| br.poll_rq(usize::try_from(peer).ok())))
+    })
 }
 
 /// The data region (peers may write it at any time); `*len` gets its size.
@@ -553,17 +527,13 @@ pub unsafe extern "C" fn snowrdma_broker_data(
     b: *mut snowrdma_broker,
     len: *mut u64,
 ) -> *mut c_char {
-    guard(
-        "snowrdma_broker_data",
-        std::ptr::null_mut(),
-        || match with(b, |br| Ok(br.data_ptr())) {
-            Ok((p, l)) => {
-                out(len, l as u64);
-                p.cast()
-            }
-            Err(_) => std::ptr::null_mut(),
-        },
-    )
+    guard(|| match with(b, |br| Ok(br.data_ptr())) {
+        Ok((p, l)) => {
+            out(len, l as u64);
+            p.cast()
+        }
+        Err(_) => std::ptr::null_mut(),
+    })
 }
 
 /// A peer's data region: its address and length (for absolute addresses).
@@ -577,18 +547,14 @@ pub unsafe extern "C" fn snowrdma_broker_peer_region(
     addr: *mut u64,
     len: *mut u64,
 ) -> c_int {
-    guard(
-        "snowrdma_broker_peer_region",
-        SNOWRDMA_BROKER_INTERNAL as c_int,
-        || {
-            status(with(b, |br| {
-                let r = br.peer_region(peer as usize)?;
-                out(addr, r.addr);
-                out(len, r.len);
-                Ok(())
-            }))
-        },
-    )
+    guard_or(SNOWRDMA_BROKER_INTERNAL as c_int, || {
+        status(with(b, |br| {
+            let r = br.peer_region(peer as usize)?;
+            out(addr, r.addr);
+            out(len, r.len);
+            Ok(())
+        }))
+    })
 }
 
 /// Copies the counters into `*stats`.
@@ -600,33 +566,25 @@ pub unsafe extern "C" fn snowrdma_broker_get_stats(
     b: *mut snowrdma_broker,
     stats: *mut snowrdma_broker_stats,
 ) -> c_int {
-    guard(
-        "snowrdma_broker_stats",
-        SNOWRDMA_BROKER_INTERNAL as c_int,
-        || {
-            status(with(b, |br| {
-                let out = stats
-                    .as_mut()
-                    .ok_or_else(|| BrokerError::InvalidArgument("stats is NULL".into()))?;
-                *out = br.stats().into();
-                Ok(())
-            }))
-        },
-    )
+    guard_or(SNOWRDMA_BROKER_INTERNAL as c_int, || {
+        status(with(b, |br| {
+            let out = stats
+                .as_mut()
+                .ok_or_else(|| BrokerError::InvalidArgument("stats is NULL".into()))?;
+            *out = br.stats().into();
+            Ok(())
+        }))
+    })
 }
 
 /// Disconnects and frees the broker, on its owner thread. A second call, or
 /// one with NULL, returns `SNOWRDMA_BROKER_INVALID_ARGUMENT`.
 #[no_mangle]
 pub extern "C" fn snowrdma_broker_destroy(b: *mut snowrdma_broker) -> c_int {
-    guard(
-        "snowrdma_broker_destroy",
-        SNOWRDMA_BROKER_INTERNAL as c_int,
-        || {
-            let r = with(b, |_| Ok(())).map(|()| drop(BROKERS.remove(b)));
-            status(r)
-        },
-    )
+    guard_or(SNOWRDMA_BROKER_INTERNAL as c_int, || {
+        let r = with(b, |_| Ok(())).map(|()| drop(BROKERS.remove(b)));
+        status(r)
+    })
 }
 
 /// A short description of a `snowrdma_broker_status`. A static string.
@@ -660,7 +618,7 @@ pub extern "C" fn snowrdma_mem_manager_create(
     partitions: u32,
     slab_size: u64,
 ) -> *mut snowrdma_mem_manager {
-    guard("snowrdma_mem_manager_create", std::ptr::null_mut(), || {
+    guard(|| {
         if base.is_null() {
             return std::ptr::null_mut();
         }
@@ -679,7 +637,7 @@ pub extern "C" fn snowrdma_mem_manager_class(
     key: u64,
     size: u64,
 ) -> i32 {
-    guard("snowrdma_mem_manager_class", -1, || {
+    guard_or(-1, || {
         MANAGERS
             .get(m)
             .and_then(|m| m.class_of(key, size))
@@ -694,7 +652,7 @@ pub extern "C" fn snowrdma_mem_manager_alloc(
     key: u64,
     class: u32,
 ) -> *mut c_char {
-    guard("snowrdma_mem_manager_alloc", std::ptr::null_mut(), || {
+    guard(|| {
         MANAGERS
             .get(m)
             .and_then(|m| m.alloc(key, class))
@@ -711,7 +669,7 @@ pub extern "C" fn snowrdma_mem_manager_free(
     item: *mut c_char,
     class: u32,
 ) -> c_int {
-    guard("snowrdma_mem_manager_free", -1, || match MANAGERS.get(m) {
+    guard_or(-1, || match MANAGERS.get(m) {
         Some(m) => match m.free(key, item as usize, class) {
             Ok(()) => 0,
             Err(e) => {
@@ -726,7 +684,7 @@ pub extern "C" fn snowrdma_mem_manager_free(
 /// Frees the manager (not the memory it managed).
 #[no_mangle]
 pub extern "C" fn snowrdma_mem_manager_destroy(m: *mut snowrdma_mem_manager) {
-    guard("snowrdma_mem_manager_destroy", (), || {
+    guard(|| {
         MANAGERS.remove(m);
     })
 }

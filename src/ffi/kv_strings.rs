@@ -13,7 +13,7 @@ use std::net::SocketAddr;
 
 use once_cell::sync::Lazy;
 
-use super::boundary::guard;
+use super::boundary::{guard, guard_or};
 use super::table::HandleTable;
 use crate::kv::{legacy_port, Client, KvError, Server, ServerConfig};
 
@@ -32,8 +32,9 @@ unsafe fn text<'a>(p: *const c_char, what: &str) -> Result<&'a [u8], KvError> {
 
 /// Runs an export's body behind the panic boundary with the legacy return
 /// convention: 0, or 1 with the reason logged.
+#[track_caller]
 fn legacy_call(what: &'static str, body: impl FnOnce() -> Result<(), KvError>) -> c_int {
-    guard(what, 1, || match body() {
+    guard_or(1, || match body() {
         Ok(()) => 0,
         Err(e) => {
             log::error!("{what}: {e}");
@@ -128,7 +129,7 @@ pub unsafe extern "C" fn kv_get(
 /// `value` came from `kv_get` and is freed once.
 #[no_mangle]
 pub unsafe extern "C" fn kv_release(value: *mut c_char) {
-    guard("kv_release", (), || libc::free(value.cast()))
+    guard(|| libc::free(value.cast()))
 }
 
 /// Disconnects and frees the handle. 0, or 1 for a handle that is not open
@@ -151,7 +152,7 @@ pub extern "C" fn kv_close(kv_handle: *mut c_void) -> c_int {
 /// only when it cannot start.
 #[no_mangle]
 pub extern "C" fn run_server() -> c_int {
-    guard("run_server", 1, || {
+    guard_or(1, || {
         let cfg = ServerConfig {
             addr: SocketAddr::from(([0, 0, 0, 0], legacy_port())),
             // The legacy server kept large values in their own buffers too;

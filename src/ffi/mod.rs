@@ -95,7 +95,7 @@ pub extern "C" fn snowrdma_strerror(code: c_int) -> *const c_char {
 /// `count` must be NULL or point to writable memory for one `size_t`.
 #[no_mangle]
 pub unsafe extern "C" fn snowrdma_device_count(count: *mut usize) -> snowrdma_result {
-    guard("snowrdma_device_count", SNOWRDMA_ERR_INTERNAL, || {
+    guard(|| {
         if count.is_null() {
             return SNOWRDMA_ERR_INVALID_ARGUMENT;
         }
@@ -128,7 +128,7 @@ pub unsafe extern "C" fn snowrdma_device_name(
     buf: *mut c_char,
     len: usize,
 ) -> snowrdma_result {
-    guard("snowrdma_device_name", SNOWRDMA_ERR_INTERNAL, || {
+    guard(|| {
         // SAFETY: the caller promises buf is valid for len bytes.
         let Some(out) = (unsafe { out_buf(buf, len) }) else {
             return SNOWRDMA_ERR_INVALID_ARGUMENT;
@@ -193,9 +193,7 @@ mod tests {
 
     #[test]
     fn a_panic_becomes_an_error_code() {
-        let r = guard("test", SNOWRDMA_ERR_INTERNAL, || -> snowrdma_result {
-            panic!("boom")
-        });
+        let r = guard(|| -> snowrdma_result { panic!("boom") });
         assert_eq!(r, SNOWRDMA_ERR_INTERNAL);
     }
 

@@ -4,7 +4,7 @@ use std::ffi::{c_char, c_int, CStr};
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::sync::RwLock;
 
-use crate::ffi::boundary::guard;
+use crate::ffi::boundary::{guard, guard_or};
 use crate::kv::{Client, ClientOptions, ConnMode, KvError};
 
 use super::handles::{mode_from_c, setup_code, ClientSlot, CLIENTS};
@@ -17,20 +17,16 @@ use super::types::{
 /// `kv_client_destroy`.
 #[no_mangle]
 pub extern "C" fn kv_client_create(mode: conn_mode_t) -> *mut kv_client {
-    guard(
-        "kv_client_create",
-        std::ptr::null_mut(),
-        || match mode_from_c(mode) {
-            Ok(mode) => CLIENTS.insert_opaque(ClientSlot {
-                mode,
-                client: RwLock::new(None),
-            }),
-            Err(e) => {
-                log::error!("kv_client_create: {e}");
-                std::ptr::null_mut()
-            }
-        },
-    )
+    guard(|| match mode_from_c(mode) {
+        Ok(mode) => CLIENTS.insert_opaque(ClientSlot {
+            mode,
+            client: RwLock::new(None),
+        }),
+        Err(e) => {
+            log::error!("kv_client_create: {e}");
+            std::ptr::null_mut()
+        }
+    })
 }
 
 pub(super) fn resolve(host: *const c_char, port: c_int) -> Result<SocketAddr, KvError> {
@@ -88,7 +84,7 @@ pub extern "C" fn kv_client_connect(
     server_ip: *const c_char,
     port: c_int,
 ) -> c_int {
-    guard("kv_client_connect", KV_ERR_INTERNAL, || {
+    guard_or(KV_ERR_INTERNAL, || {
         connect(client, server_ip, port, None, ConnMode::Cm)
     })
 }
@@ -106,7 +102,7 @@ pub unsafe extern "C" fn kv_client_connect_socket(
     port: c_int,
     ib_dev: *const c_char,
 ) -> c_int {
-    guard("kv_client_connect_socket", KV_ERR_INTERNAL, || {
+    guard_or(KV_ERR_INTERNAL, || {
         let device =
             (!ib_dev.is_null()).then(|| CStr::from_ptr(ib_dev).to_string_lossy().into_owned());
         connect(client, server_ip, port, device, ConnMode::Socket)
@@ -117,7 +113,7 @@ pub unsafe extern "C" fn kv_client_connect_socket(
 /// threads have in flight on this client return `KV_ERR_DISCONNECTED`.
 #[no_mangle]
 pub extern "C" fn kv_client_disconnect(client: *mut kv_client) {
-    guard("kv_client_disconnect", (), || {
+    guard(|| {
         if let Some(slot) = CLIENTS.get(client) {
             slot.disconnect();
         }
@@ -129,7 +125,7 @@ pub extern "C" fn kv_client_disconnect(client: *mut kv_client) {
 /// the client is freed once they have.
 #[no_mangle]
 pub extern "C" fn kv_client_destroy(client: *mut kv_client) {
-    guard("kv_client_destroy", (), || {
+    guard(|| {
         if let Some(slot) = CLIENTS.remove(client) {
             slot.disconnect();
         }

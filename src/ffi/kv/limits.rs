@@ -5,7 +5,7 @@ use std::ffi::c_int;
 use std::ptr::addr_of;
 use std::time::Duration;
 
-use crate::ffi::boundary::guard;
+use crate::ffi::boundary::guard_or;
 use crate::kv::Limits;
 
 use super::handles::SERVERS;
@@ -93,7 +93,7 @@ pub unsafe extern "C" fn kv_server_set_limits(
     server: *mut kv_server,
     limits: *const kv_limits,
 ) -> c_int {
-    guard("kv_server_set_limits", KV_ERR_INVALID_ARGUMENT, || {
+    guard_or(KV_ERR_INVALID_ARGUMENT, || {
         if limits.is_null() {
             return KV_ERR_INVALID_ARGUMENT;
         }
@@ -120,7 +120,7 @@ pub unsafe extern "C" fn kv_server_get_limits(
     server: *const kv_server,
     out: *mut kv_limits,
 ) -> c_int {
-    guard("kv_server_get_limits", KV_ERR_INVALID_ARGUMENT, || {
+    guard_or(KV_ERR_INVALID_ARGUMENT, || {
         let Some(s) = SERVERS.get(server) else {
             return KV_ERR_INVALID_ARGUMENT;
         };

@@ -3,7 +3,7 @@
 
 use std::ffi::{c_char, c_int, c_void, CStr};
 
-use crate::ffi::boundary::{fits_in_memory, guard};
+use crate::ffi::boundary::{fits_in_memory, guard_or};
 use crate::kv::{Client, KvError};
 
 use super::client::with_client;
@@ -30,7 +30,6 @@ pub unsafe extern "C" fn kv_client_get(
     value_len: *mut usize,
 ) -> c_int {
     get_into(
-        "kv_client_get",
         client,
         (key, key_len),
         (value_buf, value_len, std::ptr::null_mut()),
@@ -53,7 +52,6 @@ pub unsafe extern "C" fn kv_client_get_version(
     version: *mut u64,
 ) -> c_int {
     get_into(
-        "kv_client_get_version",
         client,
         (key, key_len),
         (value_buf, value_len, version),
@@ -79,7 +77,6 @@ pub unsafe extern "C" fn kv_client_get_onesided(
     version: *mut u64,
 ) -> c_int {
     get_into(
-        "kv_client_get_onesided",
         client,
         (key, key_len),
         (value_buf, value_len, version),
@@ -87,17 +84,17 @@ pub unsafe extern "C" fn kv_client_get_onesided(
     )
 }
 
-/// The body of the single-key GETs, export `name`: checks the arguments,
+/// The body of the single-key GETs: checks the arguments,
 /// lets `get` copy the value into the caller's buffer, and reports length
 /// and version.
+#[track_caller]
 pub(super) unsafe fn get_into(
-    name: &'static str,
     client: *mut kv_client,
     (key, key_len): (*const c_char, usize),
     (value_buf, value_len, version): (*mut c_void, *mut usize, *mut u64),
     get: impl FnOnce(&Client, &[u8], &mut [u8]) -> Result<(usize, u64), KvError>,
 ) -> c_int {
-    guard(name, KV_ERR_INTERNAL, || {
+    guard_or(KV_ERR_INTERNAL, || {
         with_client(client, |c| {
             if value_len.is_null()
                 || (value_buf.is_null() && *value_len > 0)
@@ -145,7 +142,7 @@ pub unsafe extern "C" fn kv_client_put(
     value: *const c_void,
     value_len: usize,
 ) -> c_int {
-    guard("kv_client_put", KV_ERR_INTERNAL, || {
+    guard_or(KV_ERR_INTERNAL, || {
         with_client(client, |c| {
             code(self::key(key, key_len).and_then(|k| c.put(k, bytes(value, value_len)?)))
         })
@@ -162,7 +159,7 @@ pub unsafe extern "C" fn kv_client_delete(
     key: *const c_char,
     key_len: usize,
 ) -> c_int {
-    guard("kv_client_delete", KV_ERR_INTERNAL, || {
+    guard_or(KV_ERR_INTERNAL, || {
         with_client(client, |c| {
             code(self::key(key, key_len).and_then(|k| c.delete(k)))
         })
@@ -185,7 +182,7 @@ pub unsafe extern "C" fn kv_client_cas(
     new_value_len: usize,
     new_version: *mut u64,
 ) -> c_int {
-    guard("kv_client_cas", KV_ERR_INTERNAL, || {
+    guard_or(KV_ERR_INTERNAL, || {
         with_client(client, |c| {
             let r = self::key(key, key_len)
                 .and_then(|k| c.cas(k, expected_version, bytes(new_value, new_value_len)?));
@@ -218,7 +215,7 @@ pub unsafe extern "C" fn kv_client_batch_get(
     value_lens: *mut usize,
     count: c_int,
 ) -> c_int {
-    guard("kv_client_batch_get", -1, || {
+    guard_or(-1, || {
         batch_get(
             client,
             (keys, key_lens),
@@ -244,7 +241,7 @@ pub unsafe extern "C" fn kv_client_batch_get_onesided(
     value_lens: *mut usize,
     count: c_int,
 ) -> c_int {
-    guard("kv_client_batch_get_onesided", -1, || {
+    guard_or(-1, || {
         batch_get(
             client,
             (keys, key_lens),
@@ -321,7 +318,7 @@ pub unsafe extern "C" fn kv_client_batch_put(
     value_lens: *const usize,
     count: c_int,
 ) -> c_int {
-    guard("kv_client_batch_put", -1, || {
+    guard_or(-1, || {
         with_client(client, |c| {
             let n = match batch_len(
                 count,

@@ -2,7 +2,7 @@
 
 use std::ffi::{c_char, c_int};
 
-use crate::ffi::boundary::guard;
+use crate::ffi::boundary::{guard, guard_or};
 use crate::kv::{Server, ServerConfig};
 
 use super::handles::{config_from_c, setup_code, SERVERS};
@@ -17,7 +17,7 @@ use super::types::{kv_config, kv_server, KV_ERR_INTERNAL, KV_ERR_INVALID_ARGUMEN
 /// A non-NULL `config` must point to a `kv_config_t`.
 #[no_mangle]
 pub unsafe extern "C" fn kv_server_create(config: *const kv_config) -> *mut kv_server {
-    guard("kv_server_create", std::ptr::null_mut(), || {
+    guard(|| {
         let cfg = if config.is_null() {
             Ok(ServerConfig::default())
         } else {
@@ -40,7 +40,7 @@ pub unsafe extern "C" fn kv_server_create(config: *const kv_config) -> *mut kv_s
 /// until `kv_server_stop`.
 #[no_mangle]
 pub extern "C" fn kv_server_start(server: *mut kv_server) -> c_int {
-    guard("kv_server_start", KV_ERR_INTERNAL, || {
+    guard_or(KV_ERR_INTERNAL, || {
         let Some(s) = SERVERS.get(server) else {
             return KV_ERR_INVALID_ARGUMENT;
         };
@@ -51,7 +51,7 @@ pub extern "C" fn kv_server_start(server: *mut kv_server) -> c_int {
 /// The port a started server listens on (useful with port 0), or -1.
 #[no_mangle]
 pub extern "C" fn kv_server_port(server: *const kv_server) -> c_int {
-    guard("kv_server_port", -1, || {
+    guard_or(-1, || {
         SERVERS
             .get(server)
             .and_then(|s| s.local_addr())
@@ -70,7 +70,7 @@ pub unsafe extern "C" fn kv_server_stats(
     buf: *mut c_char,
     len: usize,
 ) -> c_int {
-    guard("kv_server_stats", -1, || {
+    guard_or(-1, || {
         let Some(s) = SERVERS.get(server) else {
             return -1;
         };
@@ -88,7 +88,7 @@ pub unsafe extern "C" fn kv_server_stats(
 /// it again or destroy it). Unknown handles are ignored.
 #[no_mangle]
 pub extern "C" fn kv_server_stop(server: *mut kv_server) {
-    guard("kv_server_stop", (), || {
+    guard(|| {
         if let Some(s) = SERVERS.get(server) {
             s.stop();
         }
@@ -99,7 +99,7 @@ pub extern "C" fn kv_server_stop(server: *mut kv_server) {
 /// invalid afterwards (a second destroy is ignored).
 #[no_mangle]
 pub extern "C" fn kv_server_destroy(server: *mut kv_server) {
-    guard("kv_server_destroy", (), || {
+    guard(|| {
         if let Some(s) = SERVERS.remove(server) {
             s.stop();
         }

@@ -3,7 +3,7 @@
 
 use std::ffi::{c_int, c_void};
 
-use crate::ffi::boundary::{fits_in_memory, guard};
+use crate::ffi::boundary::{fits_in_memory, guard_or};
 use crate::runtime::{self, Connection};
 use crate::verbs::RemoteAddr;
 
@@ -55,6 +55,7 @@ pub unsafe extern "C" fn rdmaConnSend(
 ///
 /// # Safety
 /// `data` must be NULL or readable for `data_len` bytes.
+#[track_caller]
 unsafe fn send_export(
     func: &'static str,
     conn: *mut RdmaConn,
@@ -62,7 +63,7 @@ unsafe fn send_export(
     data_len: usize,
     op: impl FnOnce(&Connection, &[u8]) -> runtime::Result<usize>,
 ) -> usize {
-    guard(func, SIZE_ERR, || {
+    guard_or(SIZE_ERR, || {
         let (Some(c), Some(d)) = (live(conn, func), bytes(data, data_len, func)) else {
             return SIZE_ERR;
         };
@@ -120,7 +121,7 @@ pub unsafe extern "C" fn rdmaConnWriteWithImm(
     data: *const c_void,
     data_len: usize,
 ) -> c_int {
-    guard("rdmaConnWriteWithImm", RDMA_ERR, || {
+    guard_or(RDMA_ERR, || {
         if data_len > c_int::MAX as usize {
             return RDMA_ERR;
         }
@@ -176,7 +177,7 @@ pub unsafe extern "C" fn rdmaConnRead(
     rkey: u32,
     length: usize,
 ) -> c_int {
-    guard("rdmaConnRead", RDMA_ERR, || {
+    guard_or(RDMA_ERR, || {
         let (Some(c), Some(len)) = (
             live(conn, "rdmaConnRead"),
             checked_len(length, "rdmaConnRead"),
@@ -205,7 +206,7 @@ pub unsafe extern "C" fn rdmaConnReadBuf(
     buf: *mut c_void,
     buf_len: usize,
 ) -> c_int {
-    guard("rdmaConnReadBuf", RDMA_ERR, || {
+    guard_or(RDMA_ERR, || {
         let (Some(c), Some(len)) = (
             live(conn, "rdmaConnReadBuf"),
             checked_len(buf_len, "rdmaConnReadBuf"),
@@ -232,6 +233,7 @@ pub unsafe extern "C" fn rdmaConnReadBuf(
     })
 }
 
+#[track_caller]
 pub(super) fn sync_one_sided(
     func: &'static str,
     read: bool,
@@ -241,7 +243,7 @@ pub(super) fn sync_one_sided(
     remote: RemoteAddr,
     length: u32,
 ) -> c_int {
-    guard(func, RDMA_ERR, || {
+    guard_or(RDMA_ERR, || {
         let (Some(c), Some(len)) = (live(conn, func), checked_len(length as usize, func)) else {
             return RDMA_ERR;
         };
@@ -316,8 +318,9 @@ pub unsafe extern "C" fn rdmaSyncReadSignaled(
 
 /// Physical-address operations need MLNX_OFED's experimental verbs; upstream
 /// rdma-core has no physical-address registration, so they fail cleanly.
+#[track_caller]
 pub(super) fn pa_unsupported(func: &'static str, conn: *mut RdmaConn) -> c_int {
-    guard(func, RDMA_ERR, || {
+    guard_or(RDMA_ERR, || {
         if lookup(conn, func).is_some() {
             log::warn!(
                 "{func}: physical-address access needs MLNX_OFED experimental verbs (ibv_exp_reg_mr \

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use rdma_sys::ibv_mr;
 
-use crate::ffi::boundary::guard;
+use crate::ffi::boundary::{guard, guard_or};
 use crate::ffi::table::CMemory;
 use crate::runtime::{self, ConnHandler, ConnKind, ConnState, Connection, Listener};
 
@@ -32,7 +32,7 @@ pub unsafe extern "C" fn rdmaServer(
     port: c_int,
     opt: *const RdmaServerOptions,
 ) -> c_int {
-    guard("rdmaServer", RDMA_ERR, || {
+    guard_or(RDMA_ERR, || {
         let (Some(ip), false) = (c_str(ip), listener.is_null()) else {
             log::warn!("rdmaServer: NULL listener or ip");
             return RDMA_ERR;
@@ -93,7 +93,7 @@ pub unsafe extern "C" fn rdmaServer(
 /// `listener` may be anything; unknown pointers are refused.
 #[no_mangle]
 pub unsafe extern "C" fn rdmaServerStart(listener: *mut RdmaListener) -> c_int {
-    guard("rdmaServerStart", RDMA_ERR, || {
+    guard_or(RDMA_ERR, || {
         let Some(l) = lookup_listener(listener, "rdmaServerStart") else {
             return RDMA_ERR;
         };
@@ -110,7 +110,7 @@ pub unsafe extern "C" fn rdmaServerStart(listener: *mut RdmaListener) -> c_int {
 /// As `rdmaServerStart`.
 #[no_mangle]
 pub unsafe extern "C" fn rdmaServerStop(listener: *mut RdmaListener) -> c_int {
-    guard("rdmaServerStop", RDMA_ERR, || {
+    guard_or(RDMA_ERR, || {
         let Some(l) = lookup_listener(listener, "rdmaServerStop") else {
             return RDMA_ERR;
         };
@@ -126,7 +126,7 @@ pub unsafe extern "C" fn rdmaServerStop(listener: *mut RdmaListener) -> c_int {
 /// As `rdmaServerStart`.
 #[no_mangle]
 pub unsafe extern "C" fn rdmaServerRelease(listener: *mut RdmaListener) {
-    guard("rdmaServerRelease", (), || {
+    guard(|| {
         let Some(l) = LISTENERS.remove(listener) else {
             log::warn!("rdmaServerRelease: {listener:p} is not a live listener");
             return;
@@ -145,7 +145,7 @@ pub unsafe extern "C" fn rdmaServerSetAcceptCallback(
     listener: *mut RdmaListener,
     func: RdmaAcceptCallbackFunc,
 ) -> c_int {
-    guard("rdmaServerSetAcceptCallback", RDMA_ERR, || {
+    guard_or(RDMA_ERR, || {
         let Some(l) = lookup_listener(listener, "rdmaServerSetAcceptCallback") else {
             return RDMA_ERR;
         };
@@ -163,7 +163,7 @@ pub unsafe extern "C" fn rdmaServerSetAcceptCallback(
 /// `opt` must be NULL or a valid options struct.
 #[no_mangle]
 pub unsafe extern "C" fn rdmaConn(opt: *const RdmaConnOptions) -> *mut RdmaConn {
-    guard("rdmaConn", std::ptr::null_mut(), || {
+    guard(|| {
         let opts = resolve_options(opt);
         runtime::configure(&opts);
         let ffi = FfiConn::new(opts, opt, ConnKind::ConnectedConn);
@@ -188,7 +188,7 @@ pub unsafe extern "C" fn rdmaConnect(
     serverip: *mut c_char,
     port: c_int,
 ) -> c_int {
-    let r = guard("rdmaConnect", Err(libc::EIO), || {
+    let r = guard_or(Err(libc::EIO), || {
         let Some(ffi) = lookup(conn, "rdmaConnect") else {
             return Err(libc::EINVAL);
         };
@@ -269,7 +269,7 @@ pub(super) fn connect_errno(e: &runtime::Error) -> c_int {
 /// Any pointer is accepted; unknown ones are refused.
 #[no_mangle]
 pub unsafe extern "C" fn rdmaConnClose(conn: *mut RdmaConn) {
-    guard("rdmaConnClose", (), || {
+    guard(|| {
         let Some(ffi) = CONNS.remove(conn) else {
             log::warn!("rdmaConnClose: {conn:p} is not a live connection (closed twice?)");
             return;
@@ -287,7 +287,7 @@ pub(super) fn set_callback(
     conn: *mut RdmaConn,
     store: impl FnOnce(&FfiConn),
 ) -> c_int {
-    guard(func, RDMA_ERR, || {
+    guard_or(RDMA_ERR, || {
         let Some(ffi) = lookup(conn, func) else {
             return RDMA_ERR;
         };
@@ -391,7 +391,7 @@ pub unsafe extern "C" fn rdmaConnSetRecvImmCallback(
 /// end once no connection uses them. Later calls start it afresh.
 #[no_mangle]
 pub extern "C" fn rdmaRuntimeStop() {
-    guard("rdmaRuntimeStop", (), runtime::stop)
+    guard_or((), runtime::stop)
 }
 
 /// Registers a zeroed buffer of `size` bytes (local write, remote read and
@@ -402,7 +402,7 @@ pub extern "C" fn rdmaRuntimeStop() {
 /// Any pointer is accepted; unknown ones are refused.
 #[no_mangle]
 pub unsafe extern "C" fn rdmaConnRegMem(conn: *mut RdmaConn, size: usize) -> *mut ibv_mr {
-    guard("rdmaConnRegMem", std::ptr::null_mut(), || {
+    guard(|| {
         let Some(c) = live(conn, "rdmaConnRegMem") else {
             return std::ptr::null_mut();
         };
@@ -419,7 +419,7 @@ pub unsafe extern "C" fn rdmaConnRegMem(conn: *mut RdmaConn, size: usize) -> *mu
 /// Any pointers are accepted; unknown ones are refused.
 #[no_mangle]
 pub unsafe extern "C" fn rdmaConnDeregMem(conn: *mut RdmaConn, mr: *mut ibv_mr) {
-    guard("rdmaConnDeregMem", (), || {
+    guard(|| {
         if let Some(c) = live(conn, "rdmaConnDeregMem") {
             if !c.deregister(mr) {
                 log::warn!("rdmaConnDeregMem: {mr:p} was not registered on this connection");

@@ -126,7 +126,7 @@ impl ConnHandler for Quiet {}
 fn write_64(conn: &Connection, target: RemoteAddr) -> snowrdma::runtime::Result<usize> {
     let mr = conn.register(4096)?;
     // SAFETY: a live registration from `register`.
-    let (laddr, lkey) = unsafe { ((*mr).addr as u64, (*mr).lkey) };
+    let (laddr, lkey) = (mr.addr(), mr.lkey());
     conn.write_sync(laddr, lkey, target, 64)
 }
 

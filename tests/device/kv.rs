@@ -542,7 +542,7 @@ fn kv_rogue_client_cannot_crash_or_corrupt() {
     // Writes into the index and beyond this connection's request buffer.
     let rogue2 = Connection::connect(addr, &opts, Arc::new(Quiet)).unwrap();
     let mr = rogue2.register(4096).unwrap();
-    let (laddr, lkey) = unsafe { ((*mr).addr as u64, (*mr).lkey) };
+    let (laddr, lkey) = (mr.addr(), mr.lkey());
     let index = snowrdma::verbs::RemoteAddr {
         addr: info.index_addr,
         rkey: info.index_rkey,
@@ -553,7 +553,7 @@ fn kv_rogue_client_cannot_crash_or_corrupt() {
     );
     let rogue3 = Connection::connect(addr, &opts, Arc::new(Quiet)).unwrap();
     let mr = rogue3.register(4096).unwrap();
-    let (laddr, lkey) = unsafe { ((*mr).addr as u64, (*mr).lkey) };
+    let (laddr, lkey) = (mr.addr(), mr.lkey());
     let beyond = snowrdma::verbs::RemoteAddr {
         addr: info.request_buf + info.request_buf_len,
         rkey: info.request_buf_rkey,

@@ -223,7 +223,7 @@ fn sync_read_and_write_move_the_bytes_and_a_wrong_rkey_fails() {
     let conn =
         Connection::connect(addr, &Options::default(), Arc::new(Collect::default())).unwrap();
     let mr = conn.register(8192).unwrap();
-    let (addr_l, lkey, len) = unsafe { ((*mr).addr as u64, (*mr).lkey, (*mr).length) };
+    let (addr_l, lkey, len) = (mr.addr(), mr.lkey(), mr.len());
     assert_eq!(len, 8192);
     // The peer's ring is remote memory we may read and write.
     let remote = conn.peer_buffer().unwrap();
@@ -279,8 +279,8 @@ fn sync_read_and_write_move_the_bytes_and_a_wrong_rkey_fails() {
     drop(reads);
     assert!(conn.read_sync(addr_l, lkey, remote.at(0), 64).is_err());
     assert!(conn.send(b"x").is_err());
-    assert!(conn.deregister(mr));
-    assert!(!conn.deregister(mr));
+    assert!(conn.deregister(&mr));
+    assert!(!conn.deregister(&mr));
     conn.close();
     conn.close();
     server.release();
@@ -301,12 +301,12 @@ fn callbacks_can_run_sync_operations_and_send_without_deadlock() {
                 return;
             }
             let mr = conn.register(64).unwrap();
-            let (addr, lkey) = unsafe { ((*mr).addr as u64, (*mr).lkey) };
+            let (addr, lkey) = (mr.addr(), mr.lkey());
             let peer = conn.peer_buffer().unwrap();
             let n = conn.read_sync(addr, lkey, peer.at(0), 5).unwrap();
             let got = unsafe { std::slice::from_raw_parts(addr as *const u8, n) }.to_vec();
             assert_eq!(conn.send(b"second").unwrap(), 6);
-            conn.deregister(mr);
+            conn.deregister(&mr);
             *self.result.lock().unwrap() = Some(got);
             self.cond.notify_all();
         }

@@ -406,7 +406,9 @@ pub unsafe extern "C" fn rdmaConnRegMem(conn: *mut RdmaConn, size: usize) -> *mu
         let Some(c) = live(conn, "rdmaConnRegMem") else {
             return std::ptr::null_mut();
         };
-        c.register(size).unwrap_or_else(|e| {
+        // The C program gets the verbs MR itself; the connection keeps it
+        // registered until rdmaConnDeregMem or the connection's end.
+        c.register(size).map(|mr| mr.as_raw()).unwrap_or_else(|e| {
             log::warn!("rdmaConnRegMem({size}): {e}");
             std::ptr::null_mut()
         })
@@ -421,7 +423,8 @@ pub unsafe extern "C" fn rdmaConnRegMem(conn: *mut RdmaConn, size: usize) -> *mu
 pub unsafe extern "C" fn rdmaConnDeregMem(conn: *mut RdmaConn, mr: *mut ibv_mr) {
     guard(|| {
         if let Some(c) = live(conn, "rdmaConnDeregMem") {
-            if !c.deregister(mr) {
+            let found = c.find_registered(|r| r.as_raw() == mr);
+            if !found.is_some_and(|r| c.deregister(&r)) {
                 log::warn!("rdmaConnDeregMem: {mr:p} was not registered on this connection");
             }
         }

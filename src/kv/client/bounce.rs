@@ -2,24 +2,21 @@
 //! in turns, and the transfers in and out of it.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{MutexGuard, PoisonError};
+use std::sync::{Arc, MutexGuard, PoisonError};
 
 use crate::kv::{KvError, Result};
 use crate::runtime::{thread_token, Connection};
-use crate::verbs::{AccessFlags, RemoteAddr};
+use crate::verbs::{AccessFlags, MemoryRegion, RemoteAddr};
 
 use super::{Client, KEEP_BOUNCE, MAX_TRANSFER};
 
 /// Registered memory large values pass through.
 pub(super) struct Bounce {
-    pub(super) raw: *mut rdma_sys::ibv_mr,
+    pub(super) mr: Arc<MemoryRegion>,
     pub(super) addr: u64,
     pub(super) len: usize,
     pub(super) lkey: u32,
 }
-
-// SAFETY: the registration is only used under the client's bounce lock.
-unsafe impl Send for Bounce {}
 
 impl Bounce {
     pub(super) fn bytes(&mut self, len: usize) -> &mut [u8] {
@@ -84,7 +81,7 @@ impl Drop for BounceGuard<'_> {
         self.holder.store(0, Ordering::Release);
         if self.slot.as_ref().is_some_and(|b| b.len > KEEP_BOUNCE) {
             if let Some(big) = self.slot.take() {
-                self.conn.deregister(big.raw);
+                self.conn.deregister(&big.mr);
             }
         }
     }
@@ -105,21 +102,19 @@ impl Client {
         let mut slot = self.bounce.lock().unwrap_or_else(PoisonError::into_inner);
         if slot.as_ref().is_none_or(|b| b.len < len) {
             if let Some(old) = slot.take() {
-                self.conn.deregister(old.raw);
+                self.conn.deregister(&old.mr);
             }
             let size = len.next_power_of_two().max(1 << 20);
             // Only our own READs and WRITEs use it: no remote access.
-            let raw = self
+            let mr = self
                 .conn
                 .register_with(size, AccessFlags::LOCAL_WRITE)
                 .map_err(|_| KvError::NoMemory)?;
-            // SAFETY: `register` returned a live registration.
-            let (addr, lkey) = unsafe { ((*raw).addr as u64, (*raw).lkey) };
             *slot = Some(Bounce {
-                raw,
-                addr,
+                addr: mr.addr(),
+                lkey: mr.lkey(),
                 len: size,
-                lkey,
+                mr,
             });
         }
         self.bounce_holder.store(me, Ordering::Release);

@@ -246,7 +246,7 @@ pub(crate) struct ConnInner {
     wakeups: AtomicU64,
     /// Another thread queued callbacks for the completion thread.
     owed: AtomicBool,
-    user_mrs: Mutex<HashMap<usize, MemoryRegion>>,
+    user_mrs: Mutex<HashMap<usize, Arc<MemoryRegion>>>,
     disconnect_fired: AtomicBool,
     closed_locally: AtomicBool,
     /// The peer disconnected; the thread that polls completions finishes

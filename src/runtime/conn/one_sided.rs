@@ -2,10 +2,11 @@
 //! RDMA READ and WRITE.
 
 use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::runtime::{Error, Result};
-use crate::verbs::{AccessFlags, RemoteAddr, SendOp, SendRequest, Sge};
+use crate::verbs::{AccessFlags, MemoryRegion, RemoteAddr, SendOp, SendRequest, Sge};
 
 use super::{
     wr_id, ConnState, Connection, CMD_RESERVE, K_READ, K_SYNC, K_WRITE, MAX_SEND_WR,
@@ -60,7 +61,7 @@ impl Connection {
     /// Registers a zeroed buffer of `size` bytes for local write and remote
     /// read/write on this connection; it lives until [`Connection::deregister`]
     /// or the connection's end.
-    pub fn register(&self, size: usize) -> Result<*mut rdma_sys::ibv_mr> {
+    pub fn register(&self, size: usize) -> Result<Arc<MemoryRegion>> {
         self.register_with(
             size,
             AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_READ,
@@ -69,26 +70,35 @@ impl Connection {
 
     /// Registers like [`Connection::register`], with `access` (a buffer
     /// only this side's operations use needs no remote access at all).
-    pub fn register_with(&self, size: usize, access: AccessFlags) -> Result<*mut rdma_sys::ibv_mr> {
-        let mr = self.inner.pd.allocate(size, access)?;
-        let raw = mr.as_raw();
+    pub fn register_with(&self, size: usize, access: AccessFlags) -> Result<Arc<MemoryRegion>> {
+        let mr = Arc::new(self.inner.pd.allocate(size, access)?);
         self.inner
             .user_mrs
             .lock()
             .expect("mr lock")
-            .insert(raw as usize, mr);
-        Ok(raw)
+            .insert(mr.as_raw() as usize, mr.clone());
+        Ok(mr)
     }
 
-    /// Deregisters and frees a buffer from [`Connection::register`]; false
-    /// when `mr` is not one of this connection's.
-    pub fn deregister(&self, mr: *mut rdma_sys::ibv_mr) -> bool {
+    /// Ends a registration from [`Connection::register`] (the memory is
+    /// freed once no other holder is left); false when `mr` is not one of
+    /// this connection's.
+    pub fn deregister(&self, mr: &MemoryRegion) -> bool {
         self.inner
             .user_mrs
             .lock()
             .expect("mr lock")
-            .remove(&(mr as usize))
+            .remove(&(mr.as_raw() as usize))
             .is_some()
+    }
+
+    /// The registration of this connection that `pick` chooses.
+    pub fn find_registered(
+        &self,
+        pick: impl Fn(&MemoryRegion) -> bool,
+    ) -> Option<Arc<MemoryRegion>> {
+        let mrs = self.inner.user_mrs.lock().expect("mr lock");
+        mrs.values().find(|mr| pick(mr)).cloned()
     }
 
     /// Checks that `[addr, addr+len)` lies in a buffer registered on this
@@ -96,10 +106,14 @@ impl Connection {
     pub(super) fn check_local(&self, addr: u64, lkey: u32, len: u32) -> Result<Sge> {
         let mrs = self.inner.user_mrs.lock().expect("mr lock");
         let own = [&self.inner.recv_ring, &self.inner.staging];
-        let found = mrs.values().chain(own).find(|mr| mr.lkey() == lkey);
+        let found = mrs
+            .values()
+            .map(|mr| &**mr)
+            .chain(own)
+            .find(|mr| mr.lkey() == lkey);
         match found {
             None => Err(Error::InvalidArgument(format!(
-                "lkey {lkey:#x} is not a buffer registered on this connection (rdmaConnRegMem)"
+                "lkey {lkey:#x} is not a buffer registered on this connection"
             ))),
             Some(mr) if addr < mr.addr() || addr + len as u64 > mr.addr() + mr.len() as u64 => {
                 Err(Error::InvalidArgument(format!(

@@ -27,16 +27,7 @@ static pthread_cond_t cv = PTHREAD_COND_INITIALIZER;
 static RdmaConn *accepted;
 static int server_disconnects;
 
-#define CHECK(cond, what)                                                                                  \
-    do {                                                                                                   \
-        checks++;                                                                                          \
-        if (cond) {                                                                                        \
-            printf("ok   %s\n", what);                                                                     \
-        } else {                                                                                           \
-            printf("FAIL %s\n", what);                                                                     \
-            failures++;                                                                                    \
-        }                                                                                                  \
-    } while (0)
+#include "check.h"
 
 static void on_server_disconnect(RdmaConn *conn)
 {

@@ -19,16 +19,7 @@ static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t cv = PTHREAD_COND_INITIALIZER;
 static int echoes, disconnects;
 
-#define CHECK(cond, what)                                                                                  \
-    do {                                                                                                   \
-        checks++;                                                                                          \
-        if (cond) {                                                                                        \
-            printf("ok   %s\n", what);                                                                     \
-        } else {                                                                                           \
-            printf("FAIL %s\n", what);                                                                     \
-            failures++;                                                                                    \
-        }                                                                                                  \
-    } while (0)
+#include "check.h"
 
 static double now_s(void)
 {

@@ -19,7 +19,7 @@ items() {
 # src/kv/codes.rs is kv_store.h's: the error codes and the default port.
 internal=$(grep -rhoE --exclude=codes.rs '^ *pub (const|static) [A-Za-z0-9_]+' src/kv src/runtime src/verbs src/broker src/safe \
     | awk '{print "\"" $NF "\""}' | grep -v '"RDMA_CMD_MAGIC"' | sort -u | paste -sd, -)
-broker_items=$(items src/ffi/broker.rs),\"EventKind\"
+broker_items=$(items src/ffi/broker.rs),\"EventKind\",\"BrokerStats\"
 kv_items=$(items src/ffi/kv/*.rs src/ffi/kv_strings.rs src/kv/codes.rs)
 # RDMA_CMD_MAGIC lives in the runtime's protocol module.
 rdma_items=$(items src/ffi/mod.rs src/ffi/rdma/*.rs),\"RDMA_CMD_MAGIC\"

@@ -183,7 +183,7 @@ typedef void (*snowrdma_broker_callback)(void *user,
                                          const struct snowrdma_broker_event *event);
 
 /**
- * The broker's counters.
+ * Counters of a broker (C: `snowrdma_broker_stats`).
  */
 typedef struct snowrdma_broker_stats {
   uint64_t sends;
@@ -191,11 +191,11 @@ typedef struct snowrdma_broker_stats {
   uint64_t reads;
   uint64_t recvs;
   /**
-   * ibv_post_send calls.
+   * `ibv_post_send` calls.
    */
   uint64_t doorbells;
   /**
-   * ibv_post_recv calls.
+   * `ibv_post_recv` calls.
    */
   uint64_t recv_doorbells;
   uint64_t failed_ops;

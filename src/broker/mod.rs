@@ -171,9 +171,10 @@ pub struct Event<'a> {
     pub status: WcStatus,
 }
 
-/// Counters of a broker.
+/// Counters of a broker (C: `snowrdma_broker_stats`).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Stats {
+#[repr(C)]
+pub struct BrokerStats {
     pub sends: u64,
     pub writes: u64,
     pub reads: u64,
@@ -412,9 +413,9 @@ impl Broker {
     }
 
     /// The counters.
-    pub fn stats(&self) -> Stats {
+    pub fn stats(&self) -> BrokerStats {
         let c = &self.shared.stats;
-        Stats {
+        BrokerStats {
             sends: c.sends.get(),
             writes: c.writes.get(),
             reads: c.reads.get(),

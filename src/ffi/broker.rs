@@ -13,7 +13,8 @@ use std::time::Duration;
 use once_cell::sync::Lazy;
 
 use crate::broker::{
-    Broker, BrokerError, Config, ConnectMode, Event, EventKind, MemManager, Remote, Stats,
+    Broker, BrokerError, BrokerStats, Config, ConnectMode, Event, EventKind, Local, MemManager,
+    Remote,
 };
 use crate::ffi::boundary::{guard, guard_or};
 use crate::ffi::table::HandleTable;
@@ -144,36 +145,6 @@ pub type snowrdma_broker_callback = Option<
         event: *const snowrdma_broker_event,
     ),
 >;
-
-/// The broker's counters.
-#[allow(non_camel_case_types)]
-#[repr(C)]
-#[derive(Debug, Clone, Copy, Default)]
-pub struct snowrdma_broker_stats {
-    pub sends: u64,
-    pub writes: u64,
-    pub reads: u64,
-    pub recvs: u64,
-    /// ibv_post_send calls.
-    pub doorbells: u64,
-    /// ibv_post_recv calls.
-    pub recv_doorbells: u64,
-    pub failed_ops: u64,
-}
-
-impl From<Stats> for snowrdma_broker_stats {
-    fn from(s: Stats) -> Self {
-        snowrdma_broker_stats {
-            sends: s.sends,
-            writes: s.writes,
-            reads: s.reads,
-            recvs: s.recvs,
-            doorbells: s.doorbells,
-            recv_doorbells: s.recv_doorbells,
-            failed_ops: s.failed_ops,
-        }
-    }
-}
 
 struct BrokerHandle {
     owner: ThreadId,
@@ -423,6 +394,28 @@ pub unsafe extern "C" fn snowrdma_broker_post_write(
     imm: u32,
     wr_id: *mut u64,
 ) -> c_int {
+    one_sided(b, buf, len, peer, wr_id, |br, local| {
+        br.post_write(
+            peer as usize,
+            local,
+            len,
+            remote(remote_addr, remote_is_offset),
+            imm,
+        )
+    })
+}
+
+/// The body of the WRITE and READ exports: finds where `buf` lies, posts,
+/// and reports the id.
+#[track_caller]
+unsafe fn one_sided(
+    b: *mut snowrdma_broker,
+    buf: *const c_char,
+    len: u32,
+    peer: u32,
+    wr_id: *mut u64,
+    post: impl FnOnce(&Broker, Local) -> Result<u64, BrokerError>,
+) -> c_int {
     guard_or(SNOWRDMA_BROKER_INTERNAL as c_int, || {
         status(with(b, |br| {
             let local = br.locate(peer as usize, buf.cast(), len).ok_or_else(|| {
@@ -430,14 +423,7 @@ pub unsafe extern "C" fn snowrdma_broker_post_write(
                     "buf is neither a send slot nor in the data region".into(),
                 )
             })?;
-            let id = br.post_write(
-                peer as usize,
-                local,
-                len,
-                remote(remote_addr, remote_is_offset),
-                imm,
-            )?;
-            out(wr_id, id);
+            out(wr_id, post(br, local)?);
             Ok(())
         }))
     })
@@ -459,22 +445,13 @@ pub unsafe extern "C" fn snowrdma_broker_post_read(
     remote_is_offset: bool,
     wr_id: *mut u64,
 ) -> c_int {
-    guard_or(SNOWRDMA_BROKER_INTERNAL as c_int, || {
-        status(with(b, |br| {
-            let local = br.locate(peer as usize, buf.cast(), len).ok_or_else(|| {
-                BrokerError::InvalidArgument(
-                    "buf is neither a send slot nor in the data region".into(),
-                )
-            })?;
-            let id = br.post_read(
-                peer as usize,
-                local,
-                len,
-                remote(remote_addr, remote_is_offset),
-            )?;
-            out(wr_id, id);
-            Ok(())
-        }))
+    one_sided(b, buf, len, peer, wr_id, |br, local| {
+        br.post_read(
+            peer as usize,
+            local,
+            len,
+            remote(remote_addr, remote_is_offset),
+        )
     })
 }
 
@@ -564,14 +541,14 @@ pub unsafe extern "C" fn snowrdma_broker_peer_region(
 #[no_mangle]
 pub unsafe extern "C" fn snowrdma_broker_get_stats(
     b: *mut snowrdma_broker,
-    stats: *mut snowrdma_broker_stats,
+    stats: *mut BrokerStats,
 ) -> c_int {
     guard_or(SNOWRDMA_BROKER_INTERNAL as c_int, || {
         status(with(b, |br| {
             let out = stats
                 .as_mut()
                 .ok_or_else(|| BrokerError::InvalidArgument("stats is NULL".into()))?;
-            *out = br.stats().into();
+            *out = br.stats();
             Ok(())
         }))
     })

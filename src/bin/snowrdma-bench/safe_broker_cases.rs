@@ -8,7 +8,8 @@ use std::time::{Duration, Instant};
 
 use snowrdma::broker::{Broker, Config, ConnectMode, EventKind};
 use snowrdma::safe::{
-    block_on, AccessFlags, Completion, Local, Op, Progress, ProtectionDomain, Qp, Rc, Rts,
+    block_on, AccessFlags, Completion, Local, Offer, Op, Progress, ProtectionDomain, Qp, Rc, Rts,
+    RwSegment,
 };
 use snowrdma::verbs::Context;
 
@@ -30,20 +31,25 @@ fn safe_pair() -> (ProtectionDomain, Qp<Rc, Rts>, Qp<Rc, Rts>) {
     )
 }
 
-/// One signaled safe WRITE, post to completion, as the raw `sync_write`
-/// reference does it through the verbs layer.
-pub(crate) fn safe_write_lat(iters: usize, size: usize) -> f64 {
-    let (pd, a, b) = safe_pair();
+/// `size` bytes of `b`'s side offered to its peer for writing.
+fn offer_buffer(pd: &ProtectionDomain, b: &Qp<Rc, Rts>, size: usize) -> Offer<RwSegment<u8>> {
     let dst = pd
         .allocate::<u8>(size, AccessFlags::REMOTE_WRITE)
         .expect("alloc");
-    let offer = block_on(
+    block_on(
         b.offer(dst.rw(..).unwrap(), AccessFlags::REMOTE_WRITE)
             .unwrap(),
         WAIT,
     )
     .expect("bound in time")
-    .expect("offer");
+    .expect("offer")
+}
+
+/// One signaled safe WRITE, post to completion, as the raw `sync_write`
+/// reference does it through the verbs layer.
+pub(crate) fn safe_write_lat(iters: usize, size: usize) -> f64 {
+    let (pd, a, b) = safe_pair();
+    let offer = offer_buffer(&pd, &b, size);
     let remote = offer.remote();
     let src = pd
         .allocate::<u8>(size, AccessFlags::empty())
@@ -95,16 +101,7 @@ pub(crate) fn safe_write_bw(iters: usize, size: usize) -> f64 {
     const BATCH: usize = 8;
     const DEPTH: usize = 4;
     let (pd, mut a, b) = safe_pair();
-    let dst = pd
-        .allocate::<u8>(size, AccessFlags::REMOTE_WRITE)
-        .expect("alloc");
-    let offer = block_on(
-        b.offer(dst.rw(..).unwrap(), AccessFlags::REMOTE_WRITE)
-            .unwrap(),
-        WAIT,
-    )
-    .expect("bound in time")
-    .expect("offer");
+    let offer = offer_buffer(&pd, &b, size);
     let remote = offer.remote();
     let src = pd
         .allocate::<u8>(size, AccessFlags::empty())

@@ -6,7 +6,9 @@
 # src/bin/snowrdma-bench/cases.rs); this script only runs what needs a
 # process of its own: the perftest programs, the servers, the kv_open menu.
 #
-#   scripts/bench.sh <results file>      SNOWRDMA_BENCH_REPS (default 5)
+#   scripts/bench.sh <results file>      SNOWRDMA_BENCH_REPS (default 5),
+#                                         SNOWRDMA_BENCH_CASES (a regex of case
+#                                         names: only those; default all)
 set -u
 results=$1
 reps=${SNOWRDMA_BENCH_REPS:-5}
@@ -84,6 +86,7 @@ measure() {
     for line in "${cases[@]}"; do
         read -r schedule case side kind args <<<"$line"
         [ "$schedule" = "$1" ] || continue
+        [[ "$case" =~ ${SNOWRDMA_BENCH_CASES:-.} ]] || continue
         port=$((port + 1))
         # The words of args are split on purpose: a command and its arguments.
         # shellcheck disable=SC2086

@@ -90,7 +90,7 @@ fn run<T: Connected>(args: &Args) -> Res<()> {
             println!("receiver: done");
         }
         Some(host) => {
-            let mut tcp = TcpStream::connect((host.as_str(), args.port))?;
+            let mut tcp = connect_retrying(host, args.port)?;
             tcp.write_all(&local.to_bytes())?;
             let peer = QpInfo::from_bytes(&read_exact::<QP_INFO_WIRE_LEN>(&mut tcp)?)?;
             let remote =
@@ -151,6 +151,21 @@ fn report(args: &Args, took: Duration) {
         args.size, args.num_iters, mib_s, mib_s, mpps
     );
     println!("{line}");
+}
+
+/// The receiver may still be starting: try for ten seconds.
+fn connect_retrying(host: &str, port: u16) -> Res<TcpStream> {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        match TcpStream::connect((host, port)) {
+            Ok(s) => return Ok(s),
+            Err(e) if Instant::now() < deadline => {
+                log::debug!("connecting to the receiver: {e}");
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
 }
 
 fn read_exact<const N: usize>(tcp: &mut TcpStream) -> Res<[u8; N]> {

@@ -55,15 +55,23 @@ impl Broker {
         (off.checked_add(len as usize)? <= size).then_some(Local::Data(off as u64))
     }
 
-    /// [`Broker::send_buf`], polling the send side while the ring is full,
-    /// up to `timeout`.
+    /// [`Broker::send_buf`], polling while the ring is full, up to
+    /// `timeout`: the send side, which frees slots, and the receive side
+    /// (callbacks run), because a peer that is itself waiting for room
+    /// frees ours only once we take its messages. Inside a callback only
+    /// the send side is polled.
     pub fn send_buf_wait(&self, server: usize, timeout: Duration) -> Result<SendBuf<'_>> {
         let deadline = Instant::now() + timeout;
         loop {
             match self.send_buf(server) {
                 Err(BrokerError::Full(_)) if Instant::now() < deadline => {
                     self.flush(server)?;
-                    self.poll_sq(Some(server))?;
+                    for poll in [Self::poll_sq, Self::poll_rq] {
+                        match poll(self, None) {
+                            Ok(_) | Err(BrokerError::Reentrant) => {}
+                            Err(e) => return Err(e),
+                        }
+                    }
                 }
                 r => return r,
             }

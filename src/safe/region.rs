@@ -62,7 +62,14 @@ impl ProtectionDomain {
 
     /// Allocates `n` zeroed elements of `T`. `remote` says what peers may
     /// be offered (any of REMOTE_READ, REMOTE_WRITE, REMOTE_ATOMIC; empty:
-    /// the region stays local).
+    /// the region stays local). `T` is plain old data; anything that owns
+    /// memory or has invalid bit patterns does not compile:
+    ///
+    /// ```compile_fail
+    /// # fn f(pd: &snowrdma::safe::ProtectionDomain) {
+    /// let _ = pd.allocate::<String>(4, snowrdma::safe::AccessFlags::empty());
+    /// # }
+    /// ```
     pub fn allocate<T: Pod + Send + Sync>(
         &self,
         n: usize,

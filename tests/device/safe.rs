@@ -543,3 +543,35 @@ impl OutputAsync for std::process::Command {
         std::thread::spawn(move || child.wait_with_output().unwrap())
     }
 }
+
+#[test]
+#[ignore = "needs an RDMA device: run `make test`"]
+fn safe_an_offer_by_registration_is_revoked_by_deregistering() {
+    // What devices without memory windows get from `offer`.
+    let p = pair::<Rc>(Progress::Poll);
+    let mem =
+        p.pd.allocate::<u8>(4096, AccessFlags::REMOTE_WRITE)
+            .unwrap();
+    let offer = block_on(
+        p.b.offer_registered(mem.rw(1024..2048).unwrap(), AccessFlags::REMOTE_WRITE)
+            .unwrap(),
+    )
+    .unwrap();
+    assert!(!offer.is_window());
+    let remote = offer.remote();
+    assert_eq!(remote.len, 1024);
+    let src = p.pd.allocate::<u8>(64, AccessFlags::empty()).unwrap();
+    let mut s = src.rw(..).unwrap();
+    s.as_mut_slice().fill(0x77);
+    let s = s.freeze();
+    block_on(p.a.write(s.clone(), &remote, 960).unwrap()).unwrap();
+    let mut seg = offer.revoke();
+    assert!(seg.as_slice()[960..].iter().all(|&b| b == 0x77));
+    seg.as_mut_slice().fill(0);
+    let err = block_on(p.a.write(s, &remote, 0).unwrap()).unwrap_err();
+    assert_eq!(err.status(), Some(WcStatus::REM_ACCESS_ERR), "{err}");
+    assert!(
+        seg.as_slice().iter().all(|&b| b == 0),
+        "nothing landed after revoking"
+    );
+}

@@ -6,11 +6,18 @@
 # src/bin/snowrdma-bench/cases.rs); this script only runs what needs a
 # process of its own: the perftest programs, the servers, the kv_open menu.
 #
+# The cases measured here also write what each operation cost (counted,
+# see src/bin/snowrdma-bench/cost.rs) to <results>.costs; after the timed
+# runs, the cases with counted targets run once more under strace, to count
+# their system calls per operation.
+#
 #   scripts/bench.sh <results file>      SNOWRDMA_BENCH_REPS (default 5),
 #                                         SNOWRDMA_BENCH_CASES (a regex of case
 #                                         names: only those; default all)
 set -u
 results=$1
+costs=${results%.*}.costs
+export SNOWRDMA_BENCH_COSTS=$costs
 reps=${SNOWRDMA_BENCH_REPS:-5}
 bench=target/release/snowrdma-bench
 apps=target/c-examples/kv-app
@@ -19,13 +26,15 @@ mapfile -t cases < <($bench cases)
 [ ${#cases[@]} -gt 0 ] || { echo "bench: $bench printed no cases" >&2; exit 1; }
 mkdir -p "$(dirname "$results")"
 : >"$results"
+: >"$costs"
 port=18600
 
-# perftest <column of the figure> <tool> <args...>: runs the tool's server and
-# client on the device, prints the figure from the client's result line.
+# perftest <column of the figure> <scale> <tool> <args...>: runs the tool's
+# server and client on the device, prints the figure from the client's result
+# line, times scale.
 perftest() {
-    local col=$1 tool=$2
-    shift 2
+    local col=$1 scale=$2 tool=$3
+    shift 3
     timeout 120 "$tool" -d "$dev" -R -F -p "$port" "$@" >/dev/null 2>&1 &
     local server=$!
     sleep 0.5
@@ -33,7 +42,42 @@ perftest() {
     out=$(timeout 120 "$tool" -d "$dev" -R -F -p "$port" "$@" "$ip" 2>&1)
     wait "$server" 2>/dev/null
     # The result line starts with the message size and the iteration count.
-    echo "$out" | awk -v c="$col" '$1 ~ /^[0-9]+$/ && $2 ~ /^[0-9]+$/ && NF >= c { v = $c } END { if (v != "") print v }'
+    echo "$out" | awk -v c="$col" -v s="$scale" '$1 ~ /^[0-9]+$/ && $2 ~ /^[0-9]+$/ && NF >= c { v = $c } END { if (v != "") print v * s }'
+}
+
+# kv_procs <case> <clients> <operations each>: a kv_server process and that
+# many kv_client processes (`mix`), all connected and seeded before the clock
+# starts; prints million operations per second of them all, and adds the
+# server's CPU time per operation to the cost report.
+kv_procs() {
+    local case=$1 n=$2 ops=$3 dir server i ready cpu0 cpu1 total first last
+    dir=$(mktemp -d)
+    target/release/kv_server -a "$ip" -p "$port" -m 256 >/dev/null 2>&1 &
+    server=$!
+    sleep 2
+    for i in $(seq 1 "$n"); do
+        timeout 600 target/release/kv_client -a "$ip" -p "$port" "mix $ops 64 $dir/go" \
+            >"$dir/out.$i" 2>&1 &
+    done
+    for _ in $(seq 1 600); do
+        ready=$(find "$dir" -name 'go.ready-*' | wc -l)
+        [ "$ready" -ge "$n" ] && break
+        sleep 0.5
+    done
+    cpu0=$(awk '{ print $14 + $15 }' "/proc/$server/stat")
+    touch "$dir/go"
+    wait $(jobs -p | grep -vx "$server")
+    cpu1=$(awk '{ print $14 + $15 }' "/proc/$server/stat")
+    kill "$server" 2>/dev/null
+    wait "$server" 2>/dev/null
+    # Each client's last line: <operations> <start ns> <end ns>.
+    read -r total first last < <(for i in $(seq 1 "$n"); do tail -n 1 "$dir/out.$i"; done |
+        awk 'NF == 3 { t += $1; if (f == "" || $2 < f) f = $2; if ($3 > l) l = $3; k++ }
+             END { if (k > 0) printf "%d %s %s\n", t, f, l }')
+    rm -rf "$dir"
+    [ -n "${total:-}" ] && [ "$total" -eq $((n * ops)) ] || { echo "bench: $case: a client failed" >&2; return; }
+    echo "$case both server_cpu_us $(awk -v t="$((cpu1 - cpu0))" -v h="$(getconf CLK_TCK)" -v o="$total" 'BEGIN { printf "%.3f", t * 1e6 / h / o }')" >>"$costs"
+    awk -v t="$total" -v f="$first" -v l="$last" 'BEGIN { printf "%.4f\n", t * 1000 / (l - f) }'
 }
 
 # ours <case> <side>: the side measured in snowrdma-bench.
@@ -94,6 +138,7 @@ measure() {
             perftest) value=$(perftest $args) ;;
             here) value=$(ours "$case" "$side") ;;
             server) value=$(against_server "$case" "$side" $args) ;;
+            kv-procs) value=$(kv_procs "$case" $args) ;;
             kv-app-menu)
                 [ -n "$menu" ] || run_menu
                 value=$(echo "$menu" | awk -v s="$args" '$2 == s { printf "%.3f", $3 * 1000 }')
@@ -104,8 +149,85 @@ measure() {
     done
 }
 
+# syscalls <case>: the case's system calls per steady-state operation, every
+# thread, the provider's doorbell write left out, under strace.
+syscalls() {
+    local case=$1 trace counted calls names
+    trace=$(mktemp)
+    port=$((port + 1))
+    SNOWRDMA_BENCH_COSTS=/dev/null timeout 600 strace -f -qq -y -o "$trace" \
+        $bench run "$case" snowrdma --port "$port" >/dev/null 2>&1
+    counted=$(awk -f scripts/strace-window.awk "$trace")
+    rm -f "$trace"
+    if [ -z "$counted" ]; then
+        echo "bench: $case under strace produced no window" >&2
+        return
+    fi
+    read -r calls _ names <<<"$counted"
+    echo "$case both syscalls $calls" | tee -a "$costs"
+    echo "    $case: $names"
+}
+
+# Instructions are counted with every end waiting on its completion channel
+# (SNOWRDMA_SPIN_US=0, perftest's -e): what a spinning end executes while it
+# waits depends on how long it waits, and is not the operation's cost.
+cg=(valgrind --tool=callgrind --dump-line=no --compress-strings=no --compress-pos=no)
+
+# callgrind_total <file...>: the instructions the callgrind files counted.
+callgrind_total() {
+    awk '/^(summary|totals):/ { t += $2 } END { print t + 0 }' "$@"
+}
+
+# instructions <case> <iterations>: our case's user-space instructions per
+# operation, every thread, from the window's open to its close.
+instructions() {
+    local case=$1 n=$2 dir
+    dir=$(mktemp -d)
+    port=$((port + 1))
+    SNOWRDMA_SPIN_US=0 SNOWRDMA_BENCH_COSTS=/dev/null timeout 1200 "${cg[@]}" \
+        --callgrind-out-file="$dir/cg" --zero-before=snowrdma_cost_window_open \
+        --dump-before=snowrdma_cost_window_close \
+        $bench run "$case" snowrdma -n "$n" --port "$port" >/dev/null 2>&1
+    if [ -s "$dir/cg.1" ]; then
+        echo "$case both instructions $(( $(callgrind_total "$dir/cg.1") / n ))" | tee -a "$costs"
+    else
+        echo "bench: $case under callgrind produced no window" >&2
+    fi
+    rm -rf "$dir"
+}
+
+# perftest_instructions <tool> <iterations>: both ends' instructions per
+# iteration of a perftest latency program, as the difference of a run of 2n
+# and a run of n iterations (which cancels set-up and tear-down).
+perftest_instructions() {
+    local tool=$1 n=$2 dir m total=()
+    dir=$(mktemp -d)
+    for m in "$n" $((2 * n)); do
+        port=$((port + 1))
+        timeout 1200 "${cg[@]}" --callgrind-out-file="$dir/server.$m" \
+            "$tool" -d "$dev" -e -p "$port" -s 64 -n "$m" >/dev/null 2>&1 &
+        local server=$!
+        sleep 3
+        timeout 1200 "${cg[@]}" --callgrind-out-file="$dir/client.$m" \
+            "$tool" -d "$dev" -e -p "$port" -s 64 -n "$m" "$ip" >/dev/null 2>&1
+        wait "$server"
+        total+=("$(callgrind_total "$dir/server.$m" "$dir/client.$m")")
+    done
+    rm -rf "$dir"
+    echo "$tool both instructions $(( (total[1] - total[0]) / n ))" | tee -a "$costs"
+}
+
 for rep in $(seq 1 "$reps"); do
     echo "--- repetition $rep of $reps"
     measure each
 done
+echo "--- system calls per operation (strace)"
+for case in kv_get_lat kv_put_lat echo_lat msg_rate kv_get_bw safe_send_lat broker_rate_b32 broker_lat; do
+    [[ "$case" =~ ${SNOWRDMA_BENCH_CASES:-.} ]] && syscalls "$case"
+done
+echo "--- user-space instructions per operation (callgrind, waiting on events)"
+if [[ kv_get_lat =~ ${SNOWRDMA_BENCH_CASES:-.} ]]; then
+    perftest_instructions ib_send_lat 200
+    instructions kv_get_lat 200
+fi
 measure once

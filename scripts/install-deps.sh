@@ -8,7 +8,7 @@ set -euo pipefail
 
 packages=(rdma-core ibverbs-providers libibverbs-dev librdmacm-dev ibverbs-utils
           rdmacm-utils perftest libclang-dev pkg-config qemu-system-x86 linux-image-amd64
-          busybox-static kmod iproute2 python3-pip g++)
+          busybox-static kmod iproute2 python3-pip g++ strace valgrind)
 cbindgen_version=0.29.2
 installed=0
 

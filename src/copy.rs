@@ -19,13 +19,24 @@ pub fn copy(dst: &mut [u8], src: &[u8]) {
         src.len(),
         "copy between slices of unequal length"
     );
+    crate::costs::copied(src.len());
     for (d, s) in dst.chunks_mut(PIECE).zip(src.chunks(PIECE)) {
         d.copy_from_slice(s);
     }
 }
 
+/// `dst.extend_from_slice(src)`, in pieces.
+pub fn extend(dst: &mut Vec<u8>, src: &[u8]) {
+    crate::costs::copied_if_any(src.len());
+    dst.reserve(src.len());
+    for s in src.chunks(PIECE) {
+        dst.extend_from_slice(s);
+    }
+}
+
 /// `src.to_vec()`, in pieces.
 pub fn to_vec(src: &[u8]) -> Vec<u8> {
+    crate::costs::copied(src.len());
     let mut v = Vec::with_capacity(src.len());
     for s in src.chunks(PIECE) {
         v.extend_from_slice(s);

@@ -9,6 +9,7 @@
 
 pub mod broker;
 mod copy;
+pub mod costs;
 pub mod ffi;
 pub mod kv;
 mod logging;

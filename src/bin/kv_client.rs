@@ -35,12 +35,13 @@ struct Args {
     commands: Vec<String>,
 }
 
-const USAGE: [&str; 5] = [
+const USAGE: [&str; 6] = [
     "put <key> <value>",
     "get <key>",
     "del <key>",
     "cas <key> <version> <value>",
     "bench <n> [value bytes]",
+    "mix <n> <value bytes> <start file>",
 ];
 
 fn help() -> String {
@@ -169,6 +170,7 @@ fn run(client: &Client, line: &str) -> Outcome {
         },
         ["bench", n] => bench(client, n, "64"),
         ["bench", n, size] => bench(client, n, size),
+        ["mix", n, size, start] => mix(client, n, size, start),
         [command, ..] => Err(
             match USAGE.iter().find(|u| u.starts_with(&format!("{command} "))) {
                 Some(usage) => format!("usage: {usage}"),
@@ -210,6 +212,53 @@ impl Phase {
             pct(1.0)
         )
     }
+}
+
+/// `n` operations, 95% GETs and 5% PUTs of `size`-byte values over 1000
+/// keys of this process's own, timed from when `start` appears (so that
+/// several client processes start together, connected and seeded; each
+/// says it is ready with a file `<start>.ready-<pid>`): prints
+/// "<ops> <start> <end>", the times in nanoseconds since the Unix epoch.
+fn mix(client: &Client, n: &str, size: &str, start: &str) -> Result<String, String> {
+    const KEYS: usize = 1000;
+    let n: usize = n.parse().map_err(|_| format!("not a count: {n}"))?;
+    let size: usize = size.parse().map_err(|_| format!("not a size: {size}"))?;
+    let value = vec![b'v'; size];
+    let keys: Vec<String> = (0..KEYS)
+        .map(|i| format!("mix-{}-{i}", std::process::id()))
+        .collect();
+    for k in &keys {
+        client
+            .put(k.as_bytes(), &value)
+            .map_err(|e| e.to_string())?;
+    }
+    let mut out = vec![0u8; size];
+    // Says it is connected and seeded: `<start>.ready-<pid>`.
+    std::fs::write(format!("{start}.ready-{}", std::process::id()), "")
+        .map_err(|e| format!("{start}.ready: {e}"))?;
+    let waited = Instant::now();
+    while !std::path::Path::new(start).exists() {
+        if waited.elapsed() > Duration::from_secs(300) {
+            return Err(format!("{start} did not appear in 5 minutes"));
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let unix_ns = || {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos())
+    };
+    let began = unix_ns();
+    for i in 0..n {
+        let key = keys[(i * 7) % KEYS].as_bytes();
+        let done = if i % 20 == 0 {
+            client.put(key, &value).map(drop)
+        } else {
+            client.get_into(key, &mut out).map(drop)
+        };
+        done.map_err(|e| format!("operation {i}: {e}"))?;
+    }
+    Ok(format!("{n} {began} {}", unix_ns()))
 }
 
 fn bench(client: &Client, n: &str, size: &str) -> Result<String, String> {

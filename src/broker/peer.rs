@@ -272,7 +272,10 @@ pub(crate) fn post_recvs(
     let mut bad = std::ptr::null_mut();
     // SAFETY: the QP is alive; the chain and its SGEs live for the call; the
     // ring memory lives as long as the broker, which outlives its QPs.
-    let rc = unsafe { sys::ibv_post_recv(qp.as_raw(), wrs.as_mut_ptr(), &mut bad) };
+    let rc = unsafe {
+        crate::costs::post_recv(wrs.as_ptr());
+        sys::ibv_post_recv(qp.as_raw(), wrs.as_mut_ptr(), &mut bad)
+    };
     shared
         .stats
         .recv_doorbells

@@ -92,7 +92,10 @@ impl SharedReceiveQueue {
         let mut bad = std::ptr::null_mut();
         // SAFETY: the SRQ is alive; wr lives for the call; `mem` moves into
         // the Op until the completion is reaped.
-        let rc = unsafe { sys::ibv_post_srq_recv(self.as_raw(), &mut wr, &mut bad) };
+        let rc = unsafe {
+            crate::costs::post_recv(&wr);
+            sys::ibv_post_srq_recv(self.as_raw(), &mut wr, &mut bad)
+        };
         if rc != 0 {
             cq.abandon(ticket);
             return Err(verbs::Error::from_code("ibv_post_srq_recv", rc).into());

@@ -116,7 +116,10 @@ impl Qp<Ud, Rts> {
         let mut bad = std::ptr::null_mut();
         // SAFETY: the QP is alive; wr and its SGE live for the call; the
         // memory and the address handle move into the Op until completion.
-        let rc = unsafe { sys::ibv_post_send(self.core.qp.as_raw(), &mut wr, &mut bad) };
+        let rc = unsafe {
+            crate::costs::post_send(&wr);
+            sys::ibv_post_send(self.core.qp.as_raw(), &mut wr, &mut bad)
+        };
         if rc != 0 {
             send.abandon(ticket);
             return Err(verbs::Error::from_code("ibv_post_send(UD)", rc).into());

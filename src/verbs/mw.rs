@@ -106,6 +106,7 @@ impl QueuePair {
             },
         };
         let mut bad = std::ptr::null_mut();
+        crate::costs::post_send(&wr);
         check_code(
             "ibv_post_send(BIND_MW)",
             sys::ibv_post_send(self.as_raw(), &mut wr, &mut bad),

@@ -300,13 +300,25 @@ impl QueuePair {
             // SAFETY: all-zero is a valid ibv_send_wr.
             let mut wr: sys::ibv_send_wr = std::mem::zeroed();
             req.fill(&mut wr)?;
+            crate::costs::post_send(&wr);
             return check_code(
                 "ibv_post_send",
                 sys::ibv_post_send(self.as_raw(), &mut wr, &mut bad),
             );
         }
+        // Batches up to STACK_BATCH requests (every batch the library makes)
+        // chain on the stack; only longer ones allocate.
+        const STACK_BATCH: usize = 64;
         // SAFETY: all-zero is a valid ibv_send_wr.
-        let mut wrs: Vec<sys::ibv_send_wr> = (0..reqs.len()).map(|_| std::mem::zeroed()).collect();
+        let mut on_stack: [sys::ibv_send_wr; STACK_BATCH] = std::mem::zeroed();
+        let mut on_heap: Vec<sys::ibv_send_wr>;
+        let wrs: &mut [sys::ibv_send_wr] = if reqs.len() <= STACK_BATCH {
+            &mut on_stack[..reqs.len()]
+        } else {
+            // SAFETY: as above.
+            on_heap = (0..reqs.len()).map(|_| std::mem::zeroed()).collect();
+            &mut on_heap
+        };
         for (wr, req) in wrs.iter_mut().zip(reqs) {
             req.fill(wr)?;
         }
@@ -314,6 +326,7 @@ impl QueuePair {
             let next: *mut sys::ibv_send_wr = &mut wrs[i];
             wrs[i - 1].next = next;
         }
+        crate::costs::post_send(wrs.as_ptr());
         check_code(
             "ibv_post_send",
             sys::ibv_post_send(self.as_raw(), wrs.as_mut_ptr(), &mut bad),
@@ -333,6 +346,7 @@ impl QueuePair {
         wr.sg_list = sges.as_ptr() as *mut sys::ibv_sge;
         wr.num_sge = sges.len() as i32;
         let mut bad = std::ptr::null_mut();
+        crate::costs::post_recv(&wr);
         check_code(
             "ibv_post_recv",
             sys::ibv_post_recv(self.as_raw(), &mut wr, &mut bad),

@@ -10,6 +10,7 @@ use snowrdma::ffi::rdma::*;
 use snowrdma::runtime::legacy_peer::LegacyPeer;
 use snowrdma::verbs::Context;
 
+use super::cost::Window;
 use super::{median, us};
 
 static RECEIVED: AtomicU64 = AtomicU64::new(0);
@@ -87,16 +88,24 @@ pub(crate) fn sync_lat(read: bool, iters: usize, size: usize, port: u16) -> f64 
         let (local, lkey) = ((*mr).addr as u64, (*mr).lkey);
         let (remote, rkey) = ((*p.conn).tx_addr as u64, (*p.conn).tx_key);
         let mut lat = Vec::with_capacity(iters);
-        for _ in 0..iters {
-            let t = Instant::now();
+        let op = || {
             let r = if read {
                 rdmaSyncReadSignaled(p.conn, local, lkey, remote, rkey, size as u32)
             } else {
                 rdmaSyncWriteSignaled(p.conn, local, lkey, remote, rkey, size as u32)
             };
             assert_eq!(r, size as i32);
+        };
+        for _ in 0..iters / 10 {
+            op();
+        }
+        let window = Window::open();
+        for _ in 0..iters {
+            let t = Instant::now();
+            op();
             lat.push(us(t.elapsed()));
         }
+        window.close(iters);
         rdmaConnDeregMem(p.conn, mr);
         median(&mut lat)
     }
@@ -116,7 +125,7 @@ pub(crate) fn echo_lat(iters: usize, size: usize, port: u16) -> f64 {
 unsafe fn ping_pong(conn: *mut RdmaConn, iters: usize, size: usize) -> f64 {
     let msg = vec![7u8; size];
     let mut lat = Vec::with_capacity(iters);
-    for _ in 0..iters {
+    let round_trip = || {
         let before = RECEIVED.load(Ordering::Acquire);
         let t = Instant::now();
         assert_eq!(rdmaConnSend(conn, msg.as_ptr() as *mut _, size), size);
@@ -125,8 +134,16 @@ unsafe fn ping_pong(conn: *mut RdmaConn, iters: usize, size: usize) -> f64 {
             assert!(Instant::now() < deadline, "the echo was lost");
             std::hint::spin_loop();
         }
-        lat.push(us(t.elapsed()) / 2.0);
+        us(t.elapsed()) / 2.0
+    };
+    for _ in 0..iters / 10 {
+        round_trip();
     }
+    let window = Window::open();
+    for _ in 0..iters {
+        lat.push(round_trip());
+    }
+    window.close(iters);
     median(&mut lat)
 }
 
@@ -178,23 +195,30 @@ pub(crate) fn stream(iters: usize, size: usize, port: u16) -> (f64, f64) {
     }
     let p = CPair::new(port, Some(sink));
     let msg = vec![1u8; size];
-    RECEIVED.store(0, Ordering::Release);
-    let t = Instant::now();
-    let mut sent = 0;
-    while sent < iters {
-        // SAFETY: live connection, readable message.
-        match unsafe { rdmaConnSend(p.conn, msg.as_ptr() as *mut _, size) } {
-            0 => std::hint::spin_loop(),
-            n if n == size => sent += 1,
-            n => panic!("rdmaConnSend returned {n}"),
+    let send_all = |n: usize| {
+        RECEIVED.store(0, Ordering::Release);
+        let mut sent = 0;
+        while sent < n {
+            // SAFETY: live connection, readable message.
+            match unsafe { rdmaConnSend(p.conn, msg.as_ptr() as *mut _, size) } {
+                0 => std::hint::spin_loop(),
+                m if m == size => sent += 1,
+                m => panic!("rdmaConnSend returned {m}"),
+            }
         }
-    }
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while RECEIVED.load(Ordering::Acquire) < iters as u64 {
-        assert!(Instant::now() < deadline, "messages were lost");
-        std::hint::spin_loop();
-    }
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while RECEIVED.load(Ordering::Acquire) < n as u64 {
+            assert!(Instant::now() < deadline, "messages were lost");
+            std::hint::spin_loop();
+        }
+    };
+    // Warm-up: the first messages find the rings and queues cold.
+    send_all(iters / 10);
+    let window = Window::open();
+    let t = Instant::now();
+    send_all(iters);
     let secs = t.elapsed().as_secs_f64();
+    window.close(iters);
     (
         (iters * size) as f64 / secs / (1 << 20) as f64,
         iters as f64 / secs / 1e6,

@@ -22,6 +22,9 @@ pub(crate) enum Measure {
         tool: &'static str,
         column: u8,
         args: &'static str,
+        /// The figure is multiplied by this (1, or 0.5 where one of our
+        /// operations is two of perftest's messages).
+        scale: f64,
     },
     /// Here: `snowrdma-bench run <case> <side>`.
     Here { run: Run, size: usize, iters: usize },
@@ -34,6 +37,11 @@ pub(crate) enum Measure {
         size: usize,
         iters: usize,
     },
+    /// A `kv_server` process and `clients` `kv_client` processes (`mix`
+    /// command, `ops` each), connected and seeded before the clock starts;
+    /// the figure is million operations per second of them all, and the
+    /// server's CPU time per operation goes to the cost report.
+    KvProcs { clients: usize, ops: usize },
     /// The kv_open application's `client` menu option 3 (SET+GET pairs of 1
     /// B to 16 MiB), which the script runs once: its figure at `size`, MB/s.
     KvAppMenu { size: usize },
@@ -66,7 +74,42 @@ pub(crate) struct Case {
 }
 
 const fn perftest(tool: &'static str, column: u8, args: &'static str) -> Measure {
-    Measure::Perftest { tool, column, args }
+    Measure::Perftest {
+        tool,
+        column,
+        args,
+        scale: 1.0,
+    }
+}
+
+/// A kv operation rate at `clients` client processes beside half of
+/// `ib_send_bw -s 64 -q <clients>`'s message rate (an operation is a request
+/// and a reply).
+const fn kv_procs(
+    name: &'static str,
+    what: &'static str,
+    args: &'static str,
+    clients: usize,
+) -> Case {
+    Case {
+        name,
+        what,
+        reference_label: "half ib_send_bw -s 64 -q N",
+        unit: "Mops",
+        higher_is_better: true,
+        target: ">= 0.70",
+        schedule: Schedule::EachRepetition,
+        reference: Measure::Perftest {
+            tool: "ib_send_bw",
+            column: 5,
+            args,
+            scale: 0.5,
+        },
+        snowrdma: Measure::KvProcs {
+            clients,
+            ops: 20000,
+        },
+    }
 }
 
 const fn here(run: Run, size: usize, iters: usize) -> Measure {
@@ -394,6 +437,25 @@ pub(crate) const CASES: &[Case] = &[
         perftest("ib_send_bw", 5, "-s 64 -n 20000"),
         here(kv_mix, 64, 4000),
     ),
+    // kv_server and kv_client processes, as they are deployed.
+    kv_procs(
+        "kv_mix_1",
+        "kv 95/5 GET/PUT 64 B, 1 kv_client process",
+        "-s 64 -q 1 -n 20000",
+        1,
+    ),
+    kv_procs(
+        "kv_mix_2",
+        "kv 95/5 GET/PUT 64 B, 2 kv_client processes",
+        "-s 64 -q 2 -n 20000",
+        2,
+    ),
+    kv_procs(
+        "kv_mix_4",
+        "kv 95/5 GET/PUT 64 B, 4 kv_client processes",
+        "-s 64 -q 4 -n 10000",
+        4,
+    ),
     // The kv_open API (the legacy client's menu option 3).
     kv_app(
         "kv_app_write_1024",
@@ -454,9 +516,10 @@ pub(crate) fn find(name: &str) -> Option<&'static Case> {
 /// `scripts/bench.sh`:
 ///
 /// ```text
-/// <each|once> <case> <reference|snowrdma> perftest <column> <tool> <args...>
+/// <each|once> <case> <reference|snowrdma> perftest <column> <scale> <tool> <args...>
 /// <each|once> <case> <reference|snowrdma> here
 /// <each|once> <case> <reference|snowrdma> server <command with IP, PORT, BENCH...>
+/// <each|once> <case> <reference|snowrdma> kv-procs <clients> <operations each>
 /// <each|once> <case> <reference|snowrdma> kv-app-menu <size>
 /// ```
 ///
@@ -470,9 +533,13 @@ pub(crate) fn print_cases() {
         };
         for (side, m) in [("reference", &case.reference), ("snowrdma", &case.snowrdma)] {
             let how = match m {
-                Measure::Perftest { tool, column, args } => {
-                    format!("perftest {column} {tool} {args}")
-                }
+                Measure::Perftest {
+                    tool,
+                    column,
+                    args,
+                    scale,
+                } => format!("perftest {column} {scale} {tool} {args}"),
+                Measure::KvProcs { clients, ops } => format!("kv-procs {clients} {ops}"),
                 Measure::Here { .. } => "here".to_string(),
                 Measure::AgainstServer { server, .. } => format!("server {server}"),
                 Measure::KvAppMenu { size } => format!("kv-app-menu {size}"),

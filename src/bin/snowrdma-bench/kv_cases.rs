@@ -6,6 +6,7 @@ use std::time::Instant;
 use snowrdma::kv;
 use snowrdma::verbs::Context;
 
+use super::cost::Window;
 use super::{median, us};
 
 /// A key-value server on the device, for the kv cases.
@@ -46,21 +47,25 @@ pub(crate) fn kv_lat(op: KvOp, idle: usize, iters: usize, size: usize, port: u16
     let key = b"bench-key-16byte";
     let value = vec![7u8; size];
     client.put(key, &value).expect("put");
-    let op = |c: &kv::Client| match op {
-        KvOp::Get => c.get(key).map(drop),
+    // Into the caller's buffer, as a program that cares for its allocations
+    // would (`get` returns a new Vec each time).
+    let mut out = vec![0u8; size];
+    let mut op = |c: &kv::Client| match op {
+        KvOp::Get => c.get_into(key, &mut out).map(drop),
         KvOp::Put => c.put(key, &value).map(drop),
-        KvOp::GetOneSided => c.get_one_sided(key).map(drop),
+        KvOp::GetOneSided => c.get_one_sided_into(key, &mut out).map(drop),
     };
     for _ in 0..iters / 10 {
         op(&client).expect("warm-up");
     }
-    let mut lat: Vec<f64> = (0..iters)
-        .map(|_| {
-            let t = Instant::now();
-            op(&client).expect("kv op");
-            us(t.elapsed())
-        })
-        .collect();
+    let mut lat = Vec::with_capacity(iters);
+    let window = Window::open();
+    for _ in 0..iters {
+        let t = Instant::now();
+        op(&client).expect("kv op");
+        lat.push(us(t.elapsed()));
+    }
+    window.close(iters);
     median(&mut lat)
 }
 
@@ -96,11 +101,14 @@ pub(crate) fn kv_bw(op: KvOp, iters: usize, size: usize, port: u16) -> f64 {
     );
     batch();
     let batches = iters.div_ceil(BW_BATCH);
+    let window = Window::open();
     let start = Instant::now();
     for _ in 0..batches {
         batch();
     }
-    (batches * BW_BATCH * size) as f64 / start.elapsed().as_secs_f64() / 1048576.0
+    let secs = start.elapsed().as_secs_f64();
+    window.close(batches);
+    (batches * BW_BATCH * size) as f64 / secs / 1048576.0
 }
 
 /// Clients connected besides the measuring one in kv_get_lat_crowd.

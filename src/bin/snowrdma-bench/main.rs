@@ -12,6 +12,8 @@
 
 mod c_api_cases;
 mod cases;
+mod cost;
+mod cost_report;
 mod kv_cases;
 mod report;
 mod safe_broker_cases;
@@ -29,6 +31,9 @@ use snowrdma::verbs::Context;
 use c_api_cases::serve_legacy_peer;
 use cases::{print_cases, Measure, CASES};
 use report::report;
+
+#[global_allocator]
+static ALLOCATOR: cost::CountingAlloc = cost::CountingAlloc;
 
 #[derive(Parser)]
 #[command(about = "snowrdma benchmarks, compared with perftest by `make bench`")]
@@ -99,6 +104,7 @@ fn run(
     port: u16,
 ) -> Option<f64> {
     let case = cases::find(case)?;
+    cost::set_case(case.name);
     let measure = match side {
         Side::Reference => &case.reference,
         Side::Snowrdma => &case.snowrdma,
@@ -115,7 +121,7 @@ fn run(
             iters: n,
             ..
         } => Some(run(iters.unwrap_or(n), size.unwrap_or(s), port)),
-        Measure::Perftest { .. } | Measure::KvAppMenu { .. } => None,
+        Measure::Perftest { .. } | Measure::KvAppMenu { .. } | Measure::KvProcs { .. } => None,
     }
 }
 

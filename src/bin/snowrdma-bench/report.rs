@@ -5,6 +5,7 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 
 use super::cases::CASES;
+use super::cost_report::cost_report;
 
 /// "median [min-max]" with enough digits for small figures (Mpps).
 fn spread(med: f64, min: f64, max: f64) -> String {
@@ -78,13 +79,19 @@ pub(crate) fn report(results: &PathBuf, json: &PathBuf) -> std::io::Result<()> {
             row.name, row.what, row.reference_label, row.unit, row.higher_is_better, row.target, r.len(), o.len()
         ));
     }
+    println!("ratio = snowrdma / reference (medians of interleaved runs)");
+    let costs = cost_report(&results.with_extension("costs"));
     if let Some(dir) = json.parent() {
         std::fs::create_dir_all(dir)?;
     }
-    std::fs::write(json, format!("[\n  {}\n]\n", out.join(",\n  ")))?;
-    println!(
-        "ratio = snowrdma / reference (medians of interleaved runs); JSON: {}",
-        json.display()
-    );
+    std::fs::write(
+        json,
+        format!(
+            "{{\n\"cases\": [\n  {}\n],\n\"costs\": [\n  {}\n]\n}}\n",
+            out.join(",\n  "),
+            costs.join(",\n  ")
+        ),
+    )?;
+    println!("JSON: {}", json.display());
     Ok(())
 }

@@ -13,6 +13,7 @@ use snowrdma::safe::{
 };
 use snowrdma::verbs::Context;
 
+use super::cost::Window;
 use super::{median, us};
 
 const WAIT: Duration = Duration::from_secs(30);
@@ -170,6 +171,7 @@ fn broker_mesh_rate(servers: usize, per_peer: usize, size: usize, batch: u32, po
                 .expect("broker");
                 b.init(WAIT).expect("mesh");
                 start.wait();
+                let window = (me == 0).then(Window::open);
                 let t = Instant::now();
                 let want = (per_peer * (servers - 1)) as u64;
                 for _ in 0..per_peer {
@@ -187,6 +189,9 @@ fn broker_mesh_rate(servers: usize, per_peer: usize, size: usize, batch: u32, po
                     assert!(t.elapsed() < WAIT, "messages lost");
                 }
                 let took = t.elapsed();
+                if let Some(w) = window {
+                    w.close(per_peer * (servers - 1));
+                }
                 // Keep answering until everyone is done.
                 let total = want * servers as u64;
                 while received.load(Ordering::Relaxed) < total && t.elapsed() < WAIT {
@@ -245,7 +250,13 @@ pub(crate) fn broker_lat(iters: usize, size: usize, port: u16) -> f64 {
     .expect("broker");
     b.init(WAIT).expect("mesh");
     let mut lat = Vec::with_capacity(iters);
+    let mut window = None;
+    // The first tenth warms up, uncounted.
+    let warm = iters as u64 / 10;
     for i in 0..iters as u64 {
+        if i == warm {
+            window = Some(Window::open());
+        }
         let t = Instant::now();
         let mut buf = b.send_buf_wait(1, WAIT).expect("slot");
         buf.as_mut_slice()[..size].fill(1);
@@ -257,6 +268,9 @@ pub(crate) fn broker_lat(iters: usize, size: usize, port: u16) -> f64 {
             assert!(t.elapsed() < WAIT, "the reply was lost");
         }
         lat.push(us(t.elapsed()) / 2.0);
+    }
+    if let Some(w) = window {
+        w.close(iters - warm as usize);
     }
     echo.join().expect("echo thread");
     median(&mut lat)

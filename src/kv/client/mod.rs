@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use crate::copy;
 use crate::runtime::{CommMode, Connection, Options};
 
-use super::proto::{Op, Reply, Request, ServerInfo};
+use super::proto::{scratch, Op, Reply, Request, ServerInfo};
 use super::{ConnMode, KvError, Result, TIMEOUT_ENV};
 
 mod batch;
@@ -219,6 +219,7 @@ impl Client {
             },
             None => self.conn.send(&msg)?,
         };
+        scratch::give_back(msg);
         match sent {
             0 => Err(KvError::Timeout(self.conn.options().timeout)),
             _ => Ok(Sent { id, at }),

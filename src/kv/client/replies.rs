@@ -53,7 +53,14 @@ pub(super) struct Inbox {
     /// Requests whose callers gave up waiting: their replies, if they
     /// come, are dropped, and what they hold on the server is released.
     pub(super) abandoned: HashSet<u64, BuildHasherDefault<IdHasher>>,
+    /// Payload buffers callers handed back, for the next replies: a steady
+    /// stream of inline replies allocates nothing.
+    spare: Vec<Vec<u8>>,
 }
+
+/// Spare payload buffers kept, and the largest kept.
+const SPARES: usize = 16;
+const SPARE_UP_TO: usize = 64 << 10;
 
 impl Replies {
     /// Gives up on request `id`: returns its reply if it came after all.
@@ -65,6 +72,16 @@ impl Replies {
             self.any_abandoned.store(true, Ordering::Release);
         }
         reply
+    }
+
+    /// Takes back a reply's payload buffer for a later reply.
+    pub(super) fn recycle(&self, payload: Vec<u8>) {
+        if payload.capacity() <= SPARE_UP_TO {
+            let mut inbox = self.inbox.lock().expect("reply lock");
+            if inbox.spare.len() < SPARES {
+                inbox.spare.push(payload);
+            }
+        }
     }
 
     /// Ids wrap: a request taking the id of one whose reply never came
@@ -101,7 +118,13 @@ impl ConnHandler for ReplyHandler {
             }
             return;
         }
-        inbox.ready.insert(reply.req_id, (reply, payload.to_vec()));
+        let mut copy = match payload.is_empty() {
+            true => Vec::new(),
+            false => inbox.spare.pop().unwrap_or_default(),
+        };
+        copy.clear();
+        crate::copy::extend(&mut copy, payload);
+        inbox.ready.insert(reply.req_id, (reply, copy));
         drop(inbox);
         self.0.arrived.fetch_add(1, Ordering::Release);
     }

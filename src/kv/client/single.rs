@@ -107,7 +107,11 @@ impl Client {
     /// [`KvError::BufferTooSmall`] reports its length.
     pub fn get_into(&self, key: &[u8], buf: &mut [u8]) -> Result<(usize, u64)> {
         match self.lookup(key)? {
-            Found::Inline(v, version) => Ok((copy_into(buf, &v)?, version)),
+            Found::Inline(v, version) => {
+                let copied = copy_into(buf, &v);
+                self.replies.recycle(v);
+                Ok((copied?, version))
+            }
             Found::Remote(reply) => {
                 if reply.value_len > buf.len() as u64 {
                     self.release(reply.lease);

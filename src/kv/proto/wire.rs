@@ -126,7 +126,7 @@ impl Request {
     /// The header (compact when it can say everything) followed by `key`
     /// and `inline_value`.
     pub fn encode(&self, key: &[u8], inline_value: &[u8]) -> Vec<u8> {
-        let mut b = Vec::with_capacity(REQUEST_LEN + key.len() + inline_value.len());
+        let mut b = super::scratch::take(REQUEST_LEN + key.len() + inline_value.len());
         let plain = self.source == Source::Inline
             && self.cas.is_none()
             && self.lease == 0
@@ -141,6 +141,7 @@ impl Request {
             self.encode_full_header(key.len(), &mut b);
         }
         b.extend_from_slice(key);
+        crate::costs::copied_if_any(inline_value.len());
         b.extend_from_slice(inline_value);
         b
     }
@@ -292,7 +293,7 @@ impl Reply {
 
     /// The header (compact when it fits) followed by `payload`.
     pub fn encode(&self, payload: &[u8]) -> Vec<u8> {
-        let mut b = Vec::with_capacity(REPLY_LEN + payload.len());
+        let mut b = super::scratch::take(REPLY_LEN + payload.len());
         if self.fits_compact(payload) {
             b.extend_from_slice(
                 &((self.version << 8) | u64::from(COMPACT_REPLY_TAG)).to_le_bytes(),
@@ -309,6 +310,7 @@ impl Reply {
             b.extend_from_slice(&u32::from(self.remote).to_le_bytes());
             b.extend_from_slice(&self.lease.to_le_bytes());
         }
+        crate::costs::copied_if_any(payload.len());
         b.extend_from_slice(payload);
         b
     }

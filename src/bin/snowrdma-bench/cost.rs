@@ -1,0 +1,175 @@
+//! The counted side of the bench: a counting allocator, and a window around
+//! a case's steady-state loop that writes what each operation cost (the
+//! library's [`snowrdma::costs`] and the allocator's counts, per operation)
+//! to the file named by `SNOWRDMA_BENCH_COSTS`, one line per figure:
+//!
+//! ```text
+//! <case> <caller|rest> <figure> <per-operation value>
+//! ```
+//!
+//! `caller` is the thread that runs the loop (the client's side: its posts,
+//! copies and allocations); `rest` is every other thread of the process (the
+//! in-process server and the runtimes' completion threads).
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::cell::Cell;
+use std::io::Write;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::OnceLock;
+
+use snowrdma::costs::{self, Costs, Counter};
+
+/// Counts every allocation and free of the process, and the calling
+/// thread's own.
+pub(crate) struct CountingAlloc;
+
+static ALLOCS: AtomicU64 = AtomicU64::new(0);
+static FREES: AtomicU64 = AtomicU64::new(0);
+
+thread_local! {
+    // Const-initialised and without a destructor: usable inside the
+    // allocator without allocating.
+    static MY_ALLOCS: Cell<(u64, u64)> = const { Cell::new((0, 0)) };
+}
+
+fn count(alloc: u64, free: u64) {
+    ALLOCS.fetch_add(alloc, Ordering::Relaxed);
+    FREES.fetch_add(free, Ordering::Relaxed);
+    let _ = MY_ALLOCS.try_with(|c| {
+        let (a, f) = c.get();
+        c.set((a + alloc, f + free));
+    });
+}
+
+// SAFETY: every call is passed to the system allocator unchanged.
+unsafe impl GlobalAlloc for CountingAlloc {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        count(1, 0);
+        System.alloc(layout)
+    }
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        count(1, 0);
+        System.alloc_zeroed(layout)
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        count(0, 1);
+        System.dealloc(ptr, layout)
+    }
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        // A move to a new block: one allocation and one free.
+        count(1, 1);
+        System.realloc(ptr, layout, new_size)
+    }
+}
+
+/// The case being run, named in the lines written.
+static CASE: OnceLock<String> = OnceLock::new();
+
+pub(crate) fn set_case(name: &str) {
+    let _ = CASE.set(name.to_string());
+}
+
+#[derive(Clone, Copy)]
+struct Counts {
+    lib: Costs,
+    allocs: u64,
+    frees: u64,
+}
+
+fn all() -> Counts {
+    Counts {
+        lib: costs::snapshot(),
+        allocs: ALLOCS.load(Ordering::Relaxed),
+        frees: FREES.load(Ordering::Relaxed),
+    }
+}
+
+fn mine() -> Counts {
+    let (allocs, frees) = MY_ALLOCS.with(Cell::get);
+    Counts {
+        lib: costs::this_thread(),
+        allocs,
+        frees,
+    }
+}
+
+/// Counts from [`Window::open`] to [`Window::close`].
+pub(crate) struct Window {
+    all: Counts,
+    mine: Counts,
+}
+
+impl Window {
+    /// Opens the window; call it after the warm-up, just before the loop.
+    pub(crate) fn open() -> Window {
+        let w = Window {
+            mine: mine(),
+            all: all(),
+        };
+        snowrdma_cost_window_open();
+        w
+    }
+
+    /// Closes the window over `ops` operations and writes their cost.
+    pub(crate) fn close(self, ops: usize) {
+        let (all, mine) = (all(), mine());
+        snowrdma_cost_window_close(ops);
+        let Ok(path) = std::env::var("SNOWRDMA_BENCH_COSTS") else {
+            return;
+        };
+        let case = CASE.get().map_or("?", String::as_str);
+        let ops = ops.max(1) as f64;
+        let caller = diff(&mine, &self.mine);
+        let everyone = diff(&all, &self.all);
+        let mut out = String::new();
+        for (side, d) in [("caller", &caller), ("rest", &minus(&everyone, &caller))] {
+            for (figure, v) in d {
+                out.push_str(&format!("{case} {side} {figure} {:.3}\n", *v as f64 / ops));
+            }
+        }
+        let written = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&path)
+            .and_then(|mut f| f.write_all(out.as_bytes()));
+        if let Err(e) = written {
+            eprintln!("bench: cannot write the cost to {path}: {e}");
+        }
+    }
+}
+
+// The window's edges, marked for the tools `scripts/bench.sh` runs the
+// case under: a system call that names the edge for strace (which counts
+// every thread's calls between `open` and `close/<ops>`), and a function of
+// its own for callgrind (which zeroes its counts on entering the first and
+// dumps them on entering the second).
+
+#[no_mangle]
+#[inline(never)]
+extern "C" fn snowrdma_cost_window_open() {
+    let _ = std::fs::metadata("/snowrdma-cost-window/open");
+}
+
+#[no_mangle]
+#[inline(never)]
+extern "C" fn snowrdma_cost_window_close(ops: usize) {
+    let _ = std::fs::metadata(format!("/snowrdma-cost-window/close/{ops}"));
+}
+
+fn diff(now: &Counts, then: &Counts) -> Vec<(&'static str, u64)> {
+    let lib = now.lib.since(&then.lib);
+    let mut v: Vec<(&'static str, u64)> = Counter::ALL
+        .iter()
+        .map(|&c| (c.name(), lib.get(c)))
+        .collect();
+    v.push(("allocs", now.allocs.wrapping_sub(then.allocs)));
+    v.push(("frees", now.frees.wrapping_sub(then.frees)));
+    v
+}
+
+fn minus(a: &[(&'static str, u64)], b: &[(&'static str, u64)]) -> Vec<(&'static str, u64)> {
+    a.iter()
+        .zip(b)
+        .map(|(&(n, x), &(_, y))| (n, x.saturating_sub(y)))
+        .collect()
+}

@@ -1,0 +1,173 @@
+//! The cost report: what each operation of each case cost, counted (not
+//! timed), from the lines the cases wrote (`cost::Window`) and those
+//! `scripts/bench.sh` added (system calls under strace, instructions under
+//! callgrind), with the targets of `../shared/spec/performance-targets.md`
+//! checked where they apply.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use super::cases::CASES;
+
+/// The figures, in the report's column order: (name in the lines, header).
+const FIGURES: &[(&str, &str)] = &[
+    ("send_wrs", "WRs"),
+    ("send_doorbells", "sq bells"),
+    ("signaled", "signaled"),
+    ("recv_wrs", "reposts"),
+    ("recv_doorbells", "rq bells"),
+    ("wire_bytes", "wire B"),
+    ("copies", "copies"),
+    ("copied_bytes", "copied B"),
+    ("allocs", "allocs"),
+    ("frees", "frees"),
+    ("syscalls", "syscalls"),
+    ("instructions", "instr"),
+    ("server_cpu_us", "srv cpu us"),
+];
+
+/// The steady-state targets: (case, figure, most allowed per operation,
+/// summed over both sides). Doorbells are per request or per batch, small
+/// copies one per side; instructions are checked against perftest below.
+const TARGETS: &[(&str, &str, f64)] = &[
+    ("kv_get_lat", "allocs", 0.0),
+    ("kv_put_lat", "allocs", 0.0),
+    ("echo_lat", "allocs", 0.0),
+    ("msg_rate", "allocs", 0.0),
+    ("kv_get_bw", "allocs", 0.0),
+    ("broker_rate_b32", "allocs", 0.0),
+    ("kv_get_lat", "syscalls", 0.0),
+    ("kv_put_lat", "syscalls", 0.0),
+    ("echo_lat", "syscalls", 0.0),
+    ("msg_rate", "syscalls", 0.0),
+    // One request and its reply: a doorbell each.
+    ("kv_get_lat", "send_doorbells", 2.0),
+    ("kv_put_lat", "send_doorbells", 2.0),
+    ("echo_lat", "send_doorbells", 2.0),
+    ("msg_rate", "send_doorbells", 1.0),
+    // At most one copy of a small payload per side.
+    ("kv_get_lat", "copies", 2.0),
+    ("kv_put_lat", "copies", 2.0),
+    ("echo_lat", "copies", 4.0),
+    ("msg_rate", "copies", 2.0),
+];
+
+/// (case, side, figure) -> the per-operation values of every run.
+type Figures = BTreeMap<(String, String, String), Vec<f64>>;
+
+fn read(path: &Path) -> Figures {
+    let mut f = Figures::new();
+    let Ok(text) = std::fs::read_to_string(path) else {
+        return f;
+    };
+    for line in text.lines() {
+        if let [case, side, figure, value] = line.split_whitespace().collect::<Vec<_>>()[..] {
+            if let Ok(v) = value.parse::<f64>() {
+                f.entry((case.into(), side.into(), figure.into()))
+                    .or_default()
+                    .push(v);
+            }
+        }
+    }
+    f
+}
+
+fn cell(values: Option<&Vec<f64>>) -> (String, Option<f64>) {
+    match values {
+        None => ("-".into(), None),
+        Some(v) => {
+            let min = v.iter().copied().fold(f64::INFINITY, f64::min);
+            let max = v.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            let show = |x: f64| {
+                if x.fract() == 0.0 {
+                    format!("{x:.0}")
+                } else {
+                    format!("{x:.2}")
+                }
+            };
+            if min == max {
+                (show(min), Some(min))
+            } else {
+                // Not repeatable: both ends shown.
+                (format!("{}~{}", show(min), show(max)), Some(max))
+            }
+        }
+    }
+}
+
+/// Prints the cost table and returns its JSON entries.
+pub(crate) fn cost_report(path: &Path) -> Vec<String> {
+    let f = read(path);
+    if f.is_empty() {
+        println!("no cost figures in {}", path.display());
+        return Vec::new();
+    }
+    println!("\nper-operation cost, counted (caller = the measuring thread, rest = the other threads; a~b: runs differed)");
+    print!("{:<18} {:<6}", "case", "side");
+    for (_, h) in FIGURES {
+        print!(" {h:>9}");
+    }
+    println!();
+    let mut json = Vec::new();
+    let mut totals: BTreeMap<(String, String), f64> = BTreeMap::new();
+    let names = CASES
+        .iter()
+        .map(|c| c.name.to_string())
+        .chain(["ib_send_lat".to_string()]);
+    for case in names {
+        for side in ["caller", "rest", "both"] {
+            let cells: Vec<(String, Option<f64>)> = FIGURES
+                .iter()
+                .map(|(fig, _)| cell(f.get(&(case.clone(), side.into(), (*fig).into()))))
+                .collect();
+            if cells.iter().all(|(_, v)| v.is_none()) {
+                continue;
+            }
+            print!("{case:<18} {side:<6}");
+            let mut fields = Vec::new();
+            for ((fig, _), (shown, v)) in FIGURES.iter().zip(&cells) {
+                print!(" {shown:>9}");
+                if let Some(v) = v {
+                    *totals.entry((case.clone(), (*fig).into())).or_default() += v;
+                    fields.push(format!("\"{fig}\":{v}"));
+                }
+            }
+            println!();
+            json.push(format!(
+                "{{\"case\":\"{case}\",\"side\":\"{side}\",{}}}",
+                fields.join(",")
+            ));
+        }
+    }
+    let mut missed = Vec::new();
+    for (case, fig, most) in TARGETS {
+        if let Some(v) = totals.get(&(case.to_string(), fig.to_string())) {
+            if v > most {
+                missed.push(format!("{case} {fig}: {v:.2} per op (target <= {most})"));
+            }
+        }
+    }
+    let instr = |c: &str| {
+        totals
+            .get(&(c.to_string(), "instructions".to_string()))
+            .copied()
+    };
+    if let (Some(ours), Some(theirs)) = (instr("kv_get_lat"), instr("ib_send_lat")) {
+        let ratio = ours / theirs;
+        println!("kv GET instructions outside polling, both sides: {ours:.0}, ib_send_lat iteration: {theirs:.0}, ratio {ratio:.2} (target <= 4)");
+        if ratio > 4.0 {
+            missed.push(format!(
+                "kv_get_lat instructions: {ratio:.2}x ib_send_lat (target <= 4x)"
+            ));
+        }
+    }
+    if missed.is_empty() {
+        println!("cost targets: all met");
+    } else {
+        println!("cost targets missed:");
+        for m in &missed {
+            println!("  {m}");
+        }
+    }
+    json
+}

@@ -86,16 +86,22 @@ ours() {
 }
 
 # against_server <case> <side> <server command with IP, PORT, BENCH>: starts
-# the server in its own process, then the side against it.
+# the server in its own process, waits until it says it listens (every
+# server here prints "listening on"), then runs the side against it.
 against_server() {
-    local case=$1 side=$2
+    local case=$1 side=$2 log
     shift 2
     local args=("${@//PORT/$port}")
     args=("${args[@]//IP/$ip}")
     args=("${args[@]//BENCH/$bench}")
-    timeout 300 "${args[@]}" >/dev/null 2>&1 &
+    log=$(mktemp)
+    timeout 300 "${args[@]}" >"$log" 2>&1 &
     local server=$!
-    sleep 0.5
+    for _ in $(seq 1 100); do
+        grep -q "listening on" "$log" && break
+        sleep 0.2
+    done
+    rm -f "$log"
     ours "$case" "$side"
     kill "$server" 2>/dev/null
     wait "$server" 2>/dev/null
@@ -175,7 +181,7 @@ cg=(valgrind --tool=callgrind --dump-line=no --compress-strings=no --compress-po
 
 # callgrind_total <file...>: the instructions the callgrind files counted.
 callgrind_total() {
-    awk '/^(summary|totals):/ { t += $2 } END { print t + 0 }' "$@"
+    awk '/^summary:/ { t += $2 } END { print t + 0 }' "$@"
 }
 
 # instructions <case> <iterations>: our case's user-space instructions per
@@ -207,7 +213,12 @@ perftest_instructions() {
         timeout 1200 "${cg[@]}" --callgrind-out-file="$dir/server.$m" \
             "$tool" -d "$dev" -e -p "$port" -s 64 -n "$m" >/dev/null 2>&1 &
         local server=$!
-        sleep 3
+        # Under valgrind the server takes seconds to listen (TCP, for its
+        # exchange of QP information).
+        for _ in $(seq 1 120); do
+            ss -ltn | grep -q ":$port " && break
+            sleep 0.5
+        done
         timeout 1200 "${cg[@]}" --callgrind-out-file="$dir/client.$m" \
             "$tool" -d "$dev" -e -p "$port" -s 64 -n "$m" "$ip" >/dev/null 2>&1
         wait "$server"

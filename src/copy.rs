@@ -14,12 +14,32 @@ const PIECE: usize = 2048;
 /// # Panics
 /// If the lengths differ (as `copy_from_slice` does).
 pub fn copy(dst: &mut [u8], src: &[u8]) {
+    crate::costs::copied(src.len());
+    copy_pieces(dst, src);
+}
+
+/// The concatenation of `parts` into `dst` (one copy of a message gathered
+/// from its pieces).
+///
+/// # Panics
+/// If `dst` is not as long as the parts together.
+pub fn gather(dst: &mut [u8], parts: &[&[u8]]) {
+    let total: usize = parts.iter().map(|p| p.len()).sum();
+    assert_eq!(dst.len(), total, "gather into a slice of another length");
+    crate::costs::copied(total);
+    let mut at = 0;
+    for p in parts {
+        copy_pieces(&mut dst[at..at + p.len()], p);
+        at += p.len();
+    }
+}
+
+fn copy_pieces(dst: &mut [u8], src: &[u8]) {
     assert_eq!(
         dst.len(),
         src.len(),
         "copy between slices of unequal length"
     );
-    crate::costs::copied(src.len());
     for (d, s) in dst.chunks_mut(PIECE).zip(src.chunks(PIECE)) {
         d.copy_from_slice(s);
     }
@@ -60,6 +80,10 @@ mod tests {
             let mut dst = vec![0u8; len];
             super::copy(&mut dst, &src);
             assert_eq!(dst, src);
+            let (a, b) = src.split_at(len / 3);
+            let mut gathered = vec![0u8; len];
+            super::gather(&mut gathered, &[a, &[], b]);
+            assert_eq!(gathered, src);
             assert_eq!(super::to_vec(&src), src);
         }
     }

@@ -263,6 +263,9 @@ pub struct Broker {
     owner: Cell<Option<std::thread::ThreadId>>,
     down_reported: RefCell<Vec<bool>>,
     last_cm_check: Cell<Instant>,
+    /// The operations one completion finished, gathered before their
+    /// callbacks run (which may post); kept for the next poll.
+    finished: Cell<Vec<peer::Posted>>,
 }
 
 /// How often the polls look at RDMA CM events (a system call each).
@@ -339,6 +342,7 @@ impl Broker {
             owner: Cell::new(None),
             down_reported: RefCell::new(vec![false; n]),
             last_cm_check: Cell::new(Instant::now()),
+            finished: Cell::new(Vec::new()),
         })
     }
 

@@ -169,39 +169,43 @@ impl Peer {
     /// Posts the pending requests with one doorbell, all unsignaled but the
     /// last.
     pub(crate) fn flush(&self, shared: &Shared) -> Result<usize> {
+        const CHAIN: usize = 64;
         let mut send = self.send.borrow_mut();
-        if send.pending.is_empty() {
+        let count = send.pending.len();
+        if count == 0 {
             return Ok(0);
         }
-        let pending = std::mem::take(&mut send.pending);
-        let last = pending.len() - 1;
-        let reqs: Vec<SendRequest<'_>> = pending
-            .iter()
-            .enumerate()
-            .map(|(i, p)| {
-                let r = SendRequest::new(p.seq, p.op, std::slice::from_ref(&p.sge));
-                if i == last {
-                    r
-                } else {
-                    r.unsignaled()
-                }
-            })
-            .collect();
-        // SAFETY: every SGE is a send slot (handed to this request only) or
-        // the data region, which the broker keeps registered until it is
-        // dropped; the QP is flushed before that.
-        let posted = unsafe { self.qp.post_send(&reqs) };
-        drop(reqs);
-        shared.stats.doorbells.set(shared.stats.doorbells.get() + 1);
-        if let Err(e) = posted {
-            // Some may be on the wire without a signaled tail: the peer is
-            // unusable from here on.
-            self.failed.set(true);
-            send.pending = pending;
-            return Err(e.into());
+        // Chained on the stack, CHAIN at a time (one doorbell each; a batch
+        // is rarely longer).
+        for (c, chunk) in send.pending.chunks(CHAIN).enumerate() {
+            let reqs: [Option<SendRequest<'_>>; CHAIN] = std::array::from_fn(|i| {
+                chunk.get(i).map(|p| {
+                    let r = SendRequest::new(p.seq, p.op, std::slice::from_ref(&p.sge));
+                    if c * CHAIN + i + 1 == count {
+                        r
+                    } else {
+                        r.unsignaled()
+                    }
+                })
+            });
+            let reqs: [SendRequest<'_>; CHAIN] = std::array::from_fn(|i| {
+                reqs[i].unwrap_or_else(|| SendRequest::new(0, SendOp::Send, &[]))
+            });
+            // SAFETY: every SGE is a send slot (handed to this request only)
+            // or the data region, which the broker keeps registered until it
+            // is dropped; the QP is flushed before that.
+            let posted = unsafe { self.qp.post_send(&reqs[..chunk.len()]) };
+            shared.stats.doorbells.set(shared.stats.doorbells.get() + 1);
+            if let Err(e) = posted {
+                // Some may be on the wire without a signaled tail: the peer
+                // is unusable from here on.
+                self.failed.set(true);
+                return Err(e.into());
+            }
         }
-        send.in_queue += pending.len();
-        for p in pending {
+        send.in_queue += count;
+        let send = &mut *send;
+        for p in send.pending.drain(..) {
             if let Some(s) = p.slot {
                 send.slots[s as usize] = Slot::Posted;
             }
@@ -211,7 +215,7 @@ impl Peer {
                 slot: p.slot,
             });
         }
-        Ok(last + 1)
+        Ok(count)
     }
 }
 
@@ -237,51 +241,46 @@ pub(crate) fn post_recvs(
     server: usize,
     slots: impl Iterator<Item = u32>,
 ) -> Result<()> {
+    const CHAIN: usize = 64;
     let lkey = shared.rings.lkey();
-    let mut sges: Vec<sys::ibv_sge> = Vec::new();
-    let mut ids = Vec::new();
+    let mut recvs = [(
+        0u64,
+        Sge {
+            addr: 0,
+            length: 0,
+            lkey: 0,
+        },
+    ); CHAIN];
+    let mut n = 0;
+    let post = |recvs: &[(u64, Sge)]| -> Result<()> {
+        // SAFETY: the ring memory lives as long as the broker, which
+        // outlives its QPs; each slot is reposted only after its message
+        // was handled.
+        unsafe { qp.post_recvs(recvs)? };
+        shared
+            .stats
+            .recv_doorbells
+            .set(shared.stats.recv_doorbells.get() + 1);
+        Ok(())
+    };
     for slot in slots {
         let (addr, len) = shared.recv_slot(server, slot);
-        sges.push(sys::ibv_sge {
-            addr: addr as u64,
-            length: len as u32,
-            lkey,
-        });
-        ids.push(u64::from(slot));
+        recvs[n] = (
+            u64::from(slot),
+            Sge {
+                addr: addr as u64,
+                length: len as u32,
+                lkey,
+            },
+        );
+        n += 1;
+        if n == CHAIN {
+            post(&recvs)?;
+            n = 0;
+        }
     }
-    if sges.is_empty() {
-        return Ok(());
-    }
-    // SAFETY: all-zero is a valid ibv_recv_wr.
-    let mut wrs: Vec<sys::ibv_recv_wr> = (0..sges.len())
-        .map(|_| unsafe { std::mem::zeroed() })
-        .collect();
-    let n = wrs.len();
-    let base: *mut sys::ibv_recv_wr = wrs.as_mut_ptr();
-    for (i, wr) in wrs.iter_mut().enumerate() {
-        wr.wr_id = ids[i];
-        wr.sg_list = &mut sges[i];
-        wr.num_sge = 1;
-        // SAFETY: i + 1 < n is inside the vector.
-        wr.next = if i + 1 < n {
-            unsafe { base.add(i + 1) }
-        } else {
-            std::ptr::null_mut()
-        };
-    }
-    let mut bad = std::ptr::null_mut();
-    // SAFETY: the QP is alive; the chain and its SGEs live for the call; the
-    // ring memory lives as long as the broker, which outlives its QPs.
-    let rc = unsafe {
-        crate::costs::post_recv(wrs.as_ptr());
-        sys::ibv_post_recv(qp.as_raw(), wrs.as_mut_ptr(), &mut bad)
-    };
-    shared
-        .stats
-        .recv_doorbells
-        .set(shared.stats.recv_doorbells.get() + 1);
-    if rc != 0 {
-        return Err(crate::verbs::Error::from_code("ibv_post_recv", rc).into());
+    if n > 0 {
+        post(&recvs[..n])?;
     }
     Ok(())
 }

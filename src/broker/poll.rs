@@ -55,17 +55,20 @@ impl Broker {
         }
     }
 
-    fn targets(&self, server: Option<usize>) -> Result<Vec<&Peer>> {
+    fn targets(&self, server: Option<usize>) -> Result<impl Iterator<Item = &Peer>> {
         self.check_owner()?;
         self.check_cm();
-        Ok(match server {
-            Some(s) => vec![self
-                .all()
-                .get(s)
-                .and_then(Option::as_ref)
-                .ok_or(BrokerError::NoSuchPeer(s))?],
-            None => self.all().iter().flatten().collect(),
-        })
+        let all = self.all();
+        let range = match server {
+            Some(s) => {
+                all.get(s)
+                    .and_then(Option::as_ref)
+                    .ok_or(BrokerError::NoSuchPeer(s))?;
+                s..s + 1
+            }
+            None => 0..all.len(),
+        };
+        Ok(all[range].iter().flatten())
     }
 
     /// Reaps send completions (of one server, or all): runs the callback for
@@ -77,14 +80,15 @@ impl Broker {
             .try_borrow_mut()
             .map_err(|_| BrokerError::Reentrant)?;
         let mut n = 0;
+        // Kept between polls: finishing operations allocates nothing.
+        let mut done = self.finished.take();
         for peer in self.targets(server)? {
             let mut wcs: [Completion; 32] = std::array::from_fn(|_| Completion::default());
             let got = peer.send_cq.poll(&mut wcs)?;
             for wc in &wcs[..got] {
                 let failed = peer::failed(peer, wc);
-                let done: Vec<_> = {
+                {
                     let mut send = peer.send.borrow_mut();
-                    let mut done = Vec::new();
                     while send
                         .posted
                         .front()
@@ -97,12 +101,11 @@ impl Broker {
                         }
                         done.push(p);
                     }
-                    done
-                };
+                }
                 if failed {
                     peer.failed.set(true);
                 }
-                for p in done {
+                for p in done.drain(..) {
                     let bad = failed && p.seq >= wc.wr_id();
                     let ev = Event {
                         kind: if bad { EventKind::Failed } else { p.kind },
@@ -124,6 +127,7 @@ impl Broker {
                 self.report_down(peer, &mut cb);
             }
         }
+        self.finished.set(done);
         Ok(n)
     }
 
@@ -140,7 +144,8 @@ impl Broker {
         for peer in self.targets(server)? {
             let mut wcs: [Completion; 32] = std::array::from_fn(|_| Completion::default());
             let got = peer.recv_cq.poll(&mut wcs)?;
-            let mut repost = Vec::with_capacity(got);
+            let mut repost = [0u32; 32];
+            let mut reposts = 0;
             for wc in &wcs[..got] {
                 if peer::failed(peer, wc) {
                     peer.failed.set(true);
@@ -164,12 +169,18 @@ impl Broker {
                 c.set(c.get() + 1);
                 n += 1;
                 (cb)(self, &ev);
-                repost.push(slot);
+                repost[reposts] = slot;
+                reposts += 1;
             }
             if peer.failed.get() {
                 self.report_down(peer, &mut cb);
-            } else if !repost.is_empty() {
-                peer::post_recvs(&self.shared, &peer.qp, peer.server, repost.into_iter())?;
+            } else if reposts > 0 {
+                peer::post_recvs(
+                    &self.shared,
+                    &peer.qp,
+                    peer.server,
+                    repost[..reposts].iter().copied(),
+                )?;
             }
         }
         drop(cb);

@@ -15,6 +15,8 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use super::spin::Spin;
+
 /// Something with a file descriptor to watch.
 pub trait Source: Send + Sync {
     /// Stays the same while the source is watched (-1: nothing to watch).
@@ -330,7 +332,15 @@ fn run(shared: &Shared, tick: Duration, spin: Duration) {
             }
         }
         if !hot.is_empty() {
-            spin_passes(shared, &watched, spin, &mut hot, &mut events);
+            let mut allowed = Spin::start(Instant::now());
+            spin_passes(
+                shared,
+                &watched,
+                spin,
+                allowed.as_mut(),
+                &mut hot,
+                &mut events,
+            );
         }
         if last_tick.elapsed() >= tick {
             last_tick = Instant::now();
@@ -401,11 +411,14 @@ const HOT_FOR_SPINS: u32 = 8;
 /// Polls without waiting until no source has had work for `spin` (then
 /// every source is armed and `hot` empty), or until the thread is stopped
 /// or woken (then `hot` is left as it is, for the caller to come straight
-/// back, with the sources not in it armed).
+/// back, with the sources not in it armed). Without `allowed` (too many
+/// threads spin) or once it says the thread lost its CPU, one pass, then
+/// every source armed.
 fn spin_passes(
     shared: &Shared,
     watched: &HashMap<u64, Arc<dyn Source>>,
     spin: Duration,
+    mut allowed: Option<&mut Spin>,
     hot: &mut Vec<Hot>,
     events: &mut [libc::epoll_event],
 ) {
@@ -446,7 +459,8 @@ fn spin_passes(
                 }
             }
         }
-        let quiet = last_work.is_none_or(|at| now.duration_since(at) >= spin);
+        let may_spin = allowed.as_mut().is_some_and(|s| s.pass(now));
+        let quiet = !may_spin || last_work.is_none_or(|at| now.duration_since(at) >= spin);
         hot.retain(|h| {
             let keep = !quiet && now.duration_since(h.last) < hot_for;
             if !keep && !few {

@@ -108,16 +108,20 @@ impl SendQueue {
 
     /// Queues a copy of `data` at the back, unless that would pass the bound.
     pub fn push(&mut self, data: &[u8], ext: Option<ExtKind>) -> Push {
-        let q = Queued {
-            data: data.to_vec(),
-            ext,
-        };
+        self.push_parts(&[data], ext)
+    }
+
+    /// Queues the concatenation of `parts` as one message.
+    pub fn push_parts(&mut self, parts: &[&[u8]], ext: Option<ExtKind>) -> Push {
+        let mut joined = vec![0; parts.iter().map(|p| p.len()).sum()];
+        crate::copy::gather(&mut joined, parts);
+        let q = Queued { data: joined, ext };
         if self.charged + charge(&q) > self.limit {
             self.stats.refused += 1;
             let first = self.episode.is_none();
             let ep = self.episode.get_or_insert_with(Episode::default);
             ep.refused += 1;
-            ep.refused_bytes += data.len() as u64;
+            ep.refused_bytes += q.data.len() as u64;
             return Push::Refused { first };
         }
         self.stats.queued += 1;

@@ -3,6 +3,7 @@
 //! `ibv_post_send` / `ibv_post_recv` path.
 
 use std::fmt;
+use std::mem::MaybeUninit;
 use std::ptr::NonNull;
 use std::sync::Arc;
 
@@ -308,17 +309,10 @@ impl QueuePair {
         }
         // Batches up to STACK_BATCH requests (every batch the library makes)
         // chain on the stack; only longer ones allocate.
-        const STACK_BATCH: usize = 64;
+        let mut on_stack = [const { MaybeUninit::<sys::ibv_send_wr>::uninit() }; STACK_BATCH];
+        let mut on_heap = Vec::new();
         // SAFETY: all-zero is a valid ibv_send_wr.
-        let mut on_stack: [sys::ibv_send_wr; STACK_BATCH] = std::mem::zeroed();
-        let mut on_heap: Vec<sys::ibv_send_wr>;
-        let wrs: &mut [sys::ibv_send_wr] = if reqs.len() <= STACK_BATCH {
-            &mut on_stack[..reqs.len()]
-        } else {
-            // SAFETY: as above.
-            on_heap = (0..reqs.len()).map(|_| std::mem::zeroed()).collect();
-            &mut on_heap
-        };
+        let wrs = zeroed_chain(&mut on_stack, &mut on_heap, reqs.len());
         for (wr, req) in wrs.iter_mut().zip(reqs) {
             req.fill(wr)?;
         }
@@ -350,6 +344,63 @@ impl QueuePair {
         check_code(
             "ibv_post_recv",
             sys::ibv_post_recv(self.as_raw(), &mut wr, &mut bad),
+        )
+    }
+}
+
+/// Work requests chained on the stack, at most; longer chains go on the heap.
+const STACK_BATCH: usize = 64;
+
+/// `n` all-zero work requests: the first `n` of `stack` (only those are
+/// written: a chain of one does not zero 64), or `heap` when `n` is longer.
+///
+/// # Safety
+/// All-zero must be a valid `T`.
+unsafe fn zeroed_chain<'a, T>(
+    stack: &'a mut [MaybeUninit<T>; STACK_BATCH],
+    heap: &'a mut Vec<T>,
+    n: usize,
+) -> &'a mut [T] {
+    if n <= STACK_BATCH {
+        for slot in &mut stack[..n] {
+            slot.write(std::mem::zeroed());
+        }
+        // SAFETY: the first n are initialised just above.
+        std::slice::from_raw_parts_mut(stack.as_mut_ptr().cast::<T>(), n)
+    } else {
+        *heap = (0..n).map(|_| std::mem::zeroed()).collect();
+        heap
+    }
+}
+
+impl QueuePair {
+    /// Posts one receive per entry of `recvs` (a work request id and its
+    /// one SGE), chained into one `ibv_post_recv`.
+    ///
+    /// # Safety
+    /// As [`QueuePair::post_recv`], for every SGE.
+    pub unsafe fn post_recvs(&self, recvs: &[(u64, Sge)]) -> Result<()> {
+        if recvs.is_empty() {
+            return Ok(());
+        }
+        let mut on_stack = [const { MaybeUninit::<sys::ibv_recv_wr>::uninit() }; STACK_BATCH];
+        let mut on_heap = Vec::new();
+        // SAFETY: all-zero is a valid ibv_recv_wr.
+        let wrs = zeroed_chain(&mut on_stack, &mut on_heap, recvs.len());
+        for (wr, (id, sge)) in wrs.iter_mut().zip(recvs) {
+            wr.wr_id = *id;
+            wr.sg_list = sge as *const Sge as *mut sys::ibv_sge;
+            wr.num_sge = 1;
+        }
+        for i in 1..wrs.len() {
+            let next: *mut sys::ibv_recv_wr = &mut wrs[i];
+            wrs[i - 1].next = next;
+        }
+        let mut bad = std::ptr::null_mut();
+        crate::costs::post_recv(wrs.as_ptr());
+        check_code(
+            "ibv_post_recv",
+            sys::ibv_post_recv(self.as_raw(), wrs.as_mut_ptr(), &mut bad),
         )
     }
 }

@@ -224,3 +224,84 @@ pub(crate) fn stream(iters: usize, size: usize, port: u16) -> (f64, f64) {
         iters as f64 / secs / 1e6,
     )
 }
+
+/// The 1-byte message that ends a stream: the sink echoes it back.
+const END_OF_STREAM: u8 = 0xee;
+
+unsafe extern "C" fn sink_or_echo_end(conn: *mut RdmaConnFwd, data: *mut c_void, len: usize) {
+    if len == 1 {
+        rdmaConnSend(conn.cast(), data, len);
+    }
+}
+
+/// Serves streams on `port` until killed: takes every message, and echoes
+/// each 1-byte one (the end of a stream) so the sender learns that all
+/// before it arrived.
+pub(crate) fn serve_sink(port: u16) -> Result<(), String> {
+    let ip = CString::new(device_ip().to_string()).unwrap();
+    // SAFETY: zeroed options are the C programs' `{0}`; the listener lives
+    // until the process is killed.
+    unsafe {
+        rdmaCommMode = RdmaCommMode::RDMA_BLOCKING;
+        let mut opt: RdmaServerOptions = std::mem::zeroed();
+        opt.recv_callback = Some(sink_or_echo_end);
+        let mut listener = std::ptr::null_mut();
+        if rdmaServer(&mut listener, ip.as_ptr(), port as i32, &opt) != RDMA_OK {
+            return Err(format!("cannot listen on port {port}"));
+        }
+        println!("listening on {port}");
+        rdmaServerStart(listener);
+    }
+    Ok(())
+}
+
+/// As [`stream`], to a sink another process runs on the device at `port`:
+/// the clock stops when the sink has echoed the 1-byte message sent after
+/// the stream.
+pub(crate) fn stream_remote(iters: usize, size: usize, port: u16) -> (f64, f64) {
+    let ip = CString::new(device_ip().to_string()).unwrap();
+    // SAFETY: zeroed options are the C programs' `{0}`; the connection is
+    // live until closed below.
+    unsafe {
+        rdmaCommMode = RdmaCommMode::RDMA_BLOCKING;
+        let mut copt: RdmaConnOptions = std::mem::zeroed();
+        copt.recv_callback = Some(count);
+        let conn = rdmaConn(&copt);
+        assert_eq!(
+            rdmaConnect(conn, ip.as_ptr() as *mut _, port as i32),
+            RDMA_OK
+        );
+        let msg = vec![1u8; size];
+        let end = [END_OF_STREAM];
+        let send_all = |n: usize| {
+            let before = RECEIVED.load(Ordering::Acquire);
+            let mut sent = 0;
+            while sent < n {
+                match rdmaConnSend(conn, msg.as_ptr() as *mut _, size) {
+                    0 => std::hint::spin_loop(),
+                    m if m == size => sent += 1,
+                    m => panic!("rdmaConnSend returned {m}"),
+                }
+            }
+            while rdmaConnSend(conn, end.as_ptr() as *mut _, 1) != 1 {
+                std::hint::spin_loop();
+            }
+            let deadline = Instant::now() + Duration::from_secs(60);
+            while RECEIVED.load(Ordering::Acquire) == before {
+                assert!(Instant::now() < deadline, "the end of the stream was lost");
+                std::hint::spin_loop();
+            }
+        };
+        send_all(iters / 10);
+        let window = Window::open();
+        let t = Instant::now();
+        send_all(iters);
+        let secs = t.elapsed().as_secs_f64();
+        window.close(iters);
+        rdmaConnClose(conn);
+        (
+            (iters * size) as f64 / secs / (1 << 20) as f64,
+            iters as f64 / secs / 1e6,
+        )
+    }
+}

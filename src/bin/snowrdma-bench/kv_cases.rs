@@ -9,14 +9,19 @@ use snowrdma::verbs::Context;
 use super::cost::Window;
 use super::{median, us};
 
-/// A key-value server on the device, for the kv cases.
-fn kv_server(port: u16) -> kv::Server {
+/// The device's address at `port`.
+fn device_addr(port: u16) -> SocketAddr {
     let ip = Context::open(None)
         .and_then(|c| c.ipv4_address(1))
         .expect("an RDMA device")
         .expect("an IPv4 address on the device");
+    SocketAddr::new(IpAddr::V4(ip), port)
+}
+
+/// A key-value server on the device, for the kv cases.
+fn kv_server(port: u16) -> kv::Server {
     let server = kv::Server::new(kv::ServerConfig {
-        addr: SocketAddr::new(IpAddr::V4(ip), port),
+        addr: device_addr(port),
         memory_size: 256 << 20,
         table_size: 65536,
         ..kv::ServerConfig::default()
@@ -40,10 +45,20 @@ pub(crate) enum KvOp {
 pub(crate) fn kv_lat(op: KvOp, idle: usize, iters: usize, size: usize, port: u16) -> f64 {
     let server = kv_server(port);
     let addr = server.local_addr().expect("bound");
-    let client = kv::Client::connect(addr).expect("kv connect");
     let _idle: Vec<kv::Client> = (0..idle)
         .map(|_| kv::Client::connect(addr).expect("kv connect"))
         .collect();
+    kv_lat_at(addr, op, iters, size)
+}
+
+/// As [`kv_lat`], against a `kv_server` another process runs on the device
+/// at `port`.
+pub(crate) fn kv_lat_remote(op: KvOp, iters: usize, size: usize, port: u16) -> f64 {
+    kv_lat_at(device_addr(port), op, iters, size)
+}
+
+fn kv_lat_at(addr: SocketAddr, op: KvOp, iters: usize, size: usize) -> f64 {
+    let client = kv::Client::connect(addr).expect("kv connect");
     let key = b"bench-key-16byte";
     let value = vec![7u8; size];
     client.put(key, &value).expect("put");
@@ -74,7 +89,17 @@ pub(crate) fn kv_lat(op: KvOp, idle: usize, iters: usize, size: usize, port: u16
 /// keeps its queue full).
 pub(crate) fn kv_bw(op: KvOp, iters: usize, size: usize, port: u16) -> f64 {
     let server = kv_server(port);
-    let client = kv::Client::connect(server.local_addr().expect("bound")).expect("kv connect");
+    kv_bw_at(server.local_addr().expect("bound"), op, iters, size)
+}
+
+/// As [`kv_bw`], against a `kv_server` another process runs on the device
+/// at `port`.
+pub(crate) fn kv_bw_remote(op: KvOp, iters: usize, size: usize, port: u16) -> f64 {
+    kv_bw_at(device_addr(port), op, iters, size)
+}
+
+fn kv_bw_at(addr: SocketAddr, op: KvOp, iters: usize, size: usize) -> f64 {
+    let client = kv::Client::connect(addr).expect("kv connect");
     let value = vec![7u8; size];
     let keys: Vec<String> = (0..BW_BATCH).map(|i| format!("bw-{i}")).collect();
     let pairs: Vec<(&[u8], &[u8])> = keys.iter().map(|k| (k.as_bytes(), &value[..])).collect();

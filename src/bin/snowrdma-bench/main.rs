@@ -28,7 +28,7 @@ use clap::builder::PossibleValuesParser;
 use clap::{Parser, Subcommand, ValueEnum};
 use snowrdma::verbs::Context;
 
-use c_api_cases::serve_legacy_peer;
+use c_api_cases::{serve_legacy_peer, serve_sink};
 use cases::{print_cases, Measure, CASES};
 use report::report;
 
@@ -68,6 +68,12 @@ enum Cmd {
     /// Serve as a peer that speaks only the legacy protocol (version 0, on
     /// raw verbs): accept one client on `port`, echo until it leaves.
     LegacyPeer {
+        #[arg(short, long)]
+        port: u16,
+    },
+    /// Serve as the far end of the two-process stream cases: take every
+    /// message, echo the 1-byte one that ends a stream; until killed.
+    Sink {
         #[arg(short, long)]
         port: u16,
     },
@@ -157,6 +163,12 @@ fn main() -> ExitCode {
                 return ExitCode::FAILURE;
             }
         },
+        Cmd::Sink { port } => {
+            if let Err(e) = serve_sink(port) {
+                eprintln!("sink: {e}");
+                return ExitCode::FAILURE;
+            }
+        }
         Cmd::LegacyPeer { port } => {
             if let Err(e) = serve_legacy_peer(port) {
                 eprintln!("legacy peer: {e}");

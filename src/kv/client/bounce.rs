@@ -8,7 +8,7 @@ use crate::kv::{KvError, Result};
 use crate::runtime::{thread_token, Connection};
 use crate::verbs::{AccessFlags, MemoryRegion, RemoteAddr};
 
-use super::{Client, KEEP_BOUNCE, MAX_TRANSFER};
+use super::{Client, KEEP_BOUNCE};
 
 /// Registered memory large values pass through.
 pub(super) struct Bounce {
@@ -145,21 +145,6 @@ impl Client {
         remote: RemoteAddr,
         len: usize,
     ) -> Result<()> {
-        let mut done = 0;
-        while done < len {
-            let n = (len - done).min(MAX_TRANSFER);
-            let at = RemoteAddr {
-                addr: remote.addr + done as u64,
-                rkey: remote.rkey,
-            };
-            let laddr = bounce.addr + (local + done) as u64;
-            if read {
-                self.conn.read_sync(laddr, bounce.lkey, at, n as u32)?;
-            } else {
-                self.conn.write_sync(laddr, bounce.lkey, at, n as u32)?;
-            }
-            done += n;
-        }
-        Ok(())
+        self.transfer_at(read, bounce.addr + local as u64, bounce.lkey, remote, len)
     }
 }

@@ -16,14 +16,17 @@ use std::time::{Duration, Instant};
 use crate::copy;
 use crate::runtime::{CommMode, Connection, Options};
 
-use super::proto::{scratch, Op, Reply, Request, ServerInfo};
+use super::proto::{Op, Reply, Request, ServerInfo};
 use super::{ConnMode, KvError, Result, TIMEOUT_ENV};
 
 mod batch;
 mod bounce;
 mod one_sided;
+mod registered;
 mod replies;
 mod single;
+
+pub use registered::KvMemory;
 
 use bounce::{Bounce, Staged};
 use one_sided::Locations;
@@ -208,7 +211,8 @@ impl Client {
         self.replies.reuse(id);
         req.req_id = id;
         let at = Instant::now();
-        let msg = req.encode(key, inline);
+        let header = req.header(key.len(), inline.len());
+        let msg = [header.as_slice(), key, inline];
         let sent = match staged {
             // SAFETY: the bounce buffer stays untouched (the caller holds its
             // lock) until the reply, which comes after the server has the
@@ -217,9 +221,8 @@ impl Client {
                 self.conn
                     .write_then_send(v.local, v.lkey, v.remote, v.len as u32, &msg)?
             },
-            None => self.conn.send(&msg)?,
+            None => self.conn.send_parts(&msg)?,
         };
-        scratch::give_back(msg);
         match sent {
             0 => Err(KvError::Timeout(self.conn.options().timeout)),
             _ => Ok(Sent { id, at }),

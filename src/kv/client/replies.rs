@@ -140,7 +140,8 @@ impl ConnHandler for ReplyHandler {
 pub(super) fn send_releases(conn: &Connection, leases: &[u64]) {
     for part in leases.chunks(RELEASES_PER_MESSAGE) {
         let (release, more) = Request::release(part);
-        let _ = conn.send(&release.encode(&more, &[]));
+        let header = release.header(more.len(), 0);
+        let _ = conn.send_parts(&[header.as_slice(), &more]);
     }
 }
 

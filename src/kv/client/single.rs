@@ -8,6 +8,7 @@ use crate::kv::proto::{block_len, is_inline, value_checksum, Op, Reply, Request,
 use crate::kv::{check_key, KvError, Result};
 use crate::verbs::RemoteAddr;
 
+use super::bounce::Staged;
 use super::one_sided::verify_leased;
 use super::replies::send_releases;
 use super::{copy_into, failed_verification, Client};
@@ -120,6 +121,9 @@ impl Client {
                     });
                 }
                 let n = reply.value_len as usize;
+                if let Some(lkey) = self.registered(&buf[..n]) {
+                    return self.fetch_registered(key, &reply, &mut buf[..n], lkey);
+                }
                 self.fetch(key, &reply, |v, version| {
                     copy::copy(&mut buf[..n], v);
                     (n, version)
@@ -152,9 +156,12 @@ impl Client {
         if value.len() as u64 <= self.info.request_buf_len {
             // One round trip: the value goes by RDMA WRITE into our request
             // buffer, the request right behind it on the same QP (so the
-            // value has landed when the server reads the request).
-            return self.with_bounce(value.len(), |b| {
-                copy::copy(b.bytes(value.len()), value);
+            // value has landed when the server reads the request). From
+            // registered memory, the WRITE reads the caller's bytes; the
+            // bounce lock is held either way, as it guards that buffer.
+            let zero_copy = self.registered(value);
+            let len = if zero_copy.is_some() { 0 } else { value.len() };
+            return self.with_bounce(len, |b| {
                 let remote = RemoteAddr {
                     addr: self.info.request_buf,
                     rkey: self.info.request_buf_rkey,
@@ -163,7 +170,18 @@ impl Client {
                     offset: 0,
                     checksum: value_checksum(value),
                 };
-                let staged = Some(b.staged(0, remote, value.len()));
+                let staged = Some(match zero_copy {
+                    Some(lkey) => Staged {
+                        local: value.as_ptr() as u64,
+                        lkey,
+                        remote,
+                        len: value.len(),
+                    },
+                    None => {
+                        copy::copy(b.bytes(value.len()), value);
+                        b.staged(0, remote, value.len())
+                    }
+                });
                 self.call_after(req, key, &[], staged, value.len())
                     .map(|(r, _)| r.version)
             });
@@ -174,19 +192,25 @@ impl Client {
         // The server maps and registers memory for it first: time in
         // proportion to its size.
         let (target, _) = self.call(alloc, key, &[], value.len())?;
-        let put = self.with_bounce(value.len(), |b| {
-            copy::copy(b.bytes(value.len()), value);
-            let remote = RemoteAddr {
-                addr: target.addr,
-                rkey: target.rkey,
-            };
-            self.transfer(false, b, 0, remote, value.len())?;
-            req.source = Source::Allocated {
-                token: target.lease,
-            };
-            self.call(req, key, &[], value.len())
-                .map(|(r, _)| r.version)
-        });
+        let remote = RemoteAddr {
+            addr: target.addr,
+            rkey: target.rkey,
+        };
+        req.source = Source::Allocated {
+            token: target.lease,
+        };
+        let put = match self.registered(value) {
+            Some(lkey) => self
+                .transfer_at(false, value.as_ptr() as u64, lkey, remote, value.len())
+                .and_then(|()| self.call(req, key, &[], value.len()))
+                .map(|(r, _)| r.version),
+            None => self.with_bounce(value.len(), |b| {
+                copy::copy(b.bytes(value.len()), value);
+                self.transfer(false, b, 0, remote, value.len())?;
+                self.call(req, key, &[], value.len())
+                    .map(|(r, _)| r.version)
+            }),
+        };
         if put.is_err() {
             // The server takes our requests in order: a release behind a
             // commit it has not seen yet finds the target already used.

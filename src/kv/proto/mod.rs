@@ -6,7 +6,6 @@
 //! value. A reply is a [`Reply`] header, then (inline GETs, HELLO) a payload.
 
 mod layout;
-pub mod scratch;
 mod wire;
 
 pub use layout::*;

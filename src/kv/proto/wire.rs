@@ -12,6 +12,41 @@ pub const REQUEST_LEN: usize = 56;
 
 pub const REPLY_LEN: usize = 56;
 
+/// A request's or reply's header, in an array of its own: the key and the
+/// payload are sent after it as they are, never copied in beside it.
+#[derive(Clone, Copy)]
+pub struct Header {
+    bytes: [u8; HEADER_MAX],
+    len: usize,
+}
+
+/// The longest header.
+const HEADER_MAX: usize = if REQUEST_LEN > REPLY_LEN {
+    REQUEST_LEN
+} else {
+    REPLY_LEN
+};
+
+impl Default for Header {
+    fn default() -> Self {
+        Header {
+            bytes: [0; HEADER_MAX],
+            len: 0,
+        }
+    }
+}
+
+impl Header {
+    pub fn as_slice(&self) -> &[u8] {
+        &self.bytes[..self.len]
+    }
+
+    fn push(&mut self, b: &[u8]) {
+        self.bytes[self.len..self.len + b.len()].copy_from_slice(b);
+        self.len += b.len();
+    }
+}
+
 /// First byte of a compact request: one whose only facts are its op, key,
 /// id and inline value (GET, DELETE, a plain small PUT). Its 8-byte header
 /// is the tag, the op, the key length in 2 bytes and the request id in 4;
@@ -126,45 +161,52 @@ impl Request {
     /// The header (compact when it can say everything) followed by `key`
     /// and `inline_value`.
     pub fn encode(&self, key: &[u8], inline_value: &[u8]) -> Vec<u8> {
-        let mut b = super::scratch::take(REQUEST_LEN + key.len() + inline_value.len());
+        let h = self.header(key.len(), inline_value.len());
+        [h.as_slice(), key, inline_value].concat()
+    }
+
+    /// The header of a request for a `key_len`-byte key carrying
+    /// `inline_len` bytes of value: compact when it can say everything.
+    /// The key and the value follow it on the wire.
+    pub fn header(&self, key_len: usize, inline_len: usize) -> Header {
+        let mut h = Header::default();
         let plain = self.source == Source::Inline
             && self.cas.is_none()
             && self.lease == 0
-            && self.value_len == inline_value.len() as u64;
+            && self.value_len == inline_len as u64;
         if let (true, Ok(key_len), Ok(id)) =
-            (plain, u16::try_from(key.len()), u32::try_from(self.req_id))
+            (plain, u16::try_from(key_len), u32::try_from(self.req_id))
         {
-            b.extend_from_slice(&[COMPACT_REQUEST_TAG, self.op as u8]);
-            b.extend_from_slice(&key_len.to_le_bytes());
-            b.extend_from_slice(&id.to_le_bytes());
+            h.push(&[COMPACT_REQUEST_TAG, self.op as u8]);
+            h.push(&key_len.to_le_bytes());
+            h.push(&id.to_le_bytes());
         } else {
-            self.encode_full_header(key.len(), &mut b);
+            self.encode_full_header(key_len, &mut h);
         }
-        b.extend_from_slice(key);
-        crate::costs::copied_if_any(inline_value.len());
-        b.extend_from_slice(inline_value);
-        b
+        h
     }
 
-    pub(super) fn encode_full_header(&self, key_len: usize, b: &mut Vec<u8>) {
+    pub(super) fn encode_full_header(&self, key_len: usize, h: &mut Header) {
         let (src, a, c) = match self.source {
             Source::Inline => (SRC_INLINE, 0, 0),
             Source::Staged { offset, checksum } => (SRC_STAGED, offset, checksum),
             Source::Allocated { token } => (SRC_ALLOCATED, token, 0),
         };
-        b.extend_from_slice(&REQUEST_MAGIC.to_le_bytes());
-        b.push(self.op as u8);
-        b.push(if self.cas.is_some() { FLAG_CAS } else { 0 });
-        b.push(src);
-        b.push(0);
-        b.extend_from_slice(&self.req_id.to_le_bytes());
-        b.extend_from_slice(&(key_len as u32).to_le_bytes());
-        b.extend_from_slice(&[0; 4]);
-        b.extend_from_slice(&self.value_len.to_le_bytes());
-        b.extend_from_slice(&self.cas.unwrap_or(self.lease).to_le_bytes());
-        b.extend_from_slice(&a.to_le_bytes());
-        b.extend_from_slice(&c.to_le_bytes());
-        debug_assert_eq!(b.len(), REQUEST_LEN);
+        h.push(&REQUEST_MAGIC.to_le_bytes());
+        h.push(&[
+            self.op as u8,
+            if self.cas.is_some() { FLAG_CAS } else { 0 },
+            src,
+            0,
+        ]);
+        h.push(&self.req_id.to_le_bytes());
+        h.push(&(key_len as u32).to_le_bytes());
+        h.push(&[0; 4]);
+        h.push(&self.value_len.to_le_bytes());
+        h.push(&self.cas.unwrap_or(self.lease).to_le_bytes());
+        h.push(&a.to_le_bytes());
+        h.push(&c.to_le_bytes());
+        debug_assert_eq!(h.len, REQUEST_LEN);
     }
 
     /// A release of `leases` (at least one): the first in the header, the
@@ -293,26 +335,28 @@ impl Reply {
 
     /// The header (compact when it fits) followed by `payload`.
     pub fn encode(&self, payload: &[u8]) -> Vec<u8> {
-        let mut b = super::scratch::take(REPLY_LEN + payload.len());
+        [self.header(payload).as_slice(), payload].concat()
+    }
+
+    /// The header of this reply carrying `payload` (compact when it fits);
+    /// the payload follows it on the wire.
+    pub fn header(&self, payload: &[u8]) -> Header {
+        let mut h = Header::default();
         if self.fits_compact(payload) {
-            b.extend_from_slice(
-                &((self.version << 8) | u64::from(COMPACT_REPLY_TAG)).to_le_bytes(),
-            );
-            b.extend_from_slice(&(self.req_id as u32).to_le_bytes());
+            h.push(&((self.version << 8) | u64::from(COMPACT_REPLY_TAG)).to_le_bytes());
+            h.push(&(self.req_id as u32).to_le_bytes());
         } else {
-            b.extend_from_slice(&REPLY_MAGIC.to_le_bytes());
-            b.extend_from_slice(&self.status.to_le_bytes());
-            b.extend_from_slice(&self.req_id.to_le_bytes());
-            b.extend_from_slice(&self.version.to_le_bytes());
-            b.extend_from_slice(&self.value_len.to_le_bytes());
-            b.extend_from_slice(&self.addr.to_le_bytes());
-            b.extend_from_slice(&self.rkey.to_le_bytes());
-            b.extend_from_slice(&u32::from(self.remote).to_le_bytes());
-            b.extend_from_slice(&self.lease.to_le_bytes());
+            h.push(&REPLY_MAGIC.to_le_bytes());
+            h.push(&self.status.to_le_bytes());
+            h.push(&self.req_id.to_le_bytes());
+            h.push(&self.version.to_le_bytes());
+            h.push(&self.value_len.to_le_bytes());
+            h.push(&self.addr.to_le_bytes());
+            h.push(&self.rkey.to_le_bytes());
+            h.push(&u32::from(self.remote).to_le_bytes());
+            h.push(&self.lease.to_le_bytes());
         }
-        crate::costs::copied_if_any(payload.len());
-        b.extend_from_slice(payload);
-        b
+        h
     }
 
     pub fn decode(msg: &[u8]) -> Result<(Reply, &[u8]), &'static str> {

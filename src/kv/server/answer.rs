@@ -2,18 +2,56 @@
 //! into a write target), CAS, DELETE, ALLOC, RELEASE and HELLO.
 
 use std::sync::atomic::Ordering;
+use std::sync::Arc;
 
 use crate::kv::proto::{
     is_inline, value_checksum, Op, Reply, Request, ServerInfo, Source, BLOCK_HEADER_LEN,
 };
+use crate::kv::store::Block;
 use crate::kv::{check_key, KvError, Result, MAX_KEY_LEN};
 use crate::runtime::{Connection, Window};
 use crate::verbs::AccessFlags;
 
 use super::{bump, ClientState, Shared, MAX_LEASES, MAX_TARGETS};
 
+/// A reply, and what its header is followed by on the wire.
+pub(super) struct Answer {
+    reply: Reply,
+    payload: Payload,
+}
+
+enum Payload {
+    Empty,
+    /// An inline GET's value, sent from its block as it is (the block is
+    /// held until then).
+    Value(Arc<Block>, usize),
+    /// HELLO's server information.
+    Info(Vec<u8>),
+}
+
+impl Answer {
+    pub(super) fn plain(reply: Reply) -> Answer {
+        Answer {
+            reply,
+            payload: Payload::Empty,
+        }
+    }
+
+    /// Sends the reply on `conn`: its header and payload gathered straight
+    /// into the connection's ring.
+    pub(super) fn send(&self, conn: &Connection) -> crate::runtime::Result<usize> {
+        let payload = match &self.payload {
+            Payload::Empty => &[][..],
+            Payload::Value(block, key_len) => block.value(*key_len),
+            Payload::Info(info) => info,
+        };
+        let header = self.reply.header(payload);
+        conn.send_parts(&[header.as_slice(), payload])
+    }
+}
+
 impl Shared {
-    /// The encoded reply to a request (`None`: it takes none).
+    /// The reply to a request (`None`: it takes none).
     pub(super) fn answer(
         &self,
         conn: &Connection,
@@ -21,7 +59,7 @@ impl Shared {
         req: &Request,
         key: &[u8],
         inline: &[u8],
-    ) -> Option<Vec<u8>> {
+    ) -> Option<Answer> {
         let id = req.req_id;
         if req.op == Op::Release {
             // Leases and write targets are numbered from one counter, so a
@@ -40,7 +78,7 @@ impl Shared {
         }
         if let Err(e) = check_key(key) {
             bump(&self.counters.errors);
-            return Some(Reply::error(id, e).encode(&[]));
+            return Some(Answer::plain(Reply::error(id, e)));
         }
         let result = match req.op {
             Op::Get => return Some(self.get(client, id, key)),
@@ -62,7 +100,7 @@ impl Shared {
             }
             Err(e) => self.error_reply(id, e),
         };
-        Some(reply.encode(&[]))
+        Some(Answer::plain(reply))
     }
 
     pub(super) fn error_reply(&self, id: u64, e: KvError) -> Reply {
@@ -82,12 +120,15 @@ impl Shared {
         r
     }
 
-    pub(super) fn hello(&self, client: &ClientState, id: u64) -> Vec<u8> {
+    pub(super) fn hello(&self, client: &ClientState, id: u64) -> Answer {
         let Some(dev) = self.store.device() else {
-            return Reply::error(id, KvError::Internal("no device".into())).encode(&[]);
+            return Answer::plain(Reply::error(id, KvError::Internal("no device".into())));
         };
         let Some(request_buf) = client.request_buf.get().map(Window::remote) else {
-            return Reply::error(id, KvError::Internal("no request buffer".into())).encode(&[]);
+            return Answer::plain(Reply::error(
+                id,
+                KvError::Internal("no request buffer".into()),
+            ));
         };
         let info = ServerInfo {
             request_buf: request_buf.addr,
@@ -100,14 +141,16 @@ impl Shared {
             max_key: MAX_KEY_LEN as u32,
             max_value: self.store.max_value,
         };
-        Reply {
-            req_id: id,
-            ..Reply::default()
+        Answer {
+            reply: Reply {
+                req_id: id,
+                ..Reply::default()
+            },
+            payload: Payload::Info(info.encode()),
         }
-        .encode(&info.encode())
     }
 
-    pub(super) fn get(&self, client: &ClientState, id: u64, key: &[u8]) -> Vec<u8> {
+    pub(super) fn get(&self, client: &ClientState, id: u64, key: &[u8]) -> Answer {
         bump(&self.counters.gets);
         let (block, version) = match self.store.get(key) {
             Ok(found) => found,
@@ -115,7 +158,7 @@ impl Shared {
                 if e == KvError::NotFound {
                     bump(&self.counters.get_misses);
                 }
-                return self.error_reply(id, e).encode(&[]);
+                return Answer::plain(self.error_reply(id, e));
             }
         };
         let value_len = block.len() - BLOCK_HEADER_LEN - key.len();
@@ -126,7 +169,10 @@ impl Shared {
             ..Reply::default()
         };
         if is_inline(key.len(), value_len) {
-            return reply.encode(block.value(key.len()));
+            return Answer {
+                reply,
+                payload: Payload::Value(block, key.len()),
+            };
         }
         // The client READs the block; it stays allocated until it says it
         // is done (or goes away).
@@ -149,7 +195,7 @@ impl Shared {
                 format!("a client holds leases of more than {cap} bytes: its oldest ones end")
             });
         }
-        reply.encode(&[])
+        Answer::plain(reply)
     }
 
     pub(super) fn write(

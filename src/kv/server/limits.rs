@@ -11,6 +11,7 @@ use crate::kv::proto::Reply;
 use crate::kv::{KvError, Result};
 use crate::runtime::Connection;
 
+use super::answer::Answer;
 use super::{bump, Chore, ClientState, Job, Shared};
 
 impl Shared {
@@ -21,8 +22,8 @@ impl Shared {
 
     /// Sends a reply, or (the client lets more than its cap of replies
     /// wait: it withholds credit) disconnects the client.
-    pub(super) fn reply(&self, conn: &Connection, client: &ClientState, reply: &[u8]) {
-        match conn.send(reply) {
+    pub(super) fn reply(&self, conn: &Connection, client: &ClientState, reply: &Answer) {
+        match reply.send(conn) {
             Ok(n) if n > 0 => return,
             Ok(_) => {}
             Err(e) => {
@@ -76,7 +77,7 @@ impl Shared {
         self.reply(
             conn,
             client,
-            &Reply::error(id, KvError::NoMemory).encode(&[]),
+            &Answer::plain(Reply::error(id, KvError::NoMemory)),
         );
     }
 

@@ -30,7 +30,7 @@ use crate::verbs::{self, AccessFlags, CmId, Context, EventChannel};
 
 use super::limits::{Episode, Leases, Limits};
 use super::pool::SLAB_PAGE;
-use super::proto::{scratch, Op, Request, Source};
+use super::proto::{Op, Request, Source};
 use super::store::{Store, Target};
 use super::{ConnMode, KvError, Result, DEFAULT_MAX_VALUE, MAX_VALUE_ENV};
 
@@ -620,7 +620,6 @@ impl Shared {
     ) {
         if let Some(reply) = self.answer(conn, client, &req, key, inline) {
             self.reply(conn, client, &reply);
-            scratch::give_back(reply);
         }
     }
 }

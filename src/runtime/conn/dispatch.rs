@@ -169,15 +169,28 @@ impl Connection {
         }
         match kind {
             K_RECV => {
-                match wc.opcode() {
-                    WcOpcode::RECV => self.handle_cmd(low as u32, wc.byte_len() as usize),
-                    WcOpcode::RECV_RDMA_WITH_IMM => {
-                        self.handle_message(wc.imm().unwrap_or(0), wc.byte_len() as usize, inline)
+                let message = match wc.opcode() {
+                    WcOpcode::RECV => {
+                        self.handle_cmd(low as u32, wc.byte_len() as usize);
+                        false
                     }
-                    other => log::warn!("unexpected receive completion {other}"),
-                }
+                    WcOpcode::RECV_RDMA_WITH_IMM => {
+                        self.handle_message(wc.imm().unwrap_or(0), wc.byte_len() as usize, inline);
+                        true
+                    }
+                    other => {
+                        log::warn!("unexpected receive completion {other}");
+                        false
+                    }
+                };
                 if !matches!(self.state(), ConnState::Closed | ConnState::Error) {
-                    if let Err(e) = self.post_recv_slot(low as u32) {
+                    // Commands' receives go back at once: the peer's
+                    // reserve for them is not covered by credit.
+                    let reposted = match message {
+                        true => self.repost_message_slot(low as u32),
+                        false => self.post_recv_slot(low as u32),
+                    };
+                    if let Err(e) = reposted {
                         self.fail(&format!("reposting a receive: {e}"));
                     }
                 }

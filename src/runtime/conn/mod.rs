@@ -183,7 +183,14 @@ struct State {
     unsignaled_data: u32,
     rx_msgs_reported: u64,
     last_errno: i32,
+    /// Receive slots of delivered messages not yet reposted: reposted
+    /// [`REPOST_BATCH`] to a doorbell, and all before a credit reports
+    /// their messages (the peer sends only into receives it was told of).
+    reposts: Vec<u32>,
 }
+
+/// Message receives reposted with one doorbell.
+const REPOST_BATCH: usize = 16;
 
 /// How a connection was set up, and so how its end is noticed.
 pub(crate) enum Link {

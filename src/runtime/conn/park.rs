@@ -6,6 +6,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{MutexGuard, TryLockError};
 use std::time::{Duration, Instant};
 
+use crate::runtime::spin::Spin;
 use crate::runtime::{Error, Result};
 
 use super::{thread_token, Connection, State};
@@ -86,7 +87,11 @@ impl Connection {
     /// connection itself meanwhile and may run callbacks (see there).
     pub fn wait_for(&self, deadline: Instant, mut done: impl FnMut() -> bool) -> bool {
         let spin = self.inner.opts.spin;
-        let mut spin_until = Instant::now() + spin;
+        let start_spin = |now: Instant| match spin.is_zero() {
+            true => None,
+            false => Spin::start(now).map(|s| (s, now + spin)),
+        };
+        let mut spinning = start_spin(Instant::now());
         loop {
             // Read before `done`, so a wake in between is not slept through.
             let seen = self.inner.wakeups.load(Ordering::SeqCst);
@@ -97,15 +102,19 @@ impl Connection {
             if now >= deadline {
                 return false;
             }
-            if now < spin_until {
-                if self.inner.opts.caller_polls {
-                    self.poll_round();
+            if let Some((s, until)) = &mut spinning {
+                if now < *until && s.pass(now) {
+                    if self.inner.opts.caller_polls {
+                        self.poll_round();
+                    }
+                    std::hint::spin_loop();
+                    continue;
                 }
-                std::hint::spin_loop();
-                continue;
             }
+            // Its place among the spinners is given up before it sleeps.
+            drop(spinning.take());
             self.sleep(seen, deadline);
-            spin_until = Instant::now() + spin;
+            spinning = start_spin(Instant::now());
         }
     }
 

@@ -16,6 +16,57 @@ use super::{
     SIGNAL_EVERY,
 };
 
+/// A message as the pieces it is gathered from (a header, a key, a value).
+#[derive(Clone, Copy)]
+pub(crate) struct Parts<'a>(pub &'a [&'a [u8]]);
+
+impl Parts<'_> {
+    pub(crate) fn len(&self) -> usize {
+        self.0.iter().map(|p| p.len()).sum()
+    }
+}
+
+/// Queued messages posted with one doorbell, at most.
+const QUEUED_PER_DOORBELL: usize = 16;
+
+/// A message copied into the staging buffer and accounted for, to be posted.
+#[derive(Clone, Copy)]
+pub(super) struct StagedMessage {
+    sge: Sge,
+    op: SendOp,
+    wr_id: u64,
+    signal: bool,
+    inline: bool,
+}
+
+impl StagedMessage {
+    /// Fills the unused places of a batch; never posted.
+    const NONE: StagedMessage = StagedMessage {
+        sge: Sge {
+            addr: 0,
+            length: 0,
+            lkey: 0,
+        },
+        op: SendOp::Send,
+        wr_id: 0,
+        signal: false,
+        inline: false,
+    };
+
+    /// Its WRITE WITH IMM, gathering `sge` (a one-element array holding
+    /// `self.sge`, which the request borrows).
+    fn request<'a>(&self, sge: &'a [Sge; 1]) -> SendRequest<'a> {
+        let mut req = SendRequest::new(self.wr_id, self.op, sge);
+        if !self.signal {
+            req = req.unsignaled();
+        }
+        if self.inline {
+            req = req.inline();
+        }
+        req
+    }
+}
+
 impl Connection {
     /// Copies `bytes` into one of our own registered buffers at `offset`.
     ///
@@ -27,6 +78,18 @@ impl Connection {
         let dst =
             std::slice::from_raw_parts_mut((mr.addr() as usize + offset) as *mut u8, bytes.len());
         crate::copy::copy(dst, bytes);
+    }
+
+    /// Copies the parts of a message, one after the other, into one of our
+    /// own registered buffers at `offset`.
+    ///
+    /// # Safety
+    /// As [`Connection::copy_into`], for the whole message.
+    unsafe fn copy_parts_into(mr: &MemoryRegion, offset: usize, data: Parts<'_>) {
+        let len = data.len();
+        debug_assert!(offset + len <= mr.len());
+        let dst = std::slice::from_raw_parts_mut((mr.addr() as usize + offset) as *mut u8, len);
+        crate::copy::gather(dst, data.0);
     }
 
     /// Posts a command if a slot and send-queue room are free.
@@ -70,7 +133,14 @@ impl Connection {
     /// blocking mode when the wait timed out, and when a legacy peer's
     /// buffer is used up for good (legacy peers never return space).
     pub fn send(&self, data: &[u8]) -> Result<usize> {
-        self.send_message(data, None, None)
+        self.send_message(&[data], None, None)
+    }
+
+    /// Sends the concatenation of `parts` as one message, as
+    /// [`Connection::send`] does; the parts are copied straight into the
+    /// ring (or the send queue), never joined first.
+    pub fn send_parts(&self, parts: &[&[u8]]) -> Result<usize> {
+        self.send_message(parts, None, None)
     }
 
     /// RDMA WRITEs `len` bytes from a buffer registered on this connection to
@@ -88,19 +158,19 @@ impl Connection {
         lkey: u32,
         remote: RemoteAddr,
         len: u32,
-        data: &[u8],
+        parts: &[&[u8]],
     ) -> Result<usize> {
         if len == 0 {
             return Err(Error::InvalidArgument("length 0".into()));
         }
         let sge = self.check_local(local_addr, lkey, len)?;
-        self.send_message(data, None, Some((sge, remote)))
+        self.send_message(parts, None, Some((sge, remote)))
     }
 
     /// Sends a message that also delivers `imm` to the peer's `recv`
     /// callback. Needs a snowrdma peer (legacy peers cannot receive it).
     pub fn send_with_imm(&self, imm: u32, data: &[u8]) -> Result<usize> {
-        self.send_message(data, Some(ExtKind::WithImm(imm)), None)
+        self.send_message(&[data], Some(ExtKind::WithImm(imm)), None)
     }
 
     /// Writes `data` into the peer's receive buffer without notifying it
@@ -110,7 +180,7 @@ impl Connection {
         // A legacy peer's buffer is written as the legacy library did; ours
         // is told to skip the bytes so its ring stays in step.
         self.send_message(
-            data,
+            &[data],
             if legacy { None } else { Some(ExtKind::Silent) },
             None,
         )
@@ -124,11 +194,12 @@ impl Connection {
     /// Sends a message, after a one-sided write (`before`) when given.
     pub(super) fn send_message(
         &self,
-        data: &[u8],
+        parts: &[&[u8]],
         ext: Option<ExtKind>,
         before: Option<(Sge, RemoteAddr)>,
     ) -> Result<usize> {
-        if data.is_empty() {
+        let data = Parts(parts);
+        if data.len() == 0 {
             return Err(Error::InvalidArgument("a message cannot be empty".into()));
         }
         let blocking = self.inner.opts.comm_mode == CommMode::Blocking;
@@ -174,7 +245,7 @@ impl Connection {
     pub(super) fn enqueue(
         &self,
         mut st: MutexGuard<'_, State>,
-        data: &[u8],
+        data: Parts<'_>,
         ext: Option<ExtKind>,
         on_cq_thread: bool,
     ) -> usize {
@@ -193,7 +264,7 @@ impl Connection {
             }
             return 0;
         }
-        match st.queue.push(data, ext) {
+        match st.queue.push_parts(data.0, ext) {
             Push::Queued => {}
             Push::Refused { first } => {
                 if first {
@@ -260,24 +331,62 @@ impl Connection {
     pub(super) fn try_post_message(
         &self,
         st: &mut State,
-        data: &[u8],
+        data: Parts<'_>,
         ext: Option<ExtKind>,
         before: Option<(Sge, RemoteAddr)>,
     ) -> Result<bool> {
-        let total = data.len() + if ext.is_some() { EXT_HEADER_LEN } else { 0 };
-        let msgs_ok = st.peer_version < 1
-            || st.tx_msgs - st.tx_msgs_acked
-                < u64::from(st.peer_recv_depth).saturating_sub(PEER_CMD_RESERVE);
-        let wrs = 1 + u32::from(before.is_some());
-        if st.sq_used + wrs > MAX_SEND_WR - CMD_RESERVE || !msgs_ok {
-            return Ok(false);
-        }
-        match st.tx.reserve(total) {
+        match Self::reserve(st, data.len(), ext, before.is_some()) {
             Some(offset) => self
                 .post_message(st, offset, data, ext, before)
                 .map(|()| true),
             None => Ok(false),
         }
+    }
+
+    /// Reserves room for a message in the peer's ring if its receive queue
+    /// and our send queue have room too: the offset in the ring.
+    fn reserve(st: &mut State, len: usize, ext: Option<ExtKind>, before: bool) -> Option<usize> {
+        let total = len + if ext.is_some() { EXT_HEADER_LEN } else { 0 };
+        let msgs_ok = st.peer_version < 1
+            || st.tx_msgs - st.tx_msgs_acked
+                < u64::from(st.peer_recv_depth).saturating_sub(PEER_CMD_RESERVE);
+        let wrs = 1 + u32::from(before);
+        if st.sq_used + wrs > MAX_SEND_WR - CMD_RESERVE || !msgs_ok {
+            return None;
+        }
+        st.tx.reserve(total)
+    }
+
+    /// A queued message staged for posting, if there is room for it.
+    fn stage_queued(
+        &self,
+        st: &mut State,
+        data: Parts<'_>,
+        ext: Option<ExtKind>,
+    ) -> Result<Option<StagedMessage>> {
+        match Self::reserve(st, data.len(), ext, false) {
+            Some(offset) => self.stage_message(st, offset, data, ext, false).map(Some),
+            None => Ok(None),
+        }
+    }
+
+    /// Posts staged messages (at most [`QUEUED_PER_DOORBELL`]), in order,
+    /// with one doorbell.
+    fn post_staged(&self, staged: &[StagedMessage]) -> Result<()> {
+        if staged.is_empty() {
+            return Ok(());
+        }
+        let sges: [[Sge; 1]; QUEUED_PER_DOORBELL] =
+            std::array::from_fn(|i| [staged.get(i).map_or(StagedMessage::NONE.sge, |m| m.sge)]);
+        let reqs: [SendRequest<'_>; QUEUED_PER_DOORBELL] = std::array::from_fn(|i| {
+            staged
+                .get(i)
+                .unwrap_or(&StagedMessage::NONE)
+                .request(&sges[i])
+        });
+        // SAFETY: each staging range stays reserved until the peer returns
+        // it, which is after its write has landed.
+        unsafe { self.inner.qp.post_send(&reqs[..staged.len()]) }.map_err(Into::into)
     }
 
     /// Sends queued messages while there is room.
@@ -290,19 +399,36 @@ impl Connection {
     }
 
     /// Posts queued messages while there is room, under the state lock.
+    /// Several go with one doorbell (up to [`QUEUED_PER_DOORBELL`]).
     pub(super) fn post_queued(&self, st: &mut State) -> Result<()> {
+        let mut staged = [StagedMessage::NONE; QUEUED_PER_DOORBELL];
+        let mut n = 0;
+        let mut outcome = Ok(());
         while let Some(q) = st.queue.pop() {
-            match self.try_post_message(st, &q.data, q.ext, None) {
-                Ok(true) => {}
-                Ok(false) => {
+            match self.stage_queued(st, Parts(&[&q.data]), q.ext) {
+                Ok(Some(m)) => {
+                    staged[n] = m;
+                    n += 1;
+                    if n == QUEUED_PER_DOORBELL {
+                        self.post_staged(&staged[..n])?;
+                        n = 0;
+                    }
+                }
+                Ok(None) => {
                     st.queue.unpop(q);
-                    return Ok(());
+                    break;
                 }
                 Err(e) => {
                     st.queue.unpop(q);
-                    return Err(e);
+                    outcome = Err(e);
+                    break;
                 }
             }
+        }
+        self.post_staged(&staged[..n])?;
+        outcome?;
+        if !st.queue.is_empty() {
+            return Ok(());
         }
         if let Some(ep) = st.queue.end_episode() {
             log::warn!(
@@ -319,44 +445,13 @@ impl Connection {
         &self,
         st: &mut State,
         offset: usize,
-        data: &[u8],
+        data: Parts<'_>,
         ext: Option<ExtKind>,
         before: Option<(Sge, RemoteAddr)>,
     ) -> Result<()> {
-        let peer = st.peer_ring.ok_or(Error::NotConnected)?;
-        let mut len = data.len();
-        // SAFETY: [offset, offset+total) was just reserved, so no in-flight
-        // write reads it; we hold the state lock.
-        unsafe {
-            match ext {
-                Some(kind) => {
-                    Self::copy_into(&self.inner.staging, offset, &kind.encode());
-                    Self::copy_into(&self.inner.staging, offset + EXT_HEADER_LEN, data);
-                    len += EXT_HEADER_LEN;
-                }
-                None => Self::copy_into(&self.inner.staging, offset, data),
-            }
-        }
-        let imm = offset as u32 | if ext.is_some() { IMM_EXTENDED } else { 0 };
-        let sge = self.inner.staging.sge(offset..offset + len);
-        let op = SendOp::WriteWithImm(peer.at(offset as u64), imm);
-        // Only every SIGNAL_EVERY-th message asks for a completion; it
-        // accounts for the unsignaled requests before it (completions are in
-        // order), which saves the completion thread most of the work. A
-        // write ahead of the message is one of those.
-        let wrs = 1 + u32::from(before.is_some());
-        let covered = st.unsignaled_data + wrs;
-        let sges = [sge];
-        let mut req = SendRequest::new(wr_id(K_DATA, covered as u64), op, &sges);
-        let signal = covered >= SIGNAL_EVERY || st.sq_used + wrs >= MAX_SEND_WR - CMD_RESERVE;
-        if !signal {
-            req = req.unsignaled();
-        }
-        // Inline, the device takes the bytes with the work request instead of
-        // fetching them through the staging registration.
-        if len <= self.inner.opts.max_inline_data as usize {
-            req = req.inline();
-        }
+        let m = self.stage_message(st, offset, data, ext, before.is_some())?;
+        let sges = [m.sge];
+        let req = m.request(&sges);
         match before {
             Some((local, remote)) => {
                 let local = [local];
@@ -365,16 +460,60 @@ impl Connection {
                 // SAFETY: the caller keeps the written range unchanged until
                 // the peer has the message; the staging range stays reserved
                 // until the peer returns it, after this write has landed.
-                unsafe { self.inner.qp.post_send(&[write, req])? }
+                unsafe { self.inner.qp.post_send(&[write, req]) }
             }
             // SAFETY: the staging range stays reserved until the peer
             // returns it, which is after this write has landed.
-            None => unsafe { self.inner.qp.post_send(&[req])? },
+            None => unsafe { self.inner.qp.post_send(&[req]) },
         }
+        .map_err(Into::into)
+    }
+
+    /// Copies a message into the staging buffer at `offset` (reserved in the
+    /// send ring) and accounts for its work requests (one more when a write
+    /// goes `before` it); returns the WRITE WITH IMM to post.
+    fn stage_message(
+        &self,
+        st: &mut State,
+        offset: usize,
+        data: Parts<'_>,
+        ext: Option<ExtKind>,
+        before: bool,
+    ) -> Result<StagedMessage> {
+        let peer = st.peer_ring.ok_or(Error::NotConnected)?;
+        let mut len = data.len();
+        // SAFETY: [offset, offset+total) was just reserved, so no in-flight
+        // write reads it; we hold the state lock.
+        unsafe {
+            match ext {
+                Some(kind) => {
+                    Self::copy_into(&self.inner.staging, offset, &kind.encode());
+                    Self::copy_parts_into(&self.inner.staging, offset + EXT_HEADER_LEN, data);
+                    len += EXT_HEADER_LEN;
+                }
+                None => Self::copy_parts_into(&self.inner.staging, offset, data),
+            }
+        }
+        let imm = offset as u32 | if ext.is_some() { IMM_EXTENDED } else { 0 };
+        // Only every SIGNAL_EVERY-th message asks for a completion; it
+        // accounts for the unsignaled requests before it (completions are in
+        // order), which saves the completion thread most of the work. A
+        // write ahead of the message is one of those.
+        let wrs = 1 + u32::from(before);
+        let covered = st.unsignaled_data + wrs;
+        let signal = covered >= SIGNAL_EVERY || st.sq_used + wrs >= MAX_SEND_WR - CMD_RESERVE;
         st.unsignaled_data = if signal { 0 } else { covered };
         st.sq_used += wrs;
         st.tx_msgs += 1;
-        Ok(())
+        Ok(StagedMessage {
+            sge: self.inner.staging.sge(offset..offset + len),
+            op: SendOp::WriteWithImm(peer.at(offset as u64), imm),
+            wr_id: wr_id(K_DATA, covered as u64),
+            signal,
+            // Inline, the device takes the bytes with the work request
+            // instead of fetching them through the staging registration.
+            inline: len <= self.inner.opts.max_inline_data as usize,
+        })
     }
 
     /// Returns consumed ring space to the peer once an eighth of the ring or
@@ -397,6 +536,11 @@ impl Connection {
         // round sends the credit (still unreported until then).
         if st.cmd_free.is_empty() || st.sq_used >= MAX_SEND_WR {
             return;
+        }
+        // Every message the credit reports has its receive back first.
+        if let Err(e) = self.flush_reposts(&mut st) {
+            drop(st);
+            return self.fail(&format!("reposting receives: {e}"));
         }
         let consumed = st.rx.take_report();
         st.rx_msgs_reported = st.rx_msgs;

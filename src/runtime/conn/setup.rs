@@ -14,13 +14,13 @@ use crate::runtime::send_queue::SendQueue;
 use crate::runtime::socket::{handshake, SocketLink, SocketWatch};
 use crate::runtime::{runtime, Error, Result, Runtime};
 use crate::verbs::{
-    AccessFlags, CmEventKind, CmId, ConnParam, Context, PreparedQp, QpCaps, QpOptions,
+    AccessFlags, CmEventKind, CmId, ConnParam, Context, PreparedQp, QpCaps, QpOptions, Sge,
 };
 
 use super::{
     wr_id, CmSource, ConnHandler, ConnInner, ConnKind, ConnState, Connection, CqSource, Link,
     NoHandler, PdProvider, State, CMD_SLOTS, K_BIND, K_RECV, MAX_POLL_BATCH, MAX_SEND_WR,
-    PEER_CMD_RESERVE,
+    PEER_CMD_RESERVE, REPOST_BATCH,
 };
 
 impl Connection {
@@ -152,6 +152,7 @@ impl Connection {
                     unsignaled_data: 0,
                     rx_msgs_reported: 0,
                     last_errno: 0,
+                    reposts: Vec::with_capacity(REPOST_BATCH),
                 }),
                 cond: Condvar::new(),
                 sleep_lock: Mutex::new(()),
@@ -315,6 +316,47 @@ impl Connection {
                 .qp
                 .post_recv(wr_id(K_RECV, slot as u64), &[sge])?
         };
+        Ok(())
+    }
+
+    /// Reposts the receive a message took: at once for a legacy peer (whose
+    /// library posted one per completion and whose sends count on it), in
+    /// batches otherwise.
+    pub(super) fn repost_message_slot(&self, slot: u32) -> Result<()> {
+        let mut st = self.lock();
+        if st.peer_version < 1 {
+            drop(st);
+            return self.post_recv_slot(slot);
+        }
+        st.reposts.push(slot);
+        if st.reposts.len() >= REPOST_BATCH {
+            self.flush_reposts(&mut st)?;
+        }
+        Ok(())
+    }
+
+    /// Reposts every receive waiting in `st.reposts`, with one doorbell.
+    pub(super) fn flush_reposts(&self, st: &mut State) -> Result<()> {
+        let mut recvs = [(
+            0u64,
+            Sge {
+                addr: 0,
+                length: 0,
+                lkey: 0,
+            },
+        ); REPOST_BATCH];
+        let n = st.reposts.len().min(REPOST_BATCH);
+        for (r, &slot) in recvs.iter_mut().zip(&st.reposts[..n]) {
+            let at = slot as usize * CMD_LEN;
+            *r = (
+                wr_id(K_RECV, u64::from(slot)),
+                self.inner.cmd_recv.sge(at..at + CMD_LEN),
+            );
+        }
+        // SAFETY: as post_recv_slot: each slot's receive completed and was
+        // handled; the MR lives as long as the QP.
+        unsafe { self.inner.qp.post_recvs(&recvs[..n])? };
+        st.reposts.drain(..n);
         Ok(())
     }
 

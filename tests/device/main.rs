@@ -14,6 +14,7 @@ mod kv;
 mod kv_limits;
 mod kv_programs;
 mod kv_strings;
+mod kv_zero_copy;
 mod runtime;
 mod safe;
 mod verbs;

@@ -1,0 +1,61 @@
+//! Values moved by the NIC alone between registered client memory and the
+//! server: no user-space copy of the value on the client's side.
+
+use snowrdma::costs::{self, Counter};
+use snowrdma::kv::{Client, KvError};
+
+use crate::kv::kv_server;
+
+/// Payload bytes the calling thread copied while `f` ran.
+fn copied_by_me<T>(f: impl FnOnce() -> T) -> (T, u64) {
+    let before = costs::this_thread();
+    let out = f();
+    (
+        out,
+        costs::this_thread()
+            .since(&before)
+            .get(Counter::CopiedBytes),
+    )
+}
+
+#[test]
+#[ignore = "needs an RDMA device"]
+fn kv_values_in_registered_memory_move_without_a_copy() {
+    let (_server, addr) = kv_server(false);
+    let client = Client::connect(addr).unwrap();
+    // One value staged through the request buffer (one round trip), one
+    // larger than it (a target the server allocates first).
+    let staged = client.server_info().request_buf_len as usize / 2;
+    let allocated = 3 * client.server_info().request_buf_len as usize + 123;
+    for (i, len) in [staged, allocated].into_iter().enumerate() {
+        let key = format!("zero-copy-{i}");
+        let mut mem = client.register(2 * len).unwrap();
+        for (j, b) in mem.as_mut_slice()[..len].iter_mut().enumerate() {
+            *b = (j * 7 + i) as u8;
+        }
+        let want = mem.as_slice()[..len].to_vec();
+        let (version, copied) = copied_by_me(|| client.put(key.as_bytes(), &mem.as_slice()[..len]));
+        let version = version.unwrap();
+        assert!(copied < 1024, "{len}-byte PUT copied {copied} bytes");
+
+        // Into the second half of the same memory: READ straight there.
+        let (got, copied) = copied_by_me(|| {
+            let (_, dst) = mem.as_mut_slice().split_at_mut(len);
+            client.get_into(key.as_bytes(), dst)
+        });
+        assert_eq!(got.unwrap(), (len, version));
+        assert!(copied < 1024, "{len}-byte GET copied {copied} bytes");
+        assert_eq!(&mem.as_slice()[len..], &want[..], "{len}-byte value");
+
+        // A plain buffer still works, through the bounce buffer (a copy).
+        let mut plain = vec![0u8; len];
+        let (got, copied) = copied_by_me(|| client.get_into(key.as_bytes(), &mut plain));
+        assert_eq!(got.unwrap(), (len, version));
+        assert!(copied >= len as u64);
+        assert_eq!(plain, want);
+    }
+    assert!(matches!(
+        client.register(0),
+        Err(KvError::InvalidArgument(_))
+    ));
+}

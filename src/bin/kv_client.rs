@@ -218,7 +218,7 @@ impl Phase {
 /// keys of this process's own, timed from when `start` appears (so that
 /// several client processes start together, connected and seeded; each
 /// says it is ready with a file `<start>.ready-<pid>`): prints
-/// "<ops> <start> <end>", the times in nanoseconds since the Unix epoch.
+/// `<ops> <start> <end>`, the times in nanoseconds since the Unix epoch.
 fn mix(client: &Client, n: &str, size: &str, start: &str) -> Result<String, String> {
     const KEYS: usize = 1000;
     let n: usize = n.parse().map_err(|_| format!("not a count: {n}"))?;

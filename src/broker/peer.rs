@@ -243,14 +243,7 @@ pub(crate) fn post_recvs(
 ) -> Result<()> {
     const CHAIN: usize = 64;
     let lkey = shared.rings.lkey();
-    let mut recvs = [(
-        0u64,
-        Sge {
-            addr: 0,
-            length: 0,
-            lkey: 0,
-        },
-    ); CHAIN];
+    let mut recvs = [(0u64, Sge::EMPTY); CHAIN];
     let mut n = 0;
     let post = |recvs: &[(u64, Sge)]| -> Result<()> {
         // SAFETY: the ring memory lives as long as the broker, which

@@ -558,6 +558,7 @@ mod tests {
     /// A poller that spins for good once work came, with `probes` added
     /// and the first of them busy and being polled.
     fn spinning_for(probes: &[Arc<Probe>]) -> Poller {
+        crate::runtime::spin::ignore_crowds();
         let poller = Poller::start(
             "test-poller",
             Duration::from_millis(10),

@@ -4,26 +4,46 @@
 //! waits for needs (a kv mix of four clients fell to 2,500 operations per
 //! second). So a thread spins only while
 //! - the process's spinning threads are no more than its CPUs, and
+//! - the machine's runnable threads (every process's, `/proc/loadavg`,
+//!   looked at no more than once per [`LOOK_EVERY`] by the whole process)
+//!   are no more than its CPUs, and
 //! - it has not lately lost its CPU in the middle of a spin, which is how
-//!   spinners of other processes on the same CPUs show: a gap between two
-//!   polls far longer than a poll. The thread then waits on its event
-//!   channel for [`BACK_OFF`] before it spins again.
+//!   spinners of other processes on the same CPUs show between two looks:
+//!   a gap between two polls far longer than a poll. The thread then waits
+//!   on its event channel for [`BACK_OFF`] before it spins again.
 //!
-//! Both checks read the clock (vDSO) and an atomic: no system call.
+//! The checks read the clock (vDSO) and atomics; the look at the load is
+//! one `pread` per [`LOOK_EVERY`] for the whole process.
 
 use std::cell::Cell;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 /// A gap between two polls of a spin this long means the thread was off
-/// its CPU (a poll takes microseconds, even under emulation).
-const LOST_CPU: Duration = Duration::from_millis(2);
+/// its CPU (a poll takes microseconds, even under emulation; a time slice
+/// is a millisecond or more).
+const LOST_CPU: Duration = Duration::from_micros(500);
+
+/// How often the process looks at how many threads the machine runs.
+const LOOK_EVERY: Duration = Duration::from_millis(10);
 
 /// How long a thread that lost its CPU while spinning waits on events only.
 pub(crate) const BACK_OFF: Duration = Duration::from_millis(50);
 
 static SPINNING: AtomicUsize = AtomicUsize::new(0);
+
+/// Unit tests of spinning threads run beside many others on few CPUs.
+static IGNORE_CROWDS: AtomicBool = AtomicBool::new(false);
+
+/// Lets threads spin however busy the machine is (for unit tests of
+/// spinning, which share it with the rest of the test suite).
+#[cfg(test)]
+pub(crate) fn ignore_crowds() {
+    IGNORE_CROWDS.store(true, Ordering::Relaxed);
+}
 
 thread_local! {
     static BACKING_OFF_UNTIL: Cell<Option<Instant>> = const { Cell::new(None) };
@@ -41,6 +61,42 @@ fn backing_off(now: Instant) -> bool {
         .unwrap_or(false)
 }
 
+/// Whether the machine lately had more runnable threads than this process
+/// has CPUs (as `/proc/loadavg` counts them); looked at again when the
+/// last look is [`LOOK_EVERY`] old, by whichever thread gets there first.
+fn crowded(now: Instant) -> bool {
+    static EPOCH: OnceLock<Instant> = OnceLock::new();
+    static LOOKED_AT: AtomicU64 = AtomicU64::new(0);
+    static CROWDED: AtomicBool = AtomicBool::new(false);
+    static LOADAVG: OnceLock<Option<File>> = OnceLock::new();
+    let epoch = *EPOCH.get_or_init(|| now);
+    let at = now.saturating_duration_since(epoch).as_micros() as u64 + 1;
+    let last = LOOKED_AT.load(Ordering::Relaxed);
+    let due = last == 0 || at.saturating_sub(last) >= LOOK_EVERY.as_micros() as u64;
+    if due
+        && LOOKED_AT
+            .compare_exchange(last, at, Ordering::Relaxed, Ordering::Relaxed)
+            .is_ok()
+    {
+        let file = LOADAVG.get_or_init(|| File::open("/proc/loadavg").ok());
+        let mut buf = [0u8; 128];
+        let running = file
+            .as_ref()
+            .and_then(|f| f.read_at(&mut buf, 0).ok())
+            .and_then(|n| runnable(&buf[..n]));
+        CROWDED.store(running.is_some_and(|r| r > cpus()), Ordering::Relaxed);
+    }
+    CROWDED.load(Ordering::Relaxed)
+}
+
+/// The runnable threads in `/proc/loadavg` ("0.52 0.58 0.59 3/467 1234":
+/// the 3).
+fn runnable(loadavg: &[u8]) -> Option<usize> {
+    let text = std::str::from_utf8(loadavg).ok()?;
+    let field = text.split_whitespace().nth(3)?;
+    field.split('/').next()?.parse().ok()
+}
+
 /// A thread's spin, from [`Spin::start`] until dropped.
 pub(crate) struct Spin {
     prev: Instant,
@@ -49,7 +105,7 @@ pub(crate) struct Spin {
 impl Spin {
     /// Starts spinning, if this thread may now; `None`: wait on events.
     pub(crate) fn start(now: Instant) -> Option<Spin> {
-        if backing_off(now) {
+        if backing_off(now) || (crowded(now) && !IGNORE_CROWDS.load(Ordering::Relaxed)) {
             return None;
         }
         if SPINNING.fetch_add(1, Ordering::Relaxed) >= cpus() {
@@ -94,6 +150,14 @@ mod tests {
         assert!(backing_off(later));
         assert!(Spin::start(later).is_none(), "backing off");
         assert!(!backing_off(later + BACK_OFF), "spins again");
+    }
+
+    #[test]
+    fn the_runnable_threads_are_read_from_loadavg() {
+        assert_eq!(runnable(b"0.52 0.58 0.59 3/467 1234\n"), Some(3));
+        assert_eq!(runnable(b"0.52 0.58 0.59 12/467 1234"), Some(12));
+        assert_eq!(runnable(b"garbage"), None);
+        assert_eq!(runnable(b""), None);
     }
 
     #[test]

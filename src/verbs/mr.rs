@@ -284,6 +284,15 @@ pub struct Sge {
     pub lkey: u32,
 }
 
+impl Sge {
+    /// Fills the unused places of arrays of SGEs; never posted.
+    pub const EMPTY: Sge = Sge {
+        addr: 0,
+        length: 0,
+        lkey: 0,
+    };
+}
+
 /// Size of [`RemoteRegion::to_bytes`].
 pub const REMOTE_REGION_WIRE_LEN: usize = 20;
 

@@ -212,7 +212,12 @@ pub(crate) fn stream(iters: usize, size: usize, port: u16) -> (f64, f64) {
             std::hint::spin_loop();
         }
     };
-    // Warm-up: the first messages find the rings and queues cold.
+    timed_stream(iters, size, send_all)
+}
+
+/// Warms up with a tenth of `iters` messages (the first find the rings and
+/// queues cold), then times and counts `send_all(iters)`: (MiB/s, Mpps).
+fn timed_stream(iters: usize, size: usize, send_all: impl Fn(usize)) -> (f64, f64) {
     send_all(iters / 10);
     let window = Window::open();
     let t = Instant::now();
@@ -292,16 +297,8 @@ pub(crate) fn stream_remote(iters: usize, size: usize, port: u16) -> (f64, f64) 
                 std::hint::spin_loop();
             }
         };
-        send_all(iters / 10);
-        let window = Window::open();
-        let t = Instant::now();
-        send_all(iters);
-        let secs = t.elapsed().as_secs_f64();
-        window.close(iters);
+        let rates = timed_stream(iters, size, send_all);
         rdmaConnClose(conn);
-        (
-            (iters * size) as f64 / secs / (1 << 20) as f64,
-            iters as f64 / secs / 1e6,
-        )
+        rates
     }
 }

@@ -57,13 +57,23 @@ pub(crate) fn safe_write_lat(iters: usize, size: usize) -> f64 {
         .expect("alloc");
     let mut seg = src.ro(..).unwrap();
     let mut lat = Vec::with_capacity(iters);
-    for _ in 0..iters {
+    let mut window = None;
+    let warm = iters / 10;
+    for i in 0..warm + iters {
+        if i == warm {
+            window = Some(Window::open());
+        }
         let t = Instant::now();
         let done = block_on(a.write(seg, &remote, 0).expect("post"), WAIT)
             .expect("in time")
             .expect("write");
-        lat.push(us(t.elapsed()));
+        if i >= warm {
+            lat.push(us(t.elapsed()));
+        }
         seg = done.into_memory();
+    }
+    if let Some(w) = window {
+        w.close(iters);
     }
     median(&mut lat)
 }
@@ -84,7 +94,12 @@ pub(crate) fn safe_send_lat(iters: usize, size: usize) -> f64 {
         mem.rw(3 * size..).unwrap(),
     );
     let mut lat = Vec::with_capacity(iters);
-    for _ in 0..iters {
+    let mut window = None;
+    let warm = iters / 10;
+    for i in 0..warm + iters {
+        if i == warm {
+            window = Some(Window::open());
+        }
         let b_recv = b.recv(b_in).expect("recv");
         let a_recv = a.recv(a_in).expect("recv");
         let t = Instant::now();
@@ -92,7 +107,12 @@ pub(crate) fn safe_send_lat(iters: usize, size: usize) -> f64 {
         b_in = wait(b_recv).into_memory();
         b_out = wait(b.send(b_out).expect("send")).into_memory();
         a_in = wait(a_recv).into_memory();
-        lat.push(us(t.elapsed()) / 2.0);
+        if i >= warm {
+            lat.push(us(t.elapsed()) / 2.0);
+        }
+    }
+    if let Some(w) = window {
+        w.close(iters);
     }
     median(&mut lat)
 }

@@ -200,16 +200,35 @@ impl Client {
     /// doorbell).
     fn send_after(
         &self,
+        req: Request,
+        key: &[u8],
+        inline: &[u8],
+        staged: Option<Staged>,
+    ) -> Result<Sent> {
+        self.send_with(req, key, inline, staged, None)
+    }
+
+    /// [`Client::send_after`], with the reply's payload to land in `landing`
+    /// when it fits (then [`Replies::unland`] must follow, on every path).
+    fn send_with(
+        &self,
         mut req: Request,
         key: &[u8],
         inline: &[u8],
         staged: Option<Staged>,
+        landing: Option<&mut [u8]>,
     ) -> Result<Sent> {
         // Ids wrap at 32 bits so replies can carry them in a compact header;
         // far fewer than 2^32 requests are ever outstanding at once.
         let id = self.next_id.fetch_add(1, Ordering::Relaxed) & u64::from(u32::MAX);
         self.replies.reuse(id);
         req.req_id = id;
+        let lands = landing.is_some();
+        if let Some(buf) = landing {
+            // SAFETY: unlanded below if the send fails, else by the caller
+            // (call_into) before its buffer goes.
+            unsafe { self.replies.land(id, buf) };
+        }
         let at = Instant::now();
         let header = req.header(key.len(), inline.len());
         let msg = [header.as_slice(), key, inline];
@@ -219,14 +238,19 @@ impl Client {
             // request.
             Some(v) => unsafe {
                 self.conn
-                    .write_then_send(v.local, v.lkey, v.remote, v.len as u32, &msg)?
+                    .write_then_send(v.local, v.lkey, v.remote, v.len as u32, &msg)
             },
-            None => self.conn.send_parts(&msg)?,
+            None => self.conn.send_parts(&msg),
         };
-        match sent {
-            0 => Err(KvError::Timeout(self.conn.options().timeout)),
-            _ => Ok(Sent { id, at }),
+        let sent = match sent {
+            Ok(0) => Err(KvError::Timeout(self.conn.options().timeout)),
+            Ok(_) => Ok(Sent { id, at }),
+            Err(e) => Err(e.into()),
+        };
+        if sent.is_err() && lands {
+            self.replies.unland(id);
         }
+        sent
     }
 
     /// Waits for the reply to `sent`, until `allowed` after it was sent.
@@ -286,6 +310,24 @@ impl Client {
         let (reply, payload) = self.wait(sent, self.allowance(moves))?;
         status(&reply)?;
         Ok((reply, payload))
+    }
+
+    /// Sends a request and waits for its reply, whose payload lands in
+    /// `buf` when it fits: the reply, how much landed there (`None`: the
+    /// payload is in the returned buffer instead).
+    fn call_into(
+        &self,
+        req: Request,
+        key: &[u8],
+        buf: &mut [u8],
+    ) -> Result<(Reply, Option<usize>, Vec<u8>)> {
+        let sent = self.send_with(req, key, &[], None, Some(buf))?;
+        let waited = self.wait(sent, self.allowance(0));
+        // On every path: nothing writes `buf` once this returns.
+        let landed = self.replies.unland(sent.id);
+        let (reply, payload) = waited?;
+        status(&reply)?;
+        Ok((reply, landed, payload))
     }
 
     /// Disconnects (also done on drop). Calls other threads have in flight

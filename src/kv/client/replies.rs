@@ -56,6 +56,17 @@ pub(super) struct Inbox {
     /// Payload buffers callers handed back, for the next replies: a steady
     /// stream of inline replies allocates nothing.
     spare: Vec<Vec<u8>>,
+    /// Callers' buffers that replies' payloads are copied straight into
+    /// (`get_into`), by request id; written only under this lock, and only
+    /// while the entry is here.
+    landings: ById<Landing>,
+}
+
+/// A caller's buffer for a reply's payload, and how much landed in it.
+struct Landing {
+    at: usize,
+    cap: usize,
+    landed: Option<usize>,
 }
 
 /// Spare payload buffers kept, and the largest kept.
@@ -82,6 +93,33 @@ impl Replies {
                 inbox.spare.push(payload);
             }
         }
+    }
+
+    /// Has the payload of the reply to `id` copied straight into `buf` (if
+    /// it fits) rather than into a buffer of the inbox; until
+    /// [`Replies::unland`].
+    ///
+    /// # Safety
+    /// `buf` must stay valid, and untouched by the caller, until
+    /// [`Replies::unland`] for `id` has returned.
+    pub(super) unsafe fn land(&self, id: u64, buf: &mut [u8]) {
+        let landing = Landing {
+            at: buf.as_mut_ptr() as usize,
+            cap: buf.len(),
+            landed: None,
+        };
+        self.inbox
+            .lock()
+            .expect("reply lock")
+            .landings
+            .insert(id, landing);
+    }
+
+    /// Ends the landing for `id`: how many bytes of payload landed, if the
+    /// reply came and fit. No write reaches the buffer after this returns.
+    pub(super) fn unland(&self, id: u64) -> Option<usize> {
+        let mut inbox = self.inbox.lock().expect("reply lock");
+        inbox.landings.remove(&id).and_then(|l| l.landed)
     }
 
     /// Ids wrap: a request taking the id of one whose reply never came
@@ -117,6 +155,19 @@ impl ConnHandler for ReplyHandler {
                 send_releases(conn, &[reply.lease]);
             }
             return;
+        }
+        if let Some(l) = inbox.landings.get_mut(&reply.req_id) {
+            if l.landed.is_none() && payload.len() <= l.cap {
+                // SAFETY: the caller keeps the buffer for us until it ends
+                // the landing, which takes this lock (Replies::land).
+                let dst = unsafe { std::slice::from_raw_parts_mut(l.at as *mut u8, payload.len()) };
+                crate::copy::copy(dst, payload);
+                l.landed = Some(payload.len());
+                inbox.ready.insert(reply.req_id, (reply, Vec::new()));
+                drop(inbox);
+                self.0.arrived.fetch_add(1, Ordering::Release);
+                return;
+            }
         }
         let mut copy = match payload.is_empty() {
             true => Vec::new(),

@@ -107,7 +107,16 @@ impl Client {
     /// A value longer than `buf` is not copied at all:
     /// [`KvError::BufferTooSmall`] reports its length.
     pub fn get_into(&self, key: &[u8], buf: &mut [u8]) -> Result<(usize, u64)> {
-        match self.lookup(key)? {
+        check_key(key)?;
+        // A small value's payload lands in `buf` straight from the receive
+        // ring (one copy on this side).
+        let (reply, landed, payload) = self.call_into(Request::new(Op::Get, 0), key, buf)?;
+        let found = match (reply.remote, landed) {
+            (false, Some(n)) => return Ok((n, reply.version)),
+            (false, None) => Found::Inline(payload, reply.version),
+            (true, _) => Found::Remote(reply),
+        };
+        match found {
             Found::Inline(v, version) => {
                 let copied = copy_into(buf, &v);
                 self.replies.recycle(v);

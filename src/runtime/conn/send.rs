@@ -42,11 +42,7 @@ pub(super) struct StagedMessage {
 impl StagedMessage {
     /// Fills the unused places of a batch; never posted.
     const NONE: StagedMessage = StagedMessage {
-        sge: Sge {
-            addr: 0,
-            length: 0,
-            lkey: 0,
-        },
+        sge: Sge::EMPTY,
         op: SendOp::Send,
         wr_id: 0,
         signal: false,

@@ -337,14 +337,7 @@ impl Connection {
 
     /// Reposts every receive waiting in `st.reposts`, with one doorbell.
     pub(super) fn flush_reposts(&self, st: &mut State) -> Result<()> {
-        let mut recvs = [(
-            0u64,
-            Sge {
-                addr: 0,
-                length: 0,
-                lkey: 0,
-            },
-        ); REPOST_BATCH];
+        let mut recvs = [(0u64, Sge::EMPTY); REPOST_BATCH];
         let n = st.reposts.len().min(REPOST_BATCH);
         for (r, &slot) in recvs.iter_mut().zip(&st.reposts[..n]) {
             let at = slot as usize * CMD_LEN;

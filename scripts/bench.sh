@@ -85,26 +85,37 @@ ours() {
     timeout 300 $bench run "$1" "$2" --port "$port"
 }
 
-# against_server <case> <side> <server command with IP, PORT, BENCH>: starts
-# the server in its own process, waits until it says it listens (every
-# server here prints "listening on"), then runs the side against it.
-against_server() {
-    local case=$1 side=$2 log
-    shift 2
-    local args=("${@//PORT/$port}")
+# start_server <server command with IP, PORT, BENCH>: starts the server in
+# its own process and waits until it says it listens (every server here
+# prints "listening on"); its pid goes to $server.
+server=
+start_server() {
+    local args=("${@//PORT/$port}") log
     args=("${args[@]//IP/$ip}")
     args=("${args[@]//BENCH/$bench}")
     log=$(mktemp)
     timeout 300 "${args[@]}" >"$log" 2>&1 &
-    local server=$!
+    server=$!
     for _ in $(seq 1 100); do
         grep -q "listening on" "$log" && break
         sleep 0.2
     done
     rm -f "$log"
-    ours "$case" "$side"
+}
+
+stop_server() {
     kill "$server" 2>/dev/null
     wait "$server" 2>/dev/null
+}
+
+# against_server <case> <side> <server command>: runs the side against the
+# server, which runs in its own process.
+against_server() {
+    local case=$1 side=$2
+    shift 2
+    start_server "$@"
+    ours "$case" "$side"
+    stop_server
 }
 
 # The kv_open API's throughput: the legacy client's menu option 3 (SET+GET
@@ -156,13 +167,24 @@ measure() {
 }
 
 # syscalls <case>: the case's system calls per steady-state operation, every
-# thread, the provider's doorbell write left out, under strace.
+# thread of its process (of the client's, where the case has a server
+# process), the provider's doorbell write left out, under strace.
 syscalls() {
-    local case=$1 trace counted calls names
+    local case=$1 trace counted calls names line c side kind args who=both
     trace=$(mktemp)
     port=$((port + 1))
+    for line in "${cases[@]}"; do
+        read -r _ c side kind args <<<"$line"
+        [ "$c" = "$case" ] && [ "$side" = snowrdma ] && break
+    done
+    if [ "$kind" = server ]; then
+        # shellcheck disable=SC2086
+        start_server $args
+        who=caller
+    fi
     SNOWRDMA_BENCH_COSTS=/dev/null timeout 600 strace -f -qq -y -o "$trace" \
         $bench run "$case" snowrdma --port "$port" >/dev/null 2>&1
+    [ "$kind" = server ] && stop_server
     counted=$(awk -f scripts/strace-window.awk "$trace")
     rm -f "$trace"
     if [ -z "$counted" ]; then
@@ -170,7 +192,7 @@ syscalls() {
         return
     fi
     read -r calls _ names <<<"$counted"
-    echo "$case both syscalls $calls" | tee -a "$costs"
+    echo "$case $who syscalls $calls" | tee -a "$costs"
     echo "    $case: $names"
 }
 

@@ -10,7 +10,8 @@ use std::time::{Duration, Instant};
 
 use super::{
     AccessFlags, CmEventKind, CmId, CompletionQueue, ConnParam, Context, Error, MemoryRegion,
-    ProtectionDomain, QpCaps, QpOptions, QueuePair, Result, SendOp, SendRequest, WcOpcode,
+    ProtectionDomain, QpCaps, QpOptions, QueuePair, RemoteRegion, Result, SendOp, SendRequest,
+    WcOpcode, REMOTE_REGION_WIRE_LEN,
 };
 
 /// How the two QPs of a pair are connected.
@@ -319,6 +320,62 @@ fn connect_cm(ctx: &Context, buf_len: usize, timeout: Duration) -> Result<(Endpo
     client_id.expect_event(CmEventKind::ESTABLISHED, timeout)?;
     server_id.expect_event(CmEventKind::ESTABLISHED, timeout)?;
     Ok((client, server))
+}
+
+impl Endpoint {
+    /// Takes one connect request on `listener` within `timeout` from a peer
+    /// in another process: returns this side (its buffer `buf_len` bytes,
+    /// `prepare`d before the connection is accepted, so that receives it
+    /// posts are there for the peer's first message) and the peer's buffer
+    /// if it advertised one (as [`Endpoint::connect_to`] does).
+    pub fn accept_from(
+        listener: &CmId,
+        buf_len: usize,
+        timeout: Duration,
+        prepare: impl FnOnce(&Endpoint) -> Result<()>,
+    ) -> Result<(Endpoint, Option<RemoteRegion>)> {
+        let (id, ev) = listener.get_request(timeout)?;
+        let advertised = ev.private_data.iter().any(|&b| b != 0);
+        let peer = advertised
+            .then(|| peer_region(&ev.private_data))
+            .transpose()?;
+        let ep = cm_endpoint(&id, buf_len)?;
+        prepare(&ep)?;
+        id.accept(&ConnParam {
+            private_data: ep.mr.remote().to_bytes().to_vec(),
+            ..ConnParam::default()
+        })?;
+        id.expect_event(CmEventKind::ESTABLISHED, timeout)?;
+        Ok((ep, peer))
+    }
+
+    /// Connects to a peer in another process that waits in
+    /// [`Endpoint::accept_from`] at `addr`, as that one does.
+    pub fn connect_to(
+        addr: SocketAddr,
+        buf_len: usize,
+        timeout: Duration,
+        prepare: impl FnOnce(&Endpoint) -> Result<()>,
+    ) -> Result<(Endpoint, RemoteRegion)> {
+        let id = CmId::resolve(addr, None, timeout)?;
+        let ep = cm_endpoint(&id, buf_len)?;
+        prepare(&ep)?;
+        id.connect(&ConnParam {
+            private_data: ep.mr.remote().to_bytes().to_vec(),
+            ..ConnParam::default()
+        })?;
+        let ev = id.expect_event(CmEventKind::ESTABLISHED, timeout)?;
+        Ok((ep, peer_region(&ev.private_data)?))
+    }
+}
+
+/// The buffer a peer advertised in its private data (which RDMA CM pads
+/// with zeros).
+fn peer_region(private_data: &[u8]) -> Result<RemoteRegion> {
+    let bytes = private_data
+        .get(..REMOTE_REGION_WIRE_LEN)
+        .ok_or_else(|| Error::invalid("the peer did not advertise its buffer"))?;
+    RemoteRegion::from_bytes(bytes)
 }
 
 fn cm_endpoint(id: &CmId, buf_len: usize) -> Result<Endpoint> {

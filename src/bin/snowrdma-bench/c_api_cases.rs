@@ -11,7 +11,7 @@ use snowrdma::runtime::legacy_peer::LegacyPeer;
 use snowrdma::verbs::Context;
 
 use super::cost::Window;
-use super::{median, us};
+use super::{median, timed_stream, us};
 
 static RECEIVED: AtomicU64 = AtomicU64::new(0);
 static RECEIVED_BYTES: AtomicU64 = AtomicU64::new(0);
@@ -80,19 +80,25 @@ impl Drop for CPair {
     }
 }
 
+/// Post-to-completion latency of one synchronous READ (or WRITE) of the
+/// ring of a sink another process runs on the device at `port`.
 pub(crate) fn sync_lat(read: bool, iters: usize, size: usize, port: u16) -> f64 {
-    let p = CPair::new(port, None);
+    // SAFETY: the connection is live until closed below.
+    let conn = unsafe {
+        rdmaCommMode = RdmaCommMode::RDMA_BLOCKING;
+        connect_remote(port)
+    };
     // SAFETY: the connection is live; the MR is ours.
     unsafe {
-        let mr = rdmaConnRegMem(p.conn, size.max(64));
+        let mr = rdmaConnRegMem(conn, size.max(64));
         let (local, lkey) = ((*mr).addr as u64, (*mr).lkey);
-        let (remote, rkey) = ((*p.conn).tx_addr as u64, (*p.conn).tx_key);
+        let (remote, rkey) = ((*conn).tx_addr as u64, (*conn).tx_key);
         let mut lat = Vec::with_capacity(iters);
         let op = || {
             let r = if read {
-                rdmaSyncReadSignaled(p.conn, local, lkey, remote, rkey, size as u32)
+                rdmaSyncReadSignaled(conn, local, lkey, remote, rkey, size as u32)
             } else {
-                rdmaSyncWriteSignaled(p.conn, local, lkey, remote, rkey, size as u32)
+                rdmaSyncWriteSignaled(conn, local, lkey, remote, rkey, size as u32)
             };
             assert_eq!(r, size as i32);
         };
@@ -106,7 +112,8 @@ pub(crate) fn sync_lat(read: bool, iters: usize, size: usize, port: u16) -> f64 
             lat.push(us(t.elapsed()));
         }
         window.close(iters);
-        rdmaConnDeregMem(p.conn, mr);
+        rdmaConnDeregMem(conn, mr);
+        rdmaConnClose(conn);
         median(&mut lat)
     }
 }
@@ -147,20 +154,30 @@ unsafe fn ping_pong(conn: *mut RdmaConn, iters: usize, size: usize) -> f64 {
     median(&mut lat)
 }
 
+/// A client connection, whose receive callback counts, to a server another
+/// process runs on the device at `port`.
+///
+/// # Safety
+/// The caller closes the connection.
+unsafe fn connect_remote(port: u16) -> *mut RdmaConn {
+    let ip = CString::new(device_ip().to_string()).unwrap();
+    // SAFETY: zeroed options are the C programs' `{0}`.
+    let mut copt: RdmaConnOptions = std::mem::zeroed();
+    copt.recv_callback = Some(count);
+    let conn = rdmaConn(&copt);
+    assert_eq!(
+        rdmaConnect(conn, ip.as_ptr() as *mut _, port as i32),
+        RDMA_OK
+    );
+    conn
+}
+
 /// As [`echo_lat`], against an echo server another process runs on the
 /// device at `port`.
 pub(crate) fn echo_remote_lat(iters: usize, size: usize, port: u16) -> f64 {
-    let ip = CString::new(device_ip().to_string()).unwrap();
-    // SAFETY: zeroed options are the C programs' `{0}`; the connection is
-    // live until closed below.
+    // SAFETY: the connection is live until closed below.
     unsafe {
-        let mut copt: RdmaConnOptions = std::mem::zeroed();
-        copt.recv_callback = Some(count);
-        let conn = rdmaConn(&copt);
-        assert_eq!(
-            rdmaConnect(conn, ip.as_ptr() as *mut _, port as i32),
-            RDMA_OK
-        );
+        let conn = connect_remote(port);
         let half_rtt = ping_pong(conn, iters, size);
         rdmaConnClose(conn);
         half_rtt
@@ -215,21 +232,6 @@ pub(crate) fn stream(iters: usize, size: usize, port: u16) -> (f64, f64) {
     timed_stream(iters, size, send_all)
 }
 
-/// Warms up with a tenth of `iters` messages (the first find the rings and
-/// queues cold), then times and counts `send_all(iters)`: (MiB/s, Mpps).
-fn timed_stream(iters: usize, size: usize, send_all: impl Fn(usize)) -> (f64, f64) {
-    send_all(iters / 10);
-    let window = Window::open();
-    let t = Instant::now();
-    send_all(iters);
-    let secs = t.elapsed().as_secs_f64();
-    window.close(iters);
-    (
-        (iters * size) as f64 / secs / (1 << 20) as f64,
-        iters as f64 / secs / 1e6,
-    )
-}
-
 /// The 1-byte message that ends a stream: the sink echoes it back.
 const END_OF_STREAM: u8 = 0xee;
 
@@ -264,18 +266,10 @@ pub(crate) fn serve_sink(port: u16) -> Result<(), String> {
 /// the clock stops when the sink has echoed the 1-byte message sent after
 /// the stream.
 pub(crate) fn stream_remote(iters: usize, size: usize, port: u16) -> (f64, f64) {
-    let ip = CString::new(device_ip().to_string()).unwrap();
-    // SAFETY: zeroed options are the C programs' `{0}`; the connection is
-    // live until closed below.
+    // SAFETY: the connection is live until closed below.
     unsafe {
         rdmaCommMode = RdmaCommMode::RDMA_BLOCKING;
-        let mut copt: RdmaConnOptions = std::mem::zeroed();
-        copt.recv_callback = Some(count);
-        let conn = rdmaConn(&copt);
-        assert_eq!(
-            rdmaConnect(conn, ip.as_ptr() as *mut _, port as i32),
-            RDMA_OK
-        );
+        let conn = connect_remote(port);
         let msg = vec![1u8; size];
         let end = [END_OF_STREAM];
         let send_all = |n: usize| {

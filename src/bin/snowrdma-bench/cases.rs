@@ -4,11 +4,10 @@
 //! in their own processes), `run` measures the sides measured here and
 //! `report` prints the table in this order: adding a case is one entry.
 
+use super::broker_cases::{broker_all_to_all, broker_lat, broker_rate};
 use super::c_api_cases::{echo_lat, echo_remote_lat, stream, stream_remote, sync_lat};
 use super::kv_cases::{kv_bw, kv_bw_remote, kv_lat, kv_lat_remote, kv_mix, KvOp, IDLE_CLIENTS};
-use super::safe_broker_cases::{
-    broker_all_to_all, broker_lat, broker_rate, safe_send_lat, safe_write_bw, safe_write_lat,
-};
+use super::safe_cases::{safe_send_lat, safe_write_bw, safe_write_lat};
 use super::verbs_cases::{verbs_imm_lat, verbs_op_lat, verbs_write_lat, VerbsOp};
 
 /// A measurement in this program: (iterations, size, port) to its figure.
@@ -130,6 +129,25 @@ const fn against(server: &'static str, run: Run, size: usize, iters: usize) -> M
 /// Our sink for the two-process stream rows.
 const SINK: &str = "BENCH sink --port PORT";
 
+/// The far ends of the two-process verbs, safe API and broker rows.
+const TARGET: &str = "BENCH peer target --port PORT --size 64";
+const TARGET_64K: &str = "BENCH peer target --port PORT --size 65536";
+const WRITE_PONG: &str = "BENCH peer write-pong --port PORT --size 64";
+const IMM_PONG: &str = "BENCH peer imm-pong --port PORT --size 64";
+const SEND_PONG: &str = "BENCH peer send-pong --port PORT --size 64";
+const BROKER_SINK: &str = "BENCH peer broker-sink --port PORT";
+const BROKER_ECHO: &str = "BENCH peer broker-echo --port PORT";
+
+/// One signaled WRITE through our verbs layer, post to completion, to a
+/// target in another process: the reference of the signaled-WRITE rows
+/// (perftest has no signaled-WRITE latency).
+const VERBS_SIGNALED_WRITE: Measure = against(
+    TARGET,
+    |n, s, p| verbs_op_lat(VerbsOp::Write, n, s, p),
+    64,
+    1000,
+);
+
 /// Our kv_server for the two-process kv rows.
 const KV_SERVER: &str = "target/release/kv_server -a IP -p PORT -m 256";
 
@@ -205,56 +223,64 @@ pub(crate) const CASES: &[Case] = &[
     // The verbs layer, each operation as its perftest program does it.
     lat(
         "write_lat",
-        "verbs RDMA WRITE 64 B, half RTT",
+        "verbs RDMA WRITE 64 B, half RTT, 2 procs",
         "ib_write_lat",
         "<= 1.05",
         perftest("ib_write_lat", 5, "-s 64 -n 1000"),
-        here(|n, s, _| verbs_write_lat(n, s), 64, 1000),
+        against(WRITE_PONG, verbs_write_lat, 64, 1000),
     ),
     lat(
         "read_lat",
-        "verbs RDMA READ 64 B",
+        "verbs RDMA READ 64 B, 2 procs",
         "ib_read_lat",
         "<= 1.05",
         perftest("ib_read_lat", 5, "-s 64 -n 1000"),
-        here(|n, s, _| verbs_op_lat(VerbsOp::Read, n, s), 64, 1000),
+        against(
+            TARGET,
+            |n, s, p| verbs_op_lat(VerbsOp::Read, n, s, p),
+            64,
+            1000,
+        ),
     ),
     lat(
         "cas_lat",
-        "verbs atomic CAS",
+        "verbs atomic CAS, 2 procs",
         "ib_atomic_lat",
         "<= 1.05",
         perftest("ib_atomic_lat", 5, "-n 1000"),
-        here(|n, s, _| verbs_op_lat(VerbsOp::CompareSwap, n, s), 8, 1000),
+        against(
+            TARGET,
+            |n, s, p| verbs_op_lat(VerbsOp::CompareSwap, n, s, p),
+            8,
+            1000,
+        ),
     ),
     // The C API's synchronous one-sided operations.
     lat(
         "sync_read",
-        "rdmaSyncReadSignaled 64 B",
+        "rdmaSyncReadSignaled 64 B, 2 procs",
         "ib_read_lat",
         "<= 1.10",
         perftest("ib_read_lat", 5, "-s 64 -n 1000"),
-        here(|n, s, p| sync_lat(true, n, s, p), 64, 1000),
+        against(SINK, |n, s, p| sync_lat(true, n, s, p), 64, 1000),
     ),
     lat(
         "sync_write",
-        "rdmaSyncWriteSignaled 64 B",
+        "rdmaSyncWriteSignaled 64 B, 2 procs",
         "verbs signaled WRITE",
         "<= 1.10",
-        // perftest has no signaled-WRITE latency: one signaled WRITE, post
-        // to completion, through our verbs layer.
-        here(|n, s, _| verbs_op_lat(VerbsOp::Write, n, s), 64, 1000),
-        here(|n, s, p| sync_lat(false, n, s, p), 64, 1000),
+        VERBS_SIGNALED_WRITE,
+        against(SINK, |n, s, p| sync_lat(false, n, s, p), 64, 1000),
     ),
     // WRITE WITH IMM ping-pong, each side spinning on its receive CQ: the
     // runtime's wire operation without the runtime.
     lat(
         "imm_lat",
-        "verbs WRITE WITH IMM 64 B, half RTT",
+        "verbs WRITE WITH IMM 64 B, half RTT, 2 procs",
         "ib_send_lat",
         "reported",
         perftest("ib_send_lat", 5, "-s 64 -n 1000"),
-        here(|n, s, _| verbs_imm_lat(n, s), 64, 1000),
+        against(IMM_PONG, verbs_imm_lat, 64, 1000),
     ),
     // The C API's messages.
     lat(
@@ -339,82 +365,92 @@ pub(crate) const CASES: &[Case] = &[
     // perftest.
     lat(
         "safe_write_lat",
-        "safe API WRITE 64 B, post to completion",
+        "safe API WRITE 64 B, post to completion, 2 procs",
         "verbs signaled WRITE",
         "<= 1.05",
-        here(|n, s, _| verbs_op_lat(VerbsOp::Write, n, s), 64, 1000),
-        here(|n, s, _| safe_write_lat(n, s), 64, 1000),
+        VERBS_SIGNALED_WRITE,
+        against(TARGET, safe_write_lat, 64, 1000),
     ),
     lat(
         "safe_send_lat",
-        "safe API SEND 64 B ping-pong, half RTT",
+        "safe API SEND 64 B ping-pong, half RTT, 2 procs",
         "ib_send_lat",
         "reported",
         perftest("ib_send_lat", 5, "-s 64 -n 1000"),
-        here(|n, s, _| safe_send_lat(n, s), 64, 1000),
+        against(SEND_PONG, safe_send_lat, 64, 1000),
     ),
     bw(
         "safe_write_bw",
-        "safe API WRITE 64 KiB, 8 per doorbell",
+        "safe API WRITE 64 KiB, 8 per doorbell, 2 procs",
         "ib_write_bw",
         "MiB/s",
         ">= 0.95",
         perftest("ib_write_bw", 4, "-s 65536 -n 1000"),
-        here(|n, s, _| safe_write_bw(n, s), 65536, 1000),
+        against(TARGET_64K, safe_write_bw, 65536, 1000),
     ),
     // The RC message broker.
     bw(
         "broker_rate_b1",
-        "broker 64 B messages, batch 1",
+        "broker 64 B messages, batch 1, 2 procs",
         "ib_write_bw -s 64",
         "Mpps",
         "reported",
         perftest("ib_write_bw", 5, "-s 64 -n 20000"),
-        here(|n, s, p| broker_rate(1, n, s, p), 64, 20000),
+        against(BROKER_SINK, |n, s, p| broker_rate(1, n, s, p), 64, 20000),
     ),
     bw(
         "broker_rate_b8",
-        "broker 64 B messages, batch 8",
+        "broker 64 B messages, batch 8, 2 procs",
         "ib_write_bw -s 64",
         "Mpps",
         "reported",
         perftest("ib_write_bw", 5, "-s 64 -n 20000"),
-        here(|n, s, p| broker_rate(8, n, s, p), 64, 20000),
+        against(BROKER_SINK, |n, s, p| broker_rate(8, n, s, p), 64, 20000),
     ),
     bw(
         "broker_rate_b32",
-        "broker 64 B messages, batch 32",
+        "broker 64 B messages, batch 32, 2 procs",
         "ib_write_bw -s 64",
         "Mpps",
         ">= 0.90",
         perftest("ib_write_bw", 5, "-s 64 -n 20000"),
-        here(|n, s, p| broker_rate(32, n, s, p), 64, 20000),
+        against(BROKER_SINK, |n, s, p| broker_rate(32, n, s, p), 64, 20000),
     ),
     lat(
         "broker_lat",
-        "broker 64 B ping-pong, reply from the callback, half RTT",
+        "broker 64 B ping-pong, reply from the callback, half RTT, 2 procs",
         "ib_send_lat",
         "<= 1.30",
         perftest("ib_send_lat", 5, "-s 64 -n 1000"),
-        here(broker_lat, 64, 1000),
+        against(BROKER_ECHO, broker_lat, 64, 1000),
     ),
     bw(
         "broker_all2all_2",
-        "broker all-to-all 64 B, 2 peers",
+        "broker all-to-all 64 B, 2 brokers, 2 procs",
         "ib_send_bw -s 64",
         "Mpps",
         "reported",
         perftest("ib_send_bw", 5, "-s 64 -n 20000"),
-        here(|n, s, p| broker_all_to_all(2, n, s, p), 64, 10000),
+        against(
+            "BENCH peer broker-mesh --port PORT --servers 2 -n 10000",
+            |n, s, p| broker_all_to_all(2, n, s, p),
+            64,
+            10000,
+        ),
     ),
     bw(
         "broker_all2all_4",
-        "broker all-to-all 64 B, 4 peers",
+        "broker all-to-all 64 B, 4 brokers, 4 procs",
         "ib_send_bw -s 64",
         "Mpps",
         "reported",
         perftest("ib_send_bw", 5, "-s 64 -n 20000"),
-        here(|n, s, p| broker_all_to_all(4, n, s, p), 64, 3000),
+        against(
+            "BENCH peer broker-mesh --port PORT --servers 4 -n 3000",
+            |n, s, p| broker_all_to_all(4, n, s, p),
+            64,
+            3000,
+        ),
     ),
     // The key-value store: a full round trip beside perftest's half.
     lat(

@@ -10,13 +10,14 @@
 //!   snowrdma-bench report <results> [--json PATH]
 //! ```
 
+mod broker_cases;
 mod c_api_cases;
 mod cases;
 mod cost;
 mod cost_report;
 mod kv_cases;
 mod report;
-mod safe_broker_cases;
+mod safe_cases;
 mod verbs_cases;
 
 use std::net::{IpAddr, SocketAddr};
@@ -28,9 +29,11 @@ use clap::builder::PossibleValuesParser;
 use clap::{Parser, Subcommand, ValueEnum};
 use snowrdma::verbs::Context;
 
+use broker_cases::{serve_broker, MeshMember};
 use c_api_cases::{serve_legacy_peer, serve_sink};
 use cases::{print_cases, Measure, CASES};
 use report::report;
+use verbs_cases::serve_peer;
 
 #[global_allocator]
 static ALLOCATOR: cost::CountingAlloc = cost::CountingAlloc;
@@ -77,12 +80,53 @@ enum Cmd {
         #[arg(short, long)]
         port: u16,
     },
+    /// Serve as the far end of a two-process case: accept one client on
+    /// `port` and play `role` with `size`-byte messages until it goes
+    /// quiet or the process is killed.
+    Peer {
+        role: PeerRole,
+        #[arg(short, long)]
+        port: u16,
+        #[arg(short, long, default_value_t = 64)]
+        size: usize,
+        /// broker-mesh: which broker this is (1 starts the ones above it).
+        #[arg(long, default_value_t = 1)]
+        id: usize,
+        /// broker-mesh: how many brokers (one is the client's).
+        #[arg(long, default_value_t = 2)]
+        servers: usize,
+        /// broker-mesh: messages to each other broker.
+        #[arg(short = 'n', long, default_value_t = 0)]
+        iters: usize,
+    },
     /// Summarise a results file (lines: case, side, value) as a table and JSON.
     Report {
         results: PathBuf,
         #[arg(long, default_value = "target/bench/results.json")]
         json: PathBuf,
     },
+}
+
+/// What the far end of a two-process case does.
+#[derive(Clone, Copy, ValueEnum)]
+pub(crate) enum PeerRole {
+    /// Lends its buffer (every access) and does nothing: READ, WRITE and
+    /// atomic targets.
+    Target,
+    /// ib_write_lat's other side: waits for each WRITE in its buffer and
+    /// WRITEs the same iteration back.
+    WritePong,
+    /// Answers each WRITE WITH IMM with one.
+    ImmPong,
+    /// Answers each SEND with a SEND of the same size.
+    SendPong,
+    /// A broker that takes every message and answers the one that ends a
+    /// stream.
+    BrokerSink,
+    /// A broker that answers every message from its callback.
+    BrokerEcho,
+    /// Brokers 1 and up of an all-to-all, each in a process of its own.
+    BrokerMesh,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -98,6 +142,35 @@ fn median(v: &mut [f64]) -> f64 {
 
 fn us(d: Duration) -> f64 {
     d.as_secs_f64() * 1e6
+}
+
+/// Runs `iters` iterations of `one` after a tenth as many to warm up, with
+/// the cost window around the measured ones; the median of what each
+/// returns (its latency).
+fn measured(iters: usize, mut one: impl FnMut(usize) -> f64) -> f64 {
+    let warm = iters / 10;
+    for i in 0..warm {
+        one(i);
+    }
+    let window = cost::Window::open();
+    let mut lat: Vec<f64> = (warm..warm + iters).map(&mut one).collect();
+    window.close(iters);
+    median(&mut lat)
+}
+
+/// Warms up with a tenth of `iters` messages (the first find the rings and
+/// queues cold), then times and counts `send_all(iters)`: (MiB/s, Mpps).
+fn timed_stream(iters: usize, size: usize, send_all: impl Fn(usize)) -> (f64, f64) {
+    send_all(iters / 10);
+    let window = cost::Window::open();
+    let t = std::time::Instant::now();
+    send_all(iters);
+    let secs = t.elapsed().as_secs_f64();
+    window.close(iters);
+    (
+        (iters * size) as f64 / secs / (1 << 20) as f64,
+        iters as f64 / secs / 1e6,
+    )
 }
 
 /// Runs a side of a case measured in this program; None for the sides the
@@ -172,6 +245,30 @@ fn main() -> ExitCode {
         Cmd::LegacyPeer { port } => {
             if let Err(e) = serve_legacy_peer(port) {
                 eprintln!("legacy peer: {e}");
+                return ExitCode::FAILURE;
+            }
+        }
+        Cmd::Peer {
+            role,
+            port,
+            size,
+            id,
+            servers,
+            iters,
+        } => {
+            let served = match role {
+                PeerRole::BrokerSink | PeerRole::BrokerEcho | PeerRole::BrokerMesh => {
+                    let mesh = MeshMember {
+                        id,
+                        servers,
+                        per_peer: iters,
+                    };
+                    serve_broker(role, port, size, mesh)
+                }
+                _ => serve_peer(role, port, size).map_err(|e| e.to_string()),
+            };
+            if let Err(e) = served {
+                eprintln!("peer: {e}");
                 return ExitCode::FAILURE;
             }
         }

@@ -33,6 +33,17 @@ const LOOK_EVERY: Duration = Duration::from_millis(10);
 /// How long a thread that lost its CPU while spinning waits on events only.
 pub(crate) const BACK_OFF: Duration = Duration::from_millis(50);
 
+/// Environment variable: when set (to anything), a waiting thread spins for
+/// its whole `SNOWRDMA_SPIN_US` however many threads spin or run, for
+/// threads that have CPUs of their own (pinned, on an otherwise idle
+/// machine).
+pub(crate) const SPIN_ALWAYS_ENV: &str = "SNOWRDMA_SPIN_ALWAYS";
+
+fn always() -> bool {
+    static ALWAYS: OnceLock<bool> = OnceLock::new();
+    *ALWAYS.get_or_init(|| std::env::var_os(SPIN_ALWAYS_ENV).is_some())
+}
+
 static SPINNING: AtomicUsize = AtomicUsize::new(0);
 
 /// Unit tests of spinning threads run beside many others on few CPUs.
@@ -100,11 +111,20 @@ fn runnable(loadavg: &[u8]) -> Option<usize> {
 /// A thread's spin, from [`Spin::start`] until dropped.
 pub(crate) struct Spin {
     prev: Instant,
+    /// [`SPIN_ALWAYS_ENV`] is set: never stands down.
+    always: bool,
 }
 
 impl Spin {
     /// Starts spinning, if this thread may now; `None`: wait on events.
     pub(crate) fn start(now: Instant) -> Option<Spin> {
+        if always() {
+            SPINNING.fetch_add(1, Ordering::Relaxed);
+            return Some(Spin {
+                prev: now,
+                always: true,
+            });
+        }
         if backing_off(now) || (crowded(now) && !IGNORE_CROWDS.load(Ordering::Relaxed)) {
             return None;
         }
@@ -112,12 +132,18 @@ impl Spin {
             SPINNING.fetch_sub(1, Ordering::Relaxed);
             return None;
         }
-        Some(Spin { prev: now })
+        Some(Spin {
+            prev: now,
+            always: false,
+        })
     }
 
     /// Called on every pass: false when the thread should stop spinning
     /// (it lost its CPU since the last pass, and now backs off).
     pub(crate) fn pass(&mut self, now: Instant) -> bool {
+        if self.always {
+            return true;
+        }
         let gap = now.saturating_duration_since(self.prev);
         self.prev = now;
         if gap < LOST_CPU {
@@ -141,7 +167,10 @@ mod tests {
     #[test]
     fn a_thread_that_lost_its_cpu_backs_off_then_spins_again() {
         let t0 = Instant::now();
-        let mut s = Spin { prev: t0 };
+        let mut s = Spin {
+            prev: t0,
+            always: false,
+        };
         SPINNING.fetch_add(1, Ordering::Relaxed); // As start() would.
         assert!(s.pass(t0 + Duration::from_micros(10)));
         assert!(!s.pass(t0 + Duration::from_micros(10) + LOST_CPU));
@@ -150,6 +179,18 @@ mod tests {
         assert!(backing_off(later));
         assert!(Spin::start(later).is_none(), "backing off");
         assert!(!backing_off(later + BACK_OFF), "spins again");
+    }
+
+    #[test]
+    fn a_thread_told_to_spin_always_never_stands_down() {
+        let t0 = Instant::now();
+        let mut s = Spin {
+            prev: t0,
+            always: true,
+        };
+        SPINNING.fetch_add(1, Ordering::Relaxed); // As start() would.
+        assert!(s.pass(t0 + LOST_CPU * 10));
+        assert!(!backing_off(t0 + LOST_CPU * 11));
     }
 
     #[test]

@@ -397,6 +397,27 @@ impl Connection {
     /// Posts queued messages while there is room, under the state lock.
     /// Several go with one doorbell (up to [`QUEUED_PER_DOORBELL`]).
     pub(super) fn post_queued(&self, st: &mut State) -> Result<()> {
+        if !st.queue.is_empty() {
+            self.post_queue_head(st)?;
+            if !st.queue.is_empty() {
+                return Ok(());
+            }
+        }
+        if let Some(ep) = st.queue.end_episode() {
+            log::warn!(
+                "connection to {:?}: the send queue drained; {} messages ({} bytes) were refused while it was full",
+                self.inner.peer,
+                ep.refused,
+                ep.refused_bytes
+            );
+        }
+        Ok(())
+    }
+
+    /// Posts queued messages, up to [`QUEUED_PER_DOORBELL`] to a doorbell,
+    /// while the ring has room for them. Called only with a non-empty queue:
+    /// most calls find it empty, and the staging array costs a memset.
+    fn post_queue_head(&self, st: &mut State) -> Result<()> {
         let mut staged = [StagedMessage::NONE; QUEUED_PER_DOORBELL];
         let mut n = 0;
         let mut outcome = Ok(());
@@ -422,19 +443,7 @@ impl Connection {
             }
         }
         self.post_staged(&staged[..n])?;
-        outcome?;
-        if !st.queue.is_empty() {
-            return Ok(());
-        }
-        if let Some(ep) = st.queue.end_episode() {
-            log::warn!(
-                "connection to {:?}: the send queue drained; {} messages ({} bytes) were refused while it was full",
-                self.inner.peer,
-                ep.refused,
-                ep.refused_bytes
-            );
-        }
-        Ok(())
+        outcome
     }
 
     pub(super) fn post_message(

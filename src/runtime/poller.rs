@@ -558,9 +558,8 @@ mod tests {
     /// A poller that spins for good once work came, with `probes` added
     /// and the first of them busy and being polled.
     fn spinning_for(probes: &[Arc<Probe>]) -> Poller {
-        crate::runtime::spin::ignore_crowds();
         let poller = Poller::start(
-            "test-poller",
+            crate::runtime::spin::ALWAYS_SPINNING_TEST_THREAD,
             Duration::from_millis(10),
             Duration::from_secs(60),
             || {},

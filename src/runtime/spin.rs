@@ -40,21 +40,22 @@ pub(crate) const BACK_OFF: Duration = Duration::from_millis(50);
 pub(crate) const SPIN_ALWAYS_ENV: &str = "SNOWRDMA_SPIN_ALWAYS";
 
 fn always() -> bool {
+    #[cfg(test)]
+    if std::thread::current().name() == Some(ALWAYS_SPINNING_TEST_THREAD) {
+        return true;
+    }
     static ALWAYS: OnceLock<bool> = OnceLock::new();
     *ALWAYS.get_or_init(|| std::env::var_os(SPIN_ALWAYS_ENV).is_some())
 }
 
 static SPINNING: AtomicUsize = AtomicUsize::new(0);
 
-/// Unit tests of spinning threads run beside many others on few CPUs.
-static IGNORE_CROWDS: AtomicBool = AtomicBool::new(false);
-
-/// Lets threads spin however busy the machine is (for unit tests of
-/// spinning, which share it with the rest of the test suite).
+/// Threads of this name spin whatever the policy says: the poller's unit
+/// tests are about how a spinning thread polls, and run beside many other
+/// tests on few CPUs (under TSan, slowly), where the policy would keep them
+/// from spinning at all.
 #[cfg(test)]
-pub(crate) fn ignore_crowds() {
-    IGNORE_CROWDS.store(true, Ordering::Relaxed);
-}
+pub(crate) const ALWAYS_SPINNING_TEST_THREAD: &str = "test-poller";
 
 thread_local! {
     static BACKING_OFF_UNTIL: Cell<Option<Instant>> = const { Cell::new(None) };
@@ -125,7 +126,7 @@ impl Spin {
                 always: true,
             });
         }
-        if backing_off(now) || (crowded(now) && !IGNORE_CROWDS.load(Ordering::Relaxed)) {
+        if backing_off(now) || crowded(now) {
             return None;
         }
         if SPINNING.fetch_add(1, Ordering::Relaxed) >= cpus() {

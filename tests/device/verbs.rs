@@ -3,7 +3,7 @@
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::time::{Duration, Instant};
 
-use snowrdma::verbs::selftest::{ConnectMode, LoopbackPair, Op};
+use snowrdma::verbs::selftest::{ConnectMode, Endpoint, LoopbackPair, Op};
 use snowrdma::verbs::{
     AccessFlags, CmEventKind, CmId, Completion, ConnParam, Error, QpState, SendOp, SendRequest,
     WcOpcode, WcStatus,
@@ -345,6 +345,38 @@ fn private_data_travels_with_connect_and_accept() {
     client
         .expect_event(CmEventKind::DISCONNECTED, TIMEOUT)
         .unwrap();
+}
+
+#[test]
+#[ignore = "needs an RDMA device: run `make test`"]
+fn endpoints_connected_apart_learn_each_others_buffer_and_can_write_it() {
+    let listener = CmId::listen_on(SocketAddr::new(IpAddr::V4(device_ip()), 0), 1).unwrap();
+    let addr = listener.local_addr().unwrap();
+    let server = std::thread::spawn(move || {
+        Endpoint::accept_from(&listener, 64, TIMEOUT, |_| Ok(())).unwrap()
+    });
+    let (client, lent) = Endpoint::connect_to(addr, 128, TIMEOUT, |_| Ok(())).unwrap();
+    let (mut server, advertised) = server.join().unwrap();
+    assert_eq!(lent, server.mr.remote());
+    assert_eq!(advertised, Some(client.mr.remote()));
+
+    let mut client = client;
+    for (i, b) in client.mr.as_mut_slice()[..64].iter_mut().enumerate() {
+        *b = i as u8 ^ 0x5a;
+    }
+    let sge = client.mr.sge(..64);
+    unsafe {
+        client
+            .qp
+            .post_send(&[SendRequest::new(1, SendOp::Write(lent.at(0)), &[sge])])
+            .unwrap()
+    };
+    let mut wc = [Completion::default()];
+    client.send_cq.wait(&mut wc, TIMEOUT).unwrap();
+    let [wc] = wc;
+    wc.into_result().expect("the write completes");
+    let want: Vec<u8> = (0..64).map(|i| i as u8 ^ 0x5a).collect();
+    assert_eq!(&server.mr.as_mut_slice()[..64], &want[..]);
 }
 
 #[test]

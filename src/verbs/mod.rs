@@ -24,6 +24,7 @@ mod mw;
 mod pd;
 mod qp;
 pub mod selftest;
+mod wr;
 
 pub use cm::{
     CmEvent, CmEventKind, CmId, CmIdRef, ConnParam, EventChannel, MAX_ACCEPT_PRIVATE_DATA,
@@ -39,7 +40,5 @@ pub use mr::{AccessFlags, MemoryRegion, RemoteAddr, RemoteRegion, Sge, REMOTE_RE
 pub use mw::MemoryWindow;
 pub use pd::ProtectionDomain;
 pub(crate) use qp::{init_attr, random_psn};
-pub use qp::{
-    PreparedQp, QpCaps, QpInfo, QpOptions, QpState, QueuePair, SendOp, SendRequest,
-    QP_INFO_WIRE_LEN,
-};
+pub use qp::{PreparedQp, QpCaps, QpInfo, QpOptions, QpState, QueuePair, QP_INFO_WIRE_LEN};
+pub use wr::{SendOp, SendRequest};

@@ -12,6 +12,7 @@
 
 mod broker_cases;
 mod c_api_cases;
+mod case_table;
 mod cases;
 mod cost;
 mod cost_report;

@@ -341,10 +341,7 @@ impl Endpoint {
             .transpose()?;
         let ep = cm_endpoint(&id, buf_len)?;
         prepare(&ep)?;
-        id.accept(&ConnParam {
-            private_data: ep.mr.remote().to_bytes().to_vec(),
-            ..ConnParam::default()
-        })?;
+        id.accept(&advertising(&ep))?;
         id.expect_event(CmEventKind::ESTABLISHED, timeout)?;
         Ok((ep, peer))
     }
@@ -360,12 +357,17 @@ impl Endpoint {
         let id = CmId::resolve(addr, None, timeout)?;
         let ep = cm_endpoint(&id, buf_len)?;
         prepare(&ep)?;
-        id.connect(&ConnParam {
-            private_data: ep.mr.remote().to_bytes().to_vec(),
-            ..ConnParam::default()
-        })?;
+        id.connect(&advertising(&ep))?;
         let ev = id.expect_event(CmEventKind::ESTABLISHED, timeout)?;
         Ok((ep, peer_region(&ev.private_data)?))
+    }
+}
+
+/// Connection parameters that tell the peer `ep`'s buffer.
+fn advertising(ep: &Endpoint) -> ConnParam {
+    ConnParam {
+        private_data: ep.mr.remote().to_bytes().to_vec(),
+        ..ConnParam::default()
     }
 }
 

@@ -10,8 +10,7 @@ use std::time::{Duration, Instant};
 use snowrdma::broker::{Broker, Config, ConnectMode, EventKind};
 
 use super::cost::Window;
-use super::verbs_cases::device_addr;
-use super::{measured, timed_stream, us, PeerRole};
+use super::{device_addr, measured, timed_stream, us, PeerRole};
 
 const WAIT: Duration = Duration::from_secs(30);
 

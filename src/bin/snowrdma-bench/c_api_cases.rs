@@ -8,10 +8,9 @@ use std::time::{Duration, Instant};
 
 use snowrdma::ffi::rdma::*;
 use snowrdma::runtime::legacy_peer::LegacyPeer;
-use snowrdma::verbs::Context;
 
 use super::cost::Window;
-use super::{median, timed_stream, us};
+use super::{device_addr, median, timed_stream, us};
 
 static RECEIVED: AtomicU64 = AtomicU64::new(0);
 static RECEIVED_BYTES: AtomicU64 = AtomicU64::new(0);
@@ -187,7 +186,7 @@ pub(crate) fn echo_remote_lat(iters: usize, size: usize, port: u16) -> f64 {
 /// Accepts one client on `port` as a legacy-protocol peer and echoes what
 /// it sends until it leaves (or two minutes pass).
 pub(crate) fn serve_legacy_peer(port: u16) -> snowrdma::runtime::Result<()> {
-    let addr = SocketAddr::new(IpAddr::V4(device_ip()), port);
+    let addr = SocketAddr::new(device_ip(), port);
     let mut peer = LegacyPeer::accept(addr, Duration::from_secs(30), |a| {
         println!("listening on {a}")
     })?;
@@ -195,12 +194,8 @@ pub(crate) fn serve_legacy_peer(port: u16) -> snowrdma::runtime::Result<()> {
     Ok(())
 }
 
-fn device_ip() -> std::net::Ipv4Addr {
-    Context::open(None)
-        .unwrap()
-        .ipv4_address(1)
-        .unwrap()
-        .expect("an IPv4 address")
+fn device_ip() -> IpAddr {
+    device_addr(0).ip()
 }
 
 /// Streams `iters` messages of `size` bytes to a server that only counts;

@@ -1,22 +1,12 @@
 //! The key-value cases: latency, throughput in batches, and the GET/PUT mix.
 
-use std::net::{IpAddr, SocketAddr};
+use std::net::SocketAddr;
 use std::time::Instant;
 
 use snowrdma::kv;
-use snowrdma::verbs::Context;
 
 use super::cost::Window;
-use super::{median, us};
-
-/// The device's address at `port`.
-fn device_addr(port: u16) -> SocketAddr {
-    let ip = Context::open(None)
-        .and_then(|c| c.ipv4_address(1))
-        .expect("an RDMA device")
-        .expect("an IPv4 address on the device");
-    SocketAddr::new(IpAddr::V4(ip), port)
-}
+use super::{device_addr, median, us};
 
 /// A key-value server on the device, for the kv cases.
 fn kv_server(port: u16) -> kv::Server {

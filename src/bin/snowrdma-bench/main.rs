@@ -141,6 +141,15 @@ fn median(v: &mut [f64]) -> f64 {
     v[v.len() / 2]
 }
 
+/// The device's IPv4 address at `port`.
+fn device_addr(port: u16) -> SocketAddr {
+    let ip = Context::open(None)
+        .and_then(|c| c.ipv4_address(1))
+        .expect("an RDMA device")
+        .expect("an IPv4 address on the device");
+    SocketAddr::new(IpAddr::V4(ip), port)
+}
+
 fn us(d: Duration) -> f64 {
     d.as_secs_f64() * 1e6
 }

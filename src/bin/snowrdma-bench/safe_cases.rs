@@ -8,8 +8,7 @@ use snowrdma::safe::{
 };
 use snowrdma::verbs::{RemoteRegion, REMOTE_REGION_WIRE_LEN};
 
-use super::verbs_cases::device_addr;
-use super::{measured, us};
+use super::{device_addr, measured, us};
 
 const WAIT: Duration = Duration::from_secs(30);
 

@@ -3,27 +3,16 @@
 //! `snowrdma-bench peer <role>` ([`serve_peer`]), connected through RDMA CM
 //! with each side's buffer in the private data.
 
-use std::net::{IpAddr, SocketAddr};
 use std::time::{Duration, Instant};
 
 use snowrdma::verbs::selftest::Endpoint;
 use snowrdma::verbs::{
-    CmId, Completion, CompletionQueue, Context, RemoteAddr, RemoteRegion, SendOp, SendRequest,
+    CmId, Completion, CompletionQueue, RemoteAddr, RemoteRegion, SendOp, SendRequest,
 };
 
-use super::{measured, us, PeerRole};
+use super::{device_addr, measured, us, PeerRole};
 
 const WAIT: Duration = Duration::from_secs(30);
-
-/// The device's address at `port`.
-pub(crate) fn device_addr(port: u16) -> SocketAddr {
-    let ip = Context::open(None)
-        .expect("device")
-        .ipv4_address(1)
-        .expect("port")
-        .expect("an IPv4 address");
-    SocketAddr::new(IpAddr::V4(ip), port)
-}
 
 /// Waits for one completion on `cq`, spinning; None after `patience`.
 fn spin_for(cq: &CompletionQueue, patience: Duration) -> Option<Completion> {

@@ -83,16 +83,19 @@ thread_local! {
     };
 }
 
-fn add(c: Counter, n: u64) {
+/// Adds to several counters with one look-up of the thread's block.
+fn add_all(counts: &[(Counter, u64)]) {
     // During thread teardown the block may be gone: that count is lost,
     // which only a snapshot taken after the thread's last post could see.
     let _ = MINE.try_with(|b| {
-        let slot = &b.0[c as usize];
-        // Single writer: a plain load and store, not a locked add.
-        slot.store(
-            slot.load(Ordering::Relaxed).wrapping_add(n),
-            Ordering::Relaxed,
-        );
+        for &(c, n) in counts {
+            let slot = &b.0[c as usize];
+            // Single writer: a plain load and store, not a locked add.
+            slot.store(
+                slot.load(Ordering::Relaxed).wrapping_add(n),
+                Ordering::Relaxed,
+            );
+        }
     });
 }
 
@@ -164,10 +167,12 @@ pub(crate) unsafe fn post_send(mut wr: *const sys::ibv_send_wr) {
         };
         wr = w.next;
     }
-    add(Counter::SendDoorbells, 1);
-    add(Counter::SendRequests, wrs);
-    add(Counter::SignaledRequests, signaled);
-    add(Counter::WireBytes, bytes);
+    add_all(&[
+        (Counter::SendDoorbells, 1),
+        (Counter::SendRequests, wrs),
+        (Counter::SignaledRequests, signaled),
+        (Counter::WireBytes, bytes),
+    ]);
 }
 
 /// Counts one `ibv_post_recv` or `ibv_post_srq_recv` of the chain at `wr`.
@@ -180,8 +185,10 @@ pub(crate) unsafe fn post_recv(mut wr: *const sys::ibv_recv_wr) {
         wrs += 1;
         wr = (*wr).next;
     }
-    add(Counter::ReceiveDoorbells, 1);
-    add(Counter::ReceiveRequests, wrs);
+    add_all(&[
+        (Counter::ReceiveDoorbells, 1),
+        (Counter::ReceiveRequests, wrs),
+    ]);
 }
 
 /// Counts a copy of `bytes` bytes of payload, if there are any.
@@ -193,8 +200,7 @@ pub(crate) fn copied_if_any(bytes: usize) {
 
 /// Counts one user-space copy of `bytes` bytes of payload.
 pub(crate) fn copied(bytes: usize) {
-    add(Counter::Copies, 1);
-    add(Counter::CopiedBytes, bytes as u64);
+    add_all(&[(Counter::Copies, 1), (Counter::CopiedBytes, bytes as u64)]);
 }
 
 #[cfg(test)]

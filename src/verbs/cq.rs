@@ -73,7 +73,9 @@ impl CompletionChannel {
     /// Takes one event and acknowledges it, waiting at most `timeout`.
     /// Returns the raw CQ that fired, or `None` when the time ran out.
     pub fn get_event(&self, timeout: Duration) -> Result<Option<*mut sys::ibv_cq>> {
-        let deadline = Instant::now() + timeout;
+        // Set at the first wait: a caller that was told the channel is
+        // readable (the usual case) never reads the clock.
+        let mut deadline = None;
         loop {
             let mut cq = std::ptr::null_mut();
             let mut cq_ctx = std::ptr::null_mut();
@@ -91,7 +93,13 @@ impl CompletionChannel {
                     source: err,
                 });
             }
-            let left = deadline.saturating_duration_since(Instant::now());
+            if timeout.is_zero() {
+                return Ok(None);
+            }
+            let now = Instant::now();
+            let left = deadline
+                .get_or_insert(now + timeout)
+                .saturating_duration_since(now);
             if left.is_zero() || !wait_readable(self.fd(), left, "poll(completion channel)")? {
                 return Ok(None);
             }

@@ -116,6 +116,9 @@ pub struct Client {
 struct Sent {
     id: u64,
     at: Instant,
+    /// Replies filed before it was sent ([`Replies::arrived`]): its own
+    /// came after, so the inbox is looked at only once that count moves.
+    arrived_before: u64,
 }
 
 impl Client {
@@ -230,6 +233,7 @@ impl Client {
             unsafe { self.replies.land(id, buf) };
         }
         let at = Instant::now();
+        let arrived_before = self.replies.arrived.load(Ordering::Acquire);
         let header = req.header(key.len(), inline.len());
         let msg = [header.as_slice(), key, inline];
         let sent = match staged {
@@ -244,7 +248,11 @@ impl Client {
         };
         let sent = match sent {
             Ok(0) => Err(KvError::Timeout(self.conn.options().timeout)),
-            Ok(_) => Ok(Sent { id, at }),
+            Ok(_) => Ok(Sent {
+                id,
+                at,
+                arrived_before,
+            }),
             Err(e) => Err(e.into()),
         };
         if sent.is_err() && lands {
@@ -255,7 +263,7 @@ impl Client {
 
     /// Waits for the reply to `sent`, until `allowed` after it was sent.
     fn wait(&self, sent: Sent, allowed: Duration) -> Result<(Reply, Vec<u8>)> {
-        let mut seen = u64::MAX;
+        let mut seen = sent.arrived_before;
         let mut reply = None;
         let mut ended = false;
         self.conn.wait_for(sent.at + allowed, || {

@@ -9,6 +9,7 @@ use crate::runtime::proto::{Cmd, ExtKind, Opcode, CMD_LEN, EXT_HEADER_LEN, IMM_E
 use crate::runtime::ring::{wrap_point, RecvRing};
 use crate::verbs::{Completion, RemoteRegion, WcOpcode, WcStatus};
 
+use super::park::Arming;
 use super::{
     ConnState, Connection, Deferred, Delivery, KIND_SHIFT, K_BIND, K_CMD, K_DATA, K_READ, K_RECV,
     K_SYNC, K_WRITE, LOW_MASK, MAX_POLL_BATCH, PEER_CMD_RESERVE,
@@ -47,7 +48,12 @@ impl Connection {
                 .lock()
                 .unwrap_or_else(PoisonError::into_inner)
         };
-        backlog().extend(wcs[..n].iter().cloned());
+        if n > 0 {
+            let mut queue = backlog();
+            for wc in &wcs[..n] {
+                queue.push_back(wc.clone());
+            }
+        }
         loop {
             let Some(wc) = backlog().pop_front() else {
                 return n;
@@ -105,43 +111,51 @@ impl Connection {
             .recv_cq
             .channel()
             .expect("connections have a completion channel");
-        if let Err(e) = channel.get_event(Duration::ZERO) {
-            log::error!("completion channel: {e}");
+        match channel.get_event(Duration::ZERO) {
+            // The event disarmed the CQ it came from.
+            Ok(Some(cq)) if cq == self.inner.recv_cq.as_raw() => {
+                self.inner.recv_armed.store(false, Ordering::SeqCst)
+            }
+            Ok(Some(_)) => self.inner.send_armed.store(false, Ordering::SeqCst),
+            Ok(None) => {}
+            Err(e) => log::error!("completion channel: {e}"),
         }
-        // The event may have been the send CQ's, which disarms it.
-        self.inner.send_armed.store(false, Ordering::SeqCst);
     }
 
+    /// Arms the CQs (unless callers poll the connection and none sleeps),
+    /// then handles what they hold: a completion that arrives meanwhile
+    /// raises an event, one that came before is polled here.
     pub(super) fn drain_and_arm(&self) {
         let mut batch: [Completion; MAX_POLL_BATCH] = Default::default();
         let take = (self.inner.opts.max_concurrent_work_requests as usize).clamp(1, MAX_POLL_BATCH);
         let wcs = &mut batch[..take];
+        // Callers poll their own connection while they wait and arm it when
+        // they sleep; unwatched, it is looked at every tick.
+        let unwatched =
+            self.inner.opts.caller_polls && self.inner.sleepers.load(Ordering::SeqCst) == 0;
+        if !unwatched {
+            if self.arm_recv() == Arming::Failed {
+                log::warn!("arming the receive CQ failed; its completions wait for the next tick");
+            }
+            if self.inner.async_pending.load(Ordering::SeqCst) > 0
+                || self.inner.sleepers.load(Ordering::SeqCst) > 0
+                || !self.lock().queue.is_empty()
+            {
+                self.arm_send();
+            }
+        }
+        let mut rounds = 0;
         loop {
-            let mut n = self.poll_cq(false, wcs, false) + self.poll_cq(true, wcs, false);
-            if n == 0 {
-                // Callers poll their own connection while they wait and arm
-                // it when they sleep; unwatched, it is looked at every tick.
-                if self.inner.opts.caller_polls && self.inner.sleepers.load(Ordering::SeqCst) == 0 {
-                    self.after_round();
-                    return;
-                }
-                // Arm, then poll once more: a completion that arrived before
-                // arming would otherwise wait for the next one.
-                if self.inner.recv_cq.arm(false).is_err() {
-                    return;
-                }
-                if self.inner.async_pending.load(Ordering::SeqCst) > 0
-                    || self.inner.sleepers.load(Ordering::SeqCst) > 0
-                    || !self.lock().queue.is_empty()
-                {
-                    self.arm_send();
-                }
-                n = self.poll_cq(false, wcs, false) + self.poll_cq(true, wcs, false);
+            let n = self.poll_cq(false, wcs, false) + self.poll_cq(true, wcs, false);
+            // An empty round after a busy one owes nothing more.
+            if n == 0 && rounds > 0 {
+                return;
             }
             self.after_round();
             if n == 0 {
                 return;
             }
+            rounds += 1;
         }
     }
 

@@ -228,8 +228,12 @@ pub(crate) struct ConnInner {
     /// send completion): sync operations' waiters poll it themselves, and
     /// waking the completion thread for them would cost more than the wait.
     async_pending: AtomicUsize,
-    /// Whether the send CQ may be armed (cleared at each channel event).
+    /// Whether the send CQ may be armed (cleared at its channel events).
     send_armed: AtomicBool,
+    /// Whether the receive CQ is armed (cleared at its channel events): a
+    /// sleeping caller leaves it alone when the completion thread has just
+    /// armed it, which saves a system call per wait.
+    recv_armed: AtomicBool,
     pd: ProtectionDomain,
     recv_ring: MemoryRegion,
     staging: MemoryRegion,

@@ -2,12 +2,13 @@
 //! waits that drive the connection's completions themselves inside a
 //! callback (where nobody else would).
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{MutexGuard, TryLockError};
 use std::time::{Duration, Instant};
 
 use crate::runtime::spin::Spin;
 use crate::runtime::{Error, Result};
+use crate::verbs::CompletionQueue;
 
 use super::{thread_token, Connection, State};
 
@@ -57,10 +58,12 @@ impl Connection {
     pub(super) fn sleep(&self, seen: u64, deadline: Instant) {
         self.inner.sleepers.fetch_add(1, Ordering::SeqCst);
         self.arm_send();
-        if self.inner.opts.caller_polls && self.inner.recv_cq.arm(false).is_err() {
+        if self.inner.opts.caller_polls && self.arm_recv() == Arming::Failed {
             log::warn!("arming the receive CQ failed; waiting in 10 ms steps");
         }
-        // Completions that came before arming raise no event.
+        // Completions that came before arming raise no event. (Polling
+        // also when nothing was armed just now lets a reply that is on its
+        // way be taken here rather than through the completion thread.)
         if self.inner.opts.caller_polls {
             while self.poll_round() {}
         } else {
@@ -87,11 +90,15 @@ impl Connection {
     /// connection itself meanwhile and may run callbacks (see there).
     pub fn wait_for(&self, deadline: Instant, mut done: impl FnMut() -> bool) -> bool {
         let spin = self.inner.opts.spin;
-        let start_spin = |now: Instant| match spin.is_zero() {
+        // Without spinning, the clock is read only to check the deadline.
+        let start_spin = || match spin.is_zero() {
             true => None,
-            false => Spin::start(now).map(|s| (s, now + spin)),
+            false => {
+                let now = Instant::now();
+                Spin::start(now).map(|s| (s, now + spin))
+            }
         };
-        let mut spinning = start_spin(Instant::now());
+        let mut spinning = start_spin();
         loop {
             // Read before `done`, so a wake in between is not slept through.
             let seen = self.inner.wakeups.load(Ordering::SeqCst);
@@ -114,18 +121,20 @@ impl Connection {
             // Its place among the spinners is given up before it sleeps.
             drop(spinning.take());
             self.sleep(seen, deadline);
-            spinning = start_spin(Instant::now());
+            spinning = start_spin();
         }
     }
 
     /// Arms the send CQ unless it already is.
     pub(super) fn arm_send(&self) {
-        if !self.inner.send_armed.swap(true, Ordering::SeqCst)
-            && self.inner.send_cq.arm(false).is_err()
-        {
-            self.inner.send_armed.store(false, Ordering::SeqCst);
+        if arm_once(&self.inner.send_armed, &self.inner.send_cq) == Arming::Failed {
             log::warn!("arming the send CQ failed; its completions wait for the next tick");
         }
+    }
+
+    /// Arms the receive CQ unless it already is.
+    pub(super) fn arm_recv(&self) -> Arming {
+        arm_once(&self.inner.recv_armed, &self.inner.recv_cq)
     }
 
     /// Runs `f` holding the receive-poll role: at once when this thread
@@ -188,4 +197,28 @@ impl Connection {
             }
         }
     }
+}
+
+/// What arming a CQ did.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(super) enum Arming {
+    /// It was armed already, and no event has been taken since.
+    Already,
+    /// This call armed it.
+    Now,
+    /// Arming failed; the flag is clear again.
+    Failed,
+}
+
+/// Arms `cq` unless `flag` says it is armed (the flag is cleared when one
+/// of its events is taken).
+fn arm_once(flag: &AtomicBool, cq: &CompletionQueue) -> Arming {
+    if flag.swap(true, Ordering::SeqCst) {
+        return Arming::Already;
+    }
+    if cq.arm(false).is_err() {
+        flag.store(false, Ordering::SeqCst);
+        return Arming::Failed;
+    }
+    Arming::Now
 }

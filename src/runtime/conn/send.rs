@@ -199,8 +199,9 @@ impl Connection {
             return Err(Error::InvalidArgument("a message cannot be empty".into()));
         }
         let blocking = self.inner.opts.comm_mode == CommMode::Blocking;
-        let on_cq_thread = self.on_callback_thread();
-        let deadline = Instant::now() + self.inner.opts.timeout.max(Duration::from_secs(1));
+        // Only a message that finds no room needs these: most never do.
+        let mut on_cq_thread = None;
+        let mut deadline = None;
         let mut st = self.lock();
         loop {
             self.check_sendable(&st, data.len(), ext)?;
@@ -222,8 +223,12 @@ impl Connection {
             }
             // Blocking mode waits for room, except inside a callback, where
             // nobody else would hand room back.
+            let on_cq_thread = *on_cq_thread.get_or_insert_with(|| self.on_callback_thread());
             let waits = blocking && !on_cq_thread;
-            if waits && Instant::now() < deadline {
+            let now = Instant::now();
+            let deadline = *deadline
+                .get_or_insert_with(|| now + self.inner.opts.timeout.max(Duration::from_secs(1)));
+            if waits && now < deadline {
                 st = self.park(st, deadline);
                 continue;
             }

@@ -168,10 +168,13 @@ measure() {
 
 # syscalls <case>: the case's system calls per steady-state operation, every
 # thread of its process (of the client's, where the case has a server
-# process), the provider's doorbell write left out, under strace.
+# process), the provider's doorbells left out: counted by perf's syscall
+# tracepoint between the window's marks, which leaves spinning as it is
+# (the figure); then once more under strace, which slows every call enough
+# that waiting threads stop spinning, only to name the calls.
 syscalls() {
-    local case=$1 trace counted calls names line c side kind args who=both
-    trace=$(mktemp)
+    local case=$1 dir counted calls bells ops names line c side kind args who=both
+    dir=$(mktemp -d)
     port=$((port + 1))
     for line in "${cases[@]}"; do
         read -r _ c side kind args <<<"$line"
@@ -182,18 +185,31 @@ syscalls() {
         start_server $args
         who=caller
     fi
-    SNOWRDMA_BENCH_COSTS=/dev/null timeout 600 strace -f -qq -y -o "$trace" \
+    mkfifo "$dir/ctl" "$dir/ack"
+    SNOWRDMA_BENCH_COSTS="$dir/costs" SNOWRDMA_BENCH_PERF_CTL="$dir/ctl" SNOWRDMA_BENCH_PERF_ACK="$dir/ack" \
+        timeout 600 perf stat -x, -o "$dir/perf" -e raw_syscalls:sys_enter \
+        --control "fifo:$dir/ctl,$dir/ack" --delay=-1 \
+        $bench run "$case" snowrdma --port "$port" >/dev/null 2>&1
+    calls=$(awk -F, '/raw_syscalls:sys_enter/ { print $1 }' "$dir/perf")
+    # Soft-RoCE's doorbell is a write to the uverbs device per post_send.
+    bells=$(awk '$3 == "send_doorbells" { s += $4 } END { print s + 0 }' "$dir/costs")
+    ops=$(awk '$3 == "window_ops" { print $4 }' "$dir/costs")
+    if [[ "$calls" =~ ^[0-9]+$ ]] && [ -n "$ops" ]; then
+        echo "$case $who syscalls $(awk -v c="$calls" -v o="$ops" -v b="$bells" \
+            'BEGIN { v = c / o - b; printf "%.3f", v < 0 ? 0 : v }')" | tee -a "$costs"
+    else
+        echo "bench: $case under perf produced no count ($(head -c 300 "$dir/perf" 2>/dev/null))" >&2
+    fi
+    port=$((port + 1))
+    SNOWRDMA_BENCH_COSTS=/dev/null timeout 600 strace -f -qq -y -o "$dir/trace" \
         $bench run "$case" snowrdma --port "$port" >/dev/null 2>&1
     [ "$kind" = server ] && stop_server
-    counted=$(awk -f scripts/strace-window.awk "$trace")
-    rm -f "$trace"
-    if [ -z "$counted" ]; then
-        echo "bench: $case under strace produced no window" >&2
-        return
+    counted=$(awk -f scripts/strace-window.awk "$dir/trace")
+    rm -rf "$dir"
+    if [ -n "$counted" ]; then
+        read -r calls _ names <<<"$counted"
+        echo "    $case under strace (not spinning): $calls per op: $names"
     fi
-    read -r calls _ names <<<"$counted"
-    echo "$case $who syscalls $calls" | tee -a "$costs"
-    echo "    $case: $names"
 }
 
 # Instructions are counted with every end waiting on its completion channel
@@ -253,7 +269,7 @@ for rep in $(seq 1 "$reps"); do
     echo "--- repetition $rep of $reps"
     measure each
 done
-echo "--- system calls per operation (strace)"
+echo "--- system calls per operation (perf; strace names them)"
 for case in kv_get_lat kv_put_lat echo_lat msg_rate kv_get_bw safe_send_lat broker_rate_b32 broker_lat; do
     [[ "$case" =~ ${SNOWRDMA_BENCH_CASES:-.} ]] && syscalls "$case"
 done

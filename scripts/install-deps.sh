@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # Installs what building and testing snowrdma needs, and only what is
 # missing, one line per thing installed: rdma-core and its headers, perftest,
-# QEMU, a Debian kernel with rdma_rxe, virtme-ng (for the Soft-RoCE VM), the
-# pinned cbindgen, clippy and rustfmt. `apt-get update` runs only when a
+# QEMU, a Debian kernel with rdma_rxe, virtme-ng (for the Soft-RoCE VM),
+# strace, valgrind and perf (the bench's counts), the pinned cbindgen,
+# clippy and rustfmt. `apt-get update` runs only when a
 # package must be installed.
 set -euo pipefail
 
 packages=(rdma-core ibverbs-providers libibverbs-dev librdmacm-dev ibverbs-utils
           rdmacm-utils perftest libclang-dev pkg-config qemu-system-x86 linux-image-amd64
-          busybox-static kmod iproute2 python3-pip g++ strace valgrind)
+          busybox-static kmod iproute2 python3-pip g++ strace valgrind linux-perf)
 cbindgen_version=0.29.2
 installed=0
 

@@ -51,6 +51,8 @@ trap 'rm -f "$script"' EXIT
     # Huge pages for the tests that use them; failure to reserve is not fatal.
     echo 'echo 64 > /proc/sys/vm/nr_hugepages || true'
     echo 'ulimit -l unlimited'
+    # perf's tracepoints (the bench's system-call count) live in tracefs.
+    echo 'mountpoint -q /sys/kernel/tracing || mount -t tracefs nodev /sys/kernel/tracing 2>/dev/null || true'
     env | grep -E '^(SNOWRDMA_|RUST_LOG|RUST_BACKTRACE)' | grep -v '^SNOWRDMA_VM_' \
         | while IFS='=' read -r k v; do printf 'export %s=%q\n' "$k" "$v"; done || true
     printf 'cd %q\n' "$PWD"

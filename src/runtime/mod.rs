@@ -25,7 +25,8 @@ use std::time::Duration;
 
 pub(crate) use conn::thread_token;
 pub use conn::{
-    ConnHandler, ConnKind, ConnState, Connection, PdProvider, PendingReads, WeakConnection, Window,
+    ConnHandler, ConnKind, ConnState, Connection, InRing, PdProvider, PendingReads, WeakConnection,
+    Window,
 };
 pub use listener::{AcceptHook, Listener};
 pub use options::{

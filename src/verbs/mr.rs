@@ -227,6 +227,24 @@ impl MemoryRegion {
         true
     }
 
+    /// Copies `dst.len()` bytes from offset `at` of the region into `dst`,
+    /// as [`MemoryRegion::copy_out`] does; false (nothing copied) when they
+    /// are not all inside the region.
+    pub fn copy_out_to(&self, at: usize, dst: &mut [u8]) -> bool {
+        match at.checked_add(dst.len()) {
+            Some(end) if end <= self.len => {
+                // SAFETY: the source lies inside the registered buffer
+                // (checked above) and `dst` is ours; a racing remote write
+                // can change which bytes are copied, never where they go.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(self.addr.add(at), dst.as_mut_ptr(), dst.len())
+                };
+                true
+            }
+            _ => false,
+        }
+    }
+
     /// The bytes of the region, writable.
     pub fn as_mut_slice(&mut self) -> &mut [u8] {
         // SAFETY: as above, and `&mut self` excludes other Rust borrows.

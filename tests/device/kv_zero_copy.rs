@@ -59,3 +59,35 @@ fn kv_values_in_registered_memory_move_without_a_copy() {
         Err(KvError::InvalidArgument(_))
     ));
 }
+
+#[test]
+#[ignore = "needs an RDMA device"]
+fn a_small_get_copies_its_value_once_and_nothing_else() {
+    let (_server, addr) = kv_server(false);
+    let client = Client::connect(addr).unwrap();
+    let key = b"a sixteen B key!";
+    let value = [0x5a_u8; 64];
+    client.put(key, &value).unwrap();
+    let mut buf = [0u8; 64];
+    client.get_into(key, &mut buf).unwrap();
+    let before = costs::snapshot();
+    for _ in 0..10 {
+        buf.fill(0);
+        assert_eq!(client.get_into(key, &mut buf).unwrap().0, 64);
+        assert_eq!(buf, value);
+    }
+    let d = costs::snapshot().since(&before);
+    // Both ends are in this process. The client's request (header and key)
+    // goes inline from where its parts are, and the server copies it out
+    // of its ring once; the server's reply (header and the value, from its
+    // block) goes inline too, and its value lands in `buf` straight from
+    // the client's ring: one copy on each side per GET.
+    assert_eq!(d.get(Counter::Copies), 20, "{d:?}");
+    let request_bytes = (d.get(Counter::CopiedBytes) - 640) / 10;
+    assert_eq!(
+        d.get(Counter::CopiedBytes),
+        640 + 10 * request_bytes,
+        "{d:?}"
+    );
+    assert!((16..64).contains(&request_bytes), "{d:?}");
+}

@@ -121,7 +121,9 @@ impl Window {
         let ops = ops.max(1) as f64;
         let caller = diff(&mine, &self.mine);
         let everyone = diff(&all, &self.all);
-        let mut out = String::new();
+        // How many operations the window held, for counts taken outside
+        // (perf's, in scripts/bench.sh).
+        let mut out = format!("{case} both window_ops {ops}\n");
         for (side, d) in [("caller", &caller), ("rest", &minus(&everyone, &caller))] {
             for (figure, v) in d {
                 out.push_str(&format!("{case} {side} {figure} {:.3}\n", *v as f64 / ops));
@@ -144,16 +146,45 @@ impl Window {
 // its own for callgrind (which zeroes its counts on entering the first and
 // dumps them on entering the second).
 
+// Under `perf stat --control` (SNOWRDMA_BENCH_PERF_CTL and _ACK name its
+// FIFOs) the window enables and disables perf's counters, waiting for each
+// acknowledgement: perf counts only what the window holds, plus the few
+// system calls of the handshake itself.
+
 #[no_mangle]
 #[inline(never)]
 extern "C" fn snowrdma_cost_window_open() {
     let _ = std::fs::metadata("/snowrdma-cost-window/open");
+    perf_control("enable");
 }
 
 #[no_mangle]
 #[inline(never)]
 extern "C" fn snowrdma_cost_window_close(ops: usize) {
+    perf_control("disable");
     let _ = std::fs::metadata(format!("/snowrdma-cost-window/close/{ops}"));
+}
+
+/// Sends `command` to perf's control FIFO and waits for its "ack".
+fn perf_control(command: &str) {
+    let (Some(ctl), Some(ack)) = (
+        std::env::var_os("SNOWRDMA_BENCH_PERF_CTL"),
+        std::env::var_os("SNOWRDMA_BENCH_PERF_ACK"),
+    ) else {
+        return;
+    };
+    let sent = std::fs::OpenOptions::new()
+        .write(true)
+        .open(ctl)
+        .and_then(|mut f| f.write_all(format!("{command}\n").as_bytes()));
+    let acked = sent.and_then(|()| {
+        let mut f = std::fs::File::open(ack)?;
+        let mut buf = [0u8; 4];
+        std::io::Read::read_exact(&mut f, &mut buf)
+    });
+    if let Err(e) = acked {
+        eprintln!("bench: perf did not take {command:?}: {e}");
+    }
 }
 
 fn diff(now: &Counts, then: &Counts) -> Vec<(&'static str, u64)> {

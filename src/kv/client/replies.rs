@@ -7,8 +7,8 @@ use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use crate::kv::proto::{Reply, Request};
-use crate::runtime::{ConnHandler, Connection};
+use crate::kv::proto::{Reply, Request, COMPACT_REPLY_LEN};
+use crate::runtime::{ConnHandler, Connection, InRing};
 
 use super::RELEASES_PER_MESSAGE;
 
@@ -138,6 +138,42 @@ impl Replies {
 pub(super) struct ReplyHandler(pub(super) Arc<Replies>);
 
 impl ConnHandler for ReplyHandler {
+    /// A compact reply (a small inline value) for a caller waiting with its
+    /// buffer (`get_into`): the value goes from the ring straight into the
+    /// buffer, its one copy on this side. Anything else goes to `recv`.
+    fn recv_in_ring(&self, _conn: &Connection, msg: &InRing<'_>) -> bool {
+        let mut head = [0u8; COMPACT_REPLY_LEN];
+        if !msg.read(0, &mut head) {
+            return false;
+        }
+        let payload_len = msg.len() - COMPACT_REPLY_LEN;
+        let Some(reply) = Reply::decode_compact(&head, payload_len) else {
+            return false;
+        };
+        let mut inbox = self.0.inbox.lock().expect("reply lock");
+        // A reply its caller gave up on is `recv`'s to drop.
+        if inbox.abandoned.contains(&reply.req_id) {
+            return false;
+        }
+        let Some(l) = inbox.landings.get_mut(&reply.req_id) else {
+            return false;
+        };
+        if l.landed.is_some() || payload_len > l.cap {
+            return false;
+        }
+        // SAFETY: the caller keeps the buffer for us until it ends the
+        // landing, which takes this lock (Replies::land).
+        let dst = unsafe { std::slice::from_raw_parts_mut(l.at as *mut u8, payload_len) };
+        if !msg.read_payload(COMPACT_REPLY_LEN, dst) {
+            return false;
+        }
+        l.landed = Some(payload_len);
+        inbox.ready.insert(reply.req_id, (reply, Vec::new()));
+        drop(inbox);
+        self.0.arrived.fetch_add(1, Ordering::Release);
+        true
+    }
+
     fn recv(&self, conn: &Connection, data: &[u8], _imm: Option<u32>) {
         let Ok((reply, payload)) = Reply::decode(data) else {
             log::warn!("ignoring a malformed reply from the server");

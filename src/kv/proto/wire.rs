@@ -359,16 +359,22 @@ impl Reply {
         h
     }
 
+    /// The reply a compact header `head` starts, carrying `payload_len`
+    /// bytes after it; `None` when `head` is not a compact header.
+    pub fn decode_compact(head: &[u8; COMPACT_REPLY_LEN], payload_len: usize) -> Option<Reply> {
+        (head[0] == COMPACT_REPLY_TAG).then(|| Reply {
+            req_id: u64::from(u32_at(head, 8)),
+            version: u64_at(head, 0) >> 8,
+            value_len: payload_len as u64,
+            ..Reply::default()
+        })
+    }
+
     pub fn decode(msg: &[u8]) -> Result<(Reply, &[u8]), &'static str> {
-        if msg.len() >= COMPACT_REPLY_LEN && msg[0] == COMPACT_REPLY_TAG {
-            let payload = &msg[COMPACT_REPLY_LEN..];
-            let reply = Reply {
-                req_id: u64::from(u32_at(msg, 8)),
-                version: u64_at(msg, 0) >> 8,
-                value_len: payload.len() as u64,
-                ..Reply::default()
-            };
-            return Ok((reply, payload));
+        if let Some((head, payload)) = msg.split_first_chunk::<COMPACT_REPLY_LEN>() {
+            if let Some(reply) = Reply::decode_compact(head, payload.len()) {
+                return Ok((reply, payload));
+            }
         }
         if msg.len() < REPLY_LEN || u32_at(msg, 0) != REPLY_MAGIC {
             return Err("malformed reply");

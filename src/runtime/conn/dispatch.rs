@@ -10,6 +10,7 @@ use crate::runtime::ring::{wrap_point, RecvRing};
 use crate::verbs::{Completion, RemoteRegion, WcOpcode, WcStatus};
 
 use super::park::Arming;
+use super::InRing;
 use super::{
     ConnState, Connection, Deferred, Delivery, KIND_SHIFT, K_BIND, K_CMD, K_DATA, K_READ, K_RECV,
     K_SYNC, K_WRITE, LOW_MASK, MAX_POLL_BATCH, PEER_CMD_RESERVE,
@@ -433,27 +434,43 @@ impl Connection {
                 .lock()
                 .unwrap_or_else(PoisonError::into_inner)
         };
-        let mut copy = std::mem::take(&mut *slot());
         let end = d.offset + d.len;
         let mut start = d.offset;
         let mut imm = None;
+        let mut copy = None;
         if d.extended {
-            copy.clear();
-            let header = d.offset..(d.offset + EXT_HEADER_LEN).min(end);
-            self.inner.recv_ring.copy_out(header, &mut copy);
-            match ExtKind::decode(&copy) {
+            let mut header = [0u8; EXT_HEADER_LEN];
+            // In the ring: `accept` checked the range.
+            let read =
+                d.len >= EXT_HEADER_LEN && self.inner.recv_ring.copy_out_to(d.offset, &mut header);
+            match read.then(|| ExtKind::decode(&header)).flatten() {
                 // Bytes written with `write`: no callback.
-                Some(ExtKind::Silent) => return *slot() = copy,
+                Some(ExtKind::Silent) => return,
                 Some(ExtKind::WithImm(value)) => imm = Some(value),
                 None => return self.fail("the peer sent a malformed extended message"),
             }
             start += EXT_HEADER_LEN;
         }
-        copy.clear();
-        // In the ring: `accept` checked the range.
-        self.inner.recv_ring.copy_out(start..end, &mut copy);
-        self.call_handler("receive", |h| h.recv(self, &copy, imm));
-        *slot() = copy;
+        self.call_handler("receive", |h| {
+            // A message without an immediate is offered where it lies first.
+            if imm.is_none()
+                && h.recv_in_ring(
+                    self,
+                    &InRing::new(&self.inner.recv_ring, start, end - start),
+                )
+            {
+                return;
+            }
+            let mut buf = std::mem::take(&mut *slot());
+            buf.clear();
+            self.inner.recv_ring.copy_out(start..end, &mut buf);
+            crate::costs::copied_if_any(buf.len());
+            h.recv(self, &buf, imm);
+            copy = Some(buf);
+        });
+        if let Some(buf) = copy {
+            *slot() = buf;
+        }
     }
 
     /// After completions were handled: owed callbacks, then credit, then

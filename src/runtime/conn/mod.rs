@@ -4,6 +4,7 @@
 //! completion thread; RDMA CM events on its CM thread.
 
 mod dispatch;
+mod in_ring;
 mod lifecycle;
 mod one_sided;
 mod park;
@@ -12,6 +13,7 @@ mod setup;
 mod sources;
 mod window;
 
+pub use in_ring::InRing;
 pub use one_sided::PendingReads;
 pub(crate) use setup::warn_no_phys_addr;
 pub(crate) use sources::{CmSource, CqSource};
@@ -125,6 +127,14 @@ pub trait ConnHandler: Send + Sync {
     fn connected(&self, _conn: &Connection) {}
     /// A message arrived; `data` is valid only during the call.
     fn recv(&self, _conn: &Connection, _data: &[u8], _imm: Option<u32>) {}
+    /// A message without an immediate arrived, offered where it lies, before
+    /// it is copied out for `recv`: true when this took it (then `recv` is
+    /// not called for it), false to have it copied and passed to `recv`.
+    /// A handler that takes a message's payload straight to its
+    /// destination saves a copy of it.
+    fn recv_in_ring(&self, _conn: &Connection, _msg: &InRing<'_>) -> bool {
+        false
+    }
     /// An asynchronous RDMA WRITE of `len` bytes completed.
     fn write_done(&self, _conn: &Connection, _len: usize) {}
     /// An asynchronous RDMA READ of `len` bytes completed.

@@ -29,6 +29,11 @@ impl Parts<'_> {
 /// Queued messages posted with one doorbell, at most.
 const QUEUED_PER_DOORBELL: usize = 16;
 
+/// Most pieces (an extension header and the caller's parts) a message that
+/// fits inline is posted from where they are, with no copy of ours: the
+/// provider takes inline bytes at the post.
+pub(super) const INLINE_PARTS: usize = 4;
+
 /// A message copied into the staging buffer and accounted for, to be posted.
 #[derive(Clone, Copy)]
 pub(super) struct StagedMessage {
@@ -49,10 +54,10 @@ impl StagedMessage {
         inline: false,
     };
 
-    /// Its WRITE WITH IMM, gathering `sge` (a one-element array holding
-    /// `self.sge`, which the request borrows).
-    fn request<'a>(&self, sge: &'a [Sge; 1]) -> SendRequest<'a> {
-        let mut req = SendRequest::new(self.wr_id, self.op, sge);
+    /// Its WRITE WITH IMM, gathering `sges` (`[self.sge]`, or the message's
+    /// parts where it is posted inline from them).
+    fn request<'a>(&self, sges: &'a [Sge]) -> SendRequest<'a> {
+        let mut req = SendRequest::new(self.wr_id, self.op, sges);
         if !self.signal {
             req = req.unsignaled();
         }
@@ -97,8 +102,13 @@ impl Connection {
             return Ok(false);
         };
         let off = slot as usize * CMD_LEN;
-        // SAFETY: the slot is free (its previous send completed); we hold the lock.
-        unsafe { Self::copy_into(&self.inner.cmd_send, off, &cmd.encode()) };
+        // SAFETY: the slot is inside the command buffer and free (its
+        // previous send completed); we hold the lock. The protocol's own
+        // 32 bytes, not payload: not counted as a copy.
+        unsafe {
+            let at = (self.inner.cmd_send.addr() as usize + off) as *mut u8;
+            std::slice::from_raw_parts_mut(at, CMD_LEN).copy_from_slice(&cmd.encode());
+        }
         let sge = self.inner.cmd_send.sge(off..off + CMD_LEN);
         // SAFETY: the slot stays untouched until the send completes.
         let posted = unsafe {
@@ -366,7 +376,9 @@ impl Connection {
         ext: Option<ExtKind>,
     ) -> Result<Option<StagedMessage>> {
         match Self::reserve(st, data.len(), ext, false) {
-            Some(offset) => self.stage_message(st, offset, data, ext, false).map(Some),
+            Some(offset) => self
+                .stage_message(st, offset, data, ext, false, true)
+                .map(Some),
             None => Ok(None),
         }
     }
@@ -459,9 +471,18 @@ impl Connection {
         ext: Option<ExtKind>,
         before: Option<(Sge, RemoteAddr)>,
     ) -> Result<()> {
-        let m = self.stage_message(st, offset, data, ext, before.is_some())?;
-        let sges = [m.sge];
-        let req = m.request(&sges);
+        let ext_header = ext.map(ExtKind::encode);
+        let mut in_place = [Sge::EMPTY; INLINE_PARTS];
+        let pieces = ext_header.as_ref().map(|h| h.as_slice()).into_iter();
+        let in_place = match self.fits_inline(data.len() + ext_header.map_or(0, |h| h.len())) {
+            true => gather_sges(pieces.chain(data.0.iter().copied()), &mut in_place),
+            false => None,
+        };
+        let m = self.stage_message(st, offset, data, ext, before.is_some(), in_place.is_none())?;
+        let staged = [m.sge];
+        // Inline: the provider copies the parts into the work request at
+        // the post, so they may change as soon as it returns.
+        let req = m.request(in_place.unwrap_or(&staged));
         match before {
             Some((local, remote)) => {
                 let local = [local];
@@ -482,6 +503,8 @@ impl Connection {
     /// Copies a message into the staging buffer at `offset` (reserved in the
     /// send ring) and accounts for its work requests (one more when a write
     /// goes `before` it); returns the WRITE WITH IMM to post.
+    /// `copy`: whether the message is copied into the staging buffer
+    /// (not when it is posted inline from its parts).
     fn stage_message(
         &self,
         st: &mut State,
@@ -489,17 +512,18 @@ impl Connection {
         data: Parts<'_>,
         ext: Option<ExtKind>,
         before: bool,
+        copy: bool,
     ) -> Result<StagedMessage> {
         let peer = st.peer_ring.ok_or(Error::NotConnected)?;
-        let mut len = data.len();
+        let len = data.len() + if ext.is_some() { EXT_HEADER_LEN } else { 0 };
         // SAFETY: [offset, offset+total) was just reserved, so no in-flight
         // write reads it; we hold the state lock.
         unsafe {
             match ext {
+                _ if !copy => {}
                 Some(kind) => {
                     Self::copy_into(&self.inner.staging, offset, &kind.encode());
                     Self::copy_parts_into(&self.inner.staging, offset + EXT_HEADER_LEN, data);
-                    len += EXT_HEADER_LEN;
                 }
                 None => Self::copy_parts_into(&self.inner.staging, offset, data),
             }
@@ -522,8 +546,13 @@ impl Connection {
             signal,
             // Inline, the device takes the bytes with the work request
             // instead of fetching them through the staging registration.
-            inline: len <= self.inner.opts.max_inline_data as usize,
+            inline: self.fits_inline(len),
         })
+    }
+
+    /// Whether a message of `len` bytes (headers included) goes inline.
+    fn fits_inline(&self, len: usize) -> bool {
+        len <= self.inner.opts.max_inline_data as usize
     }
 
     /// Returns consumed ring space to the peer once an eighth of the ring or
@@ -560,4 +589,22 @@ impl Connection {
             self.fail(&format!("returning credit: {e}"));
         }
     }
+}
+
+/// The non-empty `pieces` as SGEs in `out` (the provider reads inline SGEs
+/// by address alone: no key), or `None` when there are more than it holds.
+fn gather_sges<'a, 'b>(
+    pieces: impl Iterator<Item = &'b [u8]>,
+    out: &'a mut [Sge; INLINE_PARTS],
+) -> Option<&'a [Sge]> {
+    let mut n = 0;
+    for piece in pieces.filter(|p| !p.is_empty()) {
+        *out.get_mut(n)? = Sge {
+            addr: piece.as_ptr() as u64,
+            length: piece.len() as u32,
+            lkey: 0,
+        };
+        n += 1;
+    }
+    Some(&out[..n])
 }

@@ -17,6 +17,7 @@ use crate::verbs::{
     AccessFlags, CmEventKind, CmId, ConnParam, Context, PreparedQp, QpCaps, QpOptions, Sge,
 };
 
+use super::send::INLINE_PARTS;
 use super::{
     wr_id, CmSource, ConnHandler, ConnInner, ConnKind, ConnState, Connection, CqSource, Link,
     NoHandler, PdProvider, State, CMD_SLOTS, K_BIND, K_RECV, MAX_POLL_BATCH, MAX_SEND_WR,
@@ -59,7 +60,12 @@ impl Connection {
         let caps = QpCaps {
             max_send_wr: MAX_SEND_WR,
             max_recv_wr: recv_depth,
-            max_send_sge: 1,
+            // Small messages go inline straight from their parts.
+            max_send_sge: if opts.max_inline_data > 0 {
+                INLINE_PARTS as u32
+            } else {
+                1
+            },
             max_recv_sge: 1,
             max_inline_data: opts.max_inline_data,
         };

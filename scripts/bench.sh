@@ -172,6 +172,8 @@ measure() {
 # tracepoint between the window's marks, which leaves spinning as it is
 # (the figure); then once more under strace, which slows every call enough
 # that waiting threads stop spinning, only to name the calls.
+named_syscalls=$(printf 'syscalls:sys_enter_%s,' futex read write ioctl epoll_wait epoll_pwait \
+    poll ppoll pread64 sched_yield nanosleep clock_nanosleep openat close | sed 's/,$//')
 syscalls() {
     local case=$1 dir counted calls bells ops names line c side kind args who=both
     dir=$(mktemp -d)
@@ -187,7 +189,7 @@ syscalls() {
     fi
     mkfifo "$dir/ctl" "$dir/ack"
     SNOWRDMA_BENCH_COSTS="$dir/costs" SNOWRDMA_BENCH_PERF_CTL="$dir/ctl" SNOWRDMA_BENCH_PERF_ACK="$dir/ack" \
-        timeout 600 perf stat -x, -o "$dir/perf" -e raw_syscalls:sys_enter \
+        timeout 600 perf stat -x, -o "$dir/perf" -e "raw_syscalls:sys_enter,$named_syscalls" \
         --control "fifo:$dir/ctl,$dir/ack" --delay=-1 \
         $bench run "$case" snowrdma --port "$port" >/dev/null 2>&1
     calls=$(awk -F, '/raw_syscalls:sys_enter/ { print $1 }' "$dir/perf")
@@ -197,6 +199,10 @@ syscalls() {
     if [[ "$calls" =~ ^[0-9]+$ ]] && [ -n "$ops" ]; then
         echo "$case $who syscalls $(awk -v c="$calls" -v o="$ops" -v b="$bells" \
             'BEGIN { v = c / o - b; printf "%.3f", v < 0 ? 0 : v }')" | tee -a "$costs"
+        # The calls named, per operation (write: with the doorbells).
+        awk -F, -v o="$ops" '$3 ~ /^syscalls:sys_enter_/ && $1 > 0 {
+                n = $3; sub(/^syscalls:sys_enter_/, "", n); printf " %s=%.3f", n, $1 / o }
+            END { printf "\n" }' "$dir/perf" | sed "s/^/    $case under perf:/"
     else
         echo "bench: $case under perf produced no count ($(head -c 300 "$dir/perf" 2>/dev/null))" >&2
     fi

@@ -4,8 +4,9 @@
 
 use crate::verbs::MemoryRegion;
 
-/// A message in the receive ring, lent to [`ConnHandler::recv_in_ring`]
-/// (crate::runtime::ConnHandler::recv_in_ring) for the call only. The peer
+/// A message in the receive ring, lent to
+/// [`ConnHandler::recv_in_ring`](crate::runtime::ConnHandler::recv_in_ring)
+/// for the call only. The peer
 /// can write the ring while it is looked at, so the bytes are reached only
 /// by copying them out: read each byte once, and decide only on the copy.
 pub struct InRing<'a> {

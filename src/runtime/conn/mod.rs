@@ -3,6 +3,7 @@
 //! and the command buffers. Completions are handled on the runtime's
 //! completion thread; RDMA CM events on its CM thread.
 
+mod credit;
 mod dispatch;
 mod in_ring;
 mod lifecycle;
@@ -192,6 +193,10 @@ struct State {
     /// Data writes posted without a completion since the last signaled one.
     unsignaled_data: u32,
     rx_msgs_reported: u64,
+    /// `tx_msgs` when the last credit was staged, and at the last tick:
+    /// whether this side has been sending (credit can ride with messages).
+    tx_msgs_at_credit: u64,
+    tx_msgs_at_tick: u64,
     last_errno: i32,
     /// Receive slots of delivered messages not yet reposted: reposted
     /// [`REPOST_BATCH`] to a doorbell, and all before a credit reports

@@ -6,7 +6,7 @@ use std::sync::MutexGuard;
 use std::time::{Duration, Instant};
 
 use crate::runtime::options::CommMode;
-use crate::runtime::proto::{Cmd, ExtKind, Opcode, CMD_LEN, EXT_HEADER_LEN, IMM_EXTENDED};
+use crate::runtime::proto::{Cmd, ExtKind, CMD_LEN, EXT_HEADER_LEN, IMM_EXTENDED};
 use crate::runtime::send_queue::{Push, SendQueueStats};
 use crate::runtime::{Error, Result};
 use crate::verbs::{MemoryRegion, RemoteAddr, SendOp, SendRequest, Sge};
@@ -95,12 +95,22 @@ impl Connection {
 
     /// Posts a command if a slot and send-queue room are free.
     pub(super) fn post_cmd(&self, st: &mut State, cmd: Cmd) -> Result<bool> {
-        if st.sq_used >= MAX_SEND_WR {
-            return Ok(false);
-        }
-        let Some(slot) = st.cmd_free.pop() else {
+        let Some((slot, sge)) = self.stage_cmd(st, cmd) else {
             return Ok(false);
         };
+        // SAFETY: the slot stays untouched until the send completes.
+        let posted = unsafe { self.inner.qp.post_send(&[cmd_request(slot, &[sge])]) };
+        self.cmd_posted(st, slot, posted.map_err(Into::into))
+            .map(|()| true)
+    }
+
+    /// Writes a command into a free slot: the slot and its bytes, or `None`
+    /// when no slot or send-queue room is free.
+    pub(super) fn stage_cmd(&self, st: &mut State, cmd: Cmd) -> Option<(u16, Sge)> {
+        if st.sq_used >= MAX_SEND_WR {
+            return None;
+        }
+        let slot = st.cmd_free.pop()?;
         let off = slot as usize * CMD_LEN;
         // SAFETY: the slot is inside the command buffer and free (its
         // previous send completed); we hold the lock. The protocol's own
@@ -109,25 +119,17 @@ impl Connection {
             let at = (self.inner.cmd_send.addr() as usize + off) as *mut u8;
             std::slice::from_raw_parts_mut(at, CMD_LEN).copy_from_slice(&cmd.encode());
         }
-        let sge = self.inner.cmd_send.sge(off..off + CMD_LEN);
-        // SAFETY: the slot stays untouched until the send completes.
-        let posted = unsafe {
-            self.inner.qp.post_send(&[SendRequest::new(
-                wr_id(K_CMD, slot as u64),
-                SendOp::Send,
-                &[sge],
-            )])
-        };
+        Some((slot, self.inner.cmd_send.sge(off..off + CMD_LEN)))
+    }
+
+    /// Accounts for a staged command's post: its send-queue entry, or its
+    /// slot back when the post failed.
+    pub(super) fn cmd_posted(&self, st: &mut State, slot: u16, posted: Result<()>) -> Result<()> {
         match posted {
-            Ok(()) => {
-                st.sq_used += 1;
-                Ok(true)
-            }
-            Err(e) => {
-                st.cmd_free.push(slot);
-                Err(e.into())
-            }
+            Ok(()) => st.sq_used += 1,
+            Err(_) => st.cmd_free.push(slot),
         }
+        posted
     }
 
     /// Sends a message: the peer's `recv` callback gets exactly these bytes,
@@ -483,21 +485,33 @@ impl Connection {
         // Inline: the provider copies the parts into the work request at
         // the post, so they may change as soon as it returns.
         let req = m.request(in_place.unwrap_or(&staged));
-        match before {
-            Some((local, remote)) => {
-                let local = [local];
-                let write =
-                    SendRequest::new(wr_id(K_DATA, 0), SendOp::Write(remote), &local).unsignaled();
-                // SAFETY: the caller keeps the written range unchanged until
-                // the peer has the message; the staging range stays reserved
-                // until the peer returns it, after this write has landed.
-                unsafe { self.inner.qp.post_send(&[write, req]) }
-            }
-            // SAFETY: the staging range stays reserved until the peer
-            // returns it, which is after this write has landed.
-            None => unsafe { self.inner.qp.post_send(&[req]) },
+        // Credit owed to the peer goes with the message: no doorbell of its own.
+        let credit = self.credit_to_carry(st)?;
+        let credit_sge = credit.map(|(_, sge)| [sge]);
+        let mut chain = [req; 3];
+        let mut n = 0;
+        if let (Some((slot, _)), Some(sge)) = (credit, &credit_sge) {
+            chain[n] = cmd_request(slot, sge);
+            n += 1;
         }
-        .map_err(Into::into)
+        let local = before.map(|(local, _)| [local]);
+        if let (Some((_, remote)), Some(local)) = (before, &local) {
+            chain[n] =
+                SendRequest::new(wr_id(K_DATA, 0), SendOp::Write(remote), local).unsignaled();
+            n += 1;
+        }
+        chain[n] = req;
+        // SAFETY: a write's caller keeps the written range unchanged until
+        // the peer has the message; the staging range stays reserved until
+        // the peer returns it, after the message has landed; the command
+        // slot stays untouched until its send completes.
+        let posted = unsafe { self.inner.qp.post_send(&chain[..=n]) }.map_err(Into::into);
+        match credit {
+            // The credit is reported already: a failed post loses it, so
+            // the connection cannot go on.
+            Some((slot, _)) => self.cmd_posted(st, slot, posted),
+            None => posted,
+        }
     }
 
     /// Copies a message into the staging buffer at `offset` (reserved in the
@@ -554,41 +568,6 @@ impl Connection {
     fn fits_inline(&self, len: usize) -> bool {
         len <= self.inner.opts.max_inline_data as usize
     }
-
-    /// Returns consumed ring space to the peer once an eighth of the ring or
-    /// of the receive queue is waiting, or whatever is waiting when `force`d
-    /// (every tick of the completion thread), so a sender never waits longer
-    /// than a tick while one credit message covers many messages.
-    pub(super) fn maybe_send_credit(&self, force: bool) {
-        let mut st = self.lock();
-        if st.peer_version < 1 || st.state != ConnState::MrReady {
-            return;
-        }
-        let unreported = st.rx.unreported();
-        let unreported_msgs = st.rx_msgs - st.rx_msgs_reported;
-        let enough = unreported >= self.inner.recv_ring.len() as u64 / 8
-            || unreported_msgs >= u64::from(self.inner.opts.recv_depth / 8).max(1);
-        if unreported == 0 || !(force || enough) {
-            return;
-        }
-        // No free slot: a command completion will free one, and a later
-        // round sends the credit (still unreported until then).
-        if st.cmd_free.is_empty() || st.sq_used >= MAX_SEND_WR {
-            return;
-        }
-        // Every message the credit reports has its receive back first.
-        if let Err(e) = self.flush_reposts(&mut st) {
-            drop(st);
-            return self.fail(&format!("reposting receives: {e}"));
-        }
-        let consumed = st.rx.take_report();
-        st.rx_msgs_reported = st.rx_msgs;
-        let cmd = Cmd::new(Opcode::Credit, consumed, st.rx_msgs as u32, 0);
-        if let Err(e) = self.post_cmd(&mut st, cmd) {
-            drop(st);
-            self.fail(&format!("returning credit: {e}"));
-        }
-    }
 }
 
 /// The non-empty `pieces` as SGEs in `out` (the provider reads inline SGEs
@@ -607,4 +586,9 @@ fn gather_sges<'a, 'b>(
         n += 1;
     }
     Some(&out[..n])
+}
+
+/// The SEND of the command in `slot`.
+pub(super) fn cmd_request(slot: u16, sge: &[Sge; 1]) -> SendRequest<'_> {
+    SendRequest::new(wr_id(K_CMD, u64::from(slot)), SendOp::Send, sge)
 }

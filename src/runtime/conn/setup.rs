@@ -158,6 +158,8 @@ impl Connection {
                     legacy_exhausted: false,
                     unsignaled_data: 0,
                     rx_msgs_reported: 0,
+                    tx_msgs_at_credit: 0,
+                    tx_msgs_at_tick: 0,
                     last_errno: 0,
                     reposts: Vec::with_capacity(REPOST_BATCH),
                 }),

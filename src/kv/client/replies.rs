@@ -138,9 +138,10 @@ impl Replies {
 pub(super) struct ReplyHandler(pub(super) Arc<Replies>);
 
 impl ConnHandler for ReplyHandler {
-    /// A compact reply (a small inline value) for a caller waiting with its
-    /// buffer (`get_into`): the value goes from the ring straight into the
-    /// buffer, its one copy on this side. Anything else goes to `recv`.
+    /// A compact reply (status OK, a small inline value or none): a value
+    /// for a caller waiting with its buffer (`get_into`) goes from the ring
+    /// straight into the buffer, its one copy on this side; a reply with no
+    /// value is filed from its header alone. Anything else goes to `recv`.
     fn recv_in_ring(&self, _conn: &Connection, msg: &InRing<'_>) -> bool {
         let mut head = [0u8; COMPACT_REPLY_LEN];
         if !msg.read(0, &mut head) {
@@ -155,19 +156,19 @@ impl ConnHandler for ReplyHandler {
         if inbox.abandoned.contains(&reply.req_id) {
             return false;
         }
-        let Some(l) = inbox.landings.get_mut(&reply.req_id) else {
-            return false;
-        };
-        if l.landed.is_some() || payload_len > l.cap {
-            return false;
+        match inbox.landings.get_mut(&reply.req_id) {
+            Some(l) if l.landed.is_none() && payload_len <= l.cap => {
+                // SAFETY: the caller keeps the buffer for us until it ends
+                // the landing, which takes this lock (Replies::land).
+                let dst = unsafe { std::slice::from_raw_parts_mut(l.at as *mut u8, payload_len) };
+                if !msg.read_payload(COMPACT_REPLY_LEN, dst) {
+                    return false;
+                }
+                l.landed = Some(payload_len);
+            }
+            _ if payload_len == 0 => {}
+            _ => return false,
         }
-        // SAFETY: the caller keeps the buffer for us until it ends the
-        // landing, which takes this lock (Replies::land).
-        let dst = unsafe { std::slice::from_raw_parts_mut(l.at as *mut u8, payload_len) };
-        if !msg.read_payload(COMPACT_REPLY_LEN, dst) {
-            return false;
-        }
-        l.landed = Some(payload_len);
         inbox.ready.insert(reply.req_id, (reply, Vec::new()));
         drop(inbox);
         self.0.arrived.fetch_add(1, Ordering::Release);

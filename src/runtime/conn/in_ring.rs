@@ -42,11 +42,12 @@ impl<'a> InRing<'a> {
         }
     }
 
-    /// [`InRing::read`] of payload: counted as one user-space copy of it.
+    /// [`InRing::read`] of payload: counted as one user-space copy of it
+    /// (none when `dst` is empty).
     pub fn read_payload(&self, at: usize, dst: &mut [u8]) -> bool {
         let read = self.read(at, dst);
         if read {
-            crate::costs::copied(dst.len());
+            crate::costs::copied_if_any(dst.len());
         }
         read
     }

@@ -20,12 +20,14 @@ prints: <total> <polling> <clock loop> <counted>, summed over the files.
 
 import argparse
 import collections
+import functools
 import sys
 
 PROVIDER_DIR = "/libibverbs/"
 CLOCK_LOOP_CALLS = 1000
 
 
+@functools.lru_cache(maxsize=None)
 def parse(path):
     """Self cost per (object, function), and per call edge its calls and
     inclusive cost; the file's summary total."""

@@ -212,16 +212,11 @@ impl MemoryRegion {
         }
         let n = range.end - range.start;
         dst.reserve(n);
-        // SAFETY: the source lies inside the registered buffer (checked
-        // above) and the destination has `n` bytes of spare capacity; a
-        // racing remote write can change which bytes are copied, never
-        // where they go.
+        // SAFETY: the destination has `n` bytes of spare capacity, which
+        // the copy fills before they count as the vector's.
         unsafe {
-            std::ptr::copy_nonoverlapping(
-                self.addr.add(range.start),
-                dst.as_mut_ptr().add(dst.len()),
-                n,
-            );
+            let copied = self.read_raw(range.start, n, dst.as_mut_ptr().add(dst.len()));
+            debug_assert!(copied);
             dst.set_len(dst.len() + n);
         }
         true
@@ -231,14 +226,21 @@ impl MemoryRegion {
     /// as [`MemoryRegion::copy_out`] does; false (nothing copied) when they
     /// are not all inside the region.
     pub fn copy_out_to(&self, at: usize, dst: &mut [u8]) -> bool {
-        match at.checked_add(dst.len()) {
+        // SAFETY: `dst` is ours and `dst.len()` long.
+        unsafe { self.read_raw(at, dst.len(), dst.as_mut_ptr()) }
+    }
+
+    /// Copies `n` bytes at `at` of the region to `dst` if they are all
+    /// inside it (else false, nothing copied), without forming a Rust
+    /// reference to memory a peer may be writing: a racing remote write can
+    /// change which bytes are copied, never where they go.
+    ///
+    /// # Safety
+    /// `dst` must be valid for `n` bytes of writes.
+    unsafe fn read_raw(&self, at: usize, n: usize, dst: *mut u8) -> bool {
+        match at.checked_add(n) {
             Some(end) if end <= self.len => {
-                // SAFETY: the source lies inside the registered buffer
-                // (checked above) and `dst` is ours; a racing remote write
-                // can change which bytes are copied, never where they go.
-                unsafe {
-                    std::ptr::copy_nonoverlapping(self.addr.add(at), dst.as_mut_ptr(), dst.len())
-                };
+                std::ptr::copy_nonoverlapping(self.addr.add(at), dst, n);
                 true
             }
             _ => false,

@@ -9,7 +9,6 @@ use crate::runtime::proto::{Cmd, ExtKind, Opcode, CMD_LEN, EXT_HEADER_LEN, IMM_E
 use crate::runtime::ring::{wrap_point, RecvRing};
 use crate::verbs::{Completion, RemoteRegion, WcOpcode, WcStatus};
 
-use super::park::Arming;
 use super::InRing;
 use super::{
     ConnState, Connection, Deferred, Delivery, KIND_SHIFT, K_BIND, K_CMD, K_DATA, K_READ, K_RECV,
@@ -50,10 +49,7 @@ impl Connection {
                 .unwrap_or_else(PoisonError::into_inner)
         };
         if n > 0 {
-            let mut queue = backlog();
-            for wc in &wcs[..n] {
-                queue.push_back(wc.clone());
-            }
+            backlog().extend(wcs[..n].iter().cloned());
         }
         loop {
             let Some(wc) = backlog().pop_front() else {
@@ -135,7 +131,7 @@ impl Connection {
         let unwatched =
             self.inner.opts.caller_polls && self.inner.sleepers.load(Ordering::SeqCst) == 0;
         if !unwatched {
-            if self.arm_recv() == Arming::Failed {
+            if !self.arm_recv() {
                 log::warn!("arming the receive CQ failed; its completions wait for the next tick");
             }
             if self.inner.async_pending.load(Ordering::SeqCst) > 0
@@ -145,18 +141,18 @@ impl Connection {
                 self.arm_send();
             }
         }
-        let mut rounds = 0;
+        let mut handled = false;
         loop {
             let n = self.poll_cq(false, wcs, false) + self.poll_cq(true, wcs, false);
             // An empty round after a busy one owes nothing more.
-            if n == 0 && rounds > 0 {
+            if n == 0 && handled {
                 return;
             }
             self.after_round();
             if n == 0 {
                 return;
             }
-            rounds += 1;
+            handled = true;
         }
     }
 

@@ -58,7 +58,7 @@ impl Connection {
     pub(super) fn sleep(&self, seen: u64, deadline: Instant) {
         self.inner.sleepers.fetch_add(1, Ordering::SeqCst);
         self.arm_send();
-        if self.inner.opts.caller_polls && self.arm_recv() == Arming::Failed {
+        if self.inner.opts.caller_polls && !self.arm_recv() {
             log::warn!("arming the receive CQ failed; waiting in 10 ms steps");
         }
         // Completions that came before arming raise no event. (Polling
@@ -127,13 +127,13 @@ impl Connection {
 
     /// Arms the send CQ unless it already is.
     pub(super) fn arm_send(&self) {
-        if arm_once(&self.inner.send_armed, &self.inner.send_cq) == Arming::Failed {
+        if !arm_once(&self.inner.send_armed, &self.inner.send_cq) {
             log::warn!("arming the send CQ failed; its completions wait for the next tick");
         }
     }
 
-    /// Arms the receive CQ unless it already is.
-    pub(super) fn arm_recv(&self) -> Arming {
+    /// Arms the receive CQ unless it already is; false when arming failed.
+    pub(super) fn arm_recv(&self) -> bool {
         arm_once(&self.inner.recv_armed, &self.inner.recv_cq)
     }
 
@@ -199,26 +199,16 @@ impl Connection {
     }
 }
 
-/// What arming a CQ did.
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-pub(super) enum Arming {
-    /// It was armed already, and no event has been taken since.
-    Already,
-    /// This call armed it.
-    Now,
-    /// Arming failed; the flag is clear again.
-    Failed,
-}
-
 /// Arms `cq` unless `flag` says it is armed (the flag is cleared when one
-/// of its events is taken).
-fn arm_once(flag: &AtomicBool, cq: &CompletionQueue) -> Arming {
+/// of its events is taken); false when arming failed (the flag is clear
+/// again).
+fn arm_once(flag: &AtomicBool, cq: &CompletionQueue) -> bool {
     if flag.swap(true, Ordering::SeqCst) {
-        return Arming::Already;
+        return true;
     }
     if cq.arm(false).is_err() {
         flag.store(false, Ordering::SeqCst);
-        return Arming::Failed;
+        return false;
     }
-    Arming::Now
+    true
 }

@@ -69,16 +69,25 @@ impl StagedMessage {
 }
 
 impl Connection {
-    /// Copies `bytes` into one of our own registered buffers at `offset`.
+    /// `len` bytes at `offset` of one of our own registered buffers.
     ///
     /// # Safety
     /// The range must be inside `mr` and no posted operation may be reading
     /// it; callers hold the state lock, which owns staging and command slots.
+    // The bytes are registered memory the connection owns, not `mr`'s own
+    // fields: a `&MemoryRegion` lends no Rust borrow of them.
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn bytes_of(mr: &MemoryRegion, offset: usize, len: usize) -> &mut [u8] {
+        debug_assert!(offset + len <= mr.len());
+        std::slice::from_raw_parts_mut((mr.addr() as usize + offset) as *mut u8, len)
+    }
+
+    /// Copies `bytes` into one of our own registered buffers at `offset`.
+    ///
+    /// # Safety
+    /// As [`Connection::bytes_of`].
     pub(super) unsafe fn copy_into(mr: &MemoryRegion, offset: usize, bytes: &[u8]) {
-        debug_assert!(offset + bytes.len() <= mr.len());
-        let dst =
-            std::slice::from_raw_parts_mut((mr.addr() as usize + offset) as *mut u8, bytes.len());
-        crate::copy::copy(dst, bytes);
+        crate::copy::copy(Self::bytes_of(mr, offset, bytes.len()), bytes);
     }
 
     /// Copies the parts of a message, one after the other, into one of our
@@ -87,10 +96,7 @@ impl Connection {
     /// # Safety
     /// As [`Connection::copy_into`], for the whole message.
     unsafe fn copy_parts_into(mr: &MemoryRegion, offset: usize, data: Parts<'_>) {
-        let len = data.len();
-        debug_assert!(offset + len <= mr.len());
-        let dst = std::slice::from_raw_parts_mut((mr.addr() as usize + offset) as *mut u8, len);
-        crate::copy::gather(dst, data.0);
+        crate::copy::gather(Self::bytes_of(mr, offset, data.len()), data.0);
     }
 
     /// Posts a command if a slot and send-queue room are free.
@@ -115,10 +121,8 @@ impl Connection {
         // SAFETY: the slot is inside the command buffer and free (its
         // previous send completed); we hold the lock. The protocol's own
         // 32 bytes, not payload: not counted as a copy.
-        unsafe {
-            let at = (self.inner.cmd_send.addr() as usize + off) as *mut u8;
-            std::slice::from_raw_parts_mut(at, CMD_LEN).copy_from_slice(&cmd.encode());
-        }
+        unsafe { Self::bytes_of(&self.inner.cmd_send, off, CMD_LEN) }
+            .copy_from_slice(&cmd.encode());
         Some((slot, self.inner.cmd_send.sge(off..off + CMD_LEN)))
     }
 

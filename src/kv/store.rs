@@ -19,7 +19,7 @@ use super::pool::{Chunk, Mapping, Pool, SLAB_PAGE};
 use super::proto::{
     block_len, key_hash, seal_block, value_checksum, Slot, BLOCK_HEADER_LEN, SUPERSEDED_MAGIC,
 };
-use super::{KvError, Result};
+use super::{check_key, KvError, Result, MAX_KEY_LEN};
 
 const SHARDS: usize = 64;
 
@@ -368,6 +368,33 @@ impl Store {
         self.publish(key, block, value_hash, cas)
     }
 
+    /// Stores under a `key_len`-byte key a `value_len`-byte value that
+    /// `fill` writes, the key before it, straight into the new block (their
+    /// one copy): `fill` gets the block's key-and-value bytes and says
+    /// whether it filled them all. Until it is published only this call can
+    /// reach the block, so the key and the value's hash are taken from what
+    /// `fill` wrote.
+    pub fn put_filled(
+        &self,
+        key_len: usize,
+        value_len: usize,
+        fill: impl FnOnce(&mut [u8]) -> bool,
+        cas: Option<u64>,
+    ) -> Result<u64> {
+        let mut key = [0u8; MAX_KEY_LEN];
+        let key = key.get_mut(..key_len).ok_or(KvError::KeyTooLong)?;
+        check_key(key)?;
+        self.check_value_len(value_len as u64)?;
+        let mut block = self.new_block(block_len(key_len, value_len))?;
+        let bytes = &mut block.bytes_mut()[BLOCK_HEADER_LEN..];
+        if !fill(bytes) {
+            return Err(KvError::Internal("the value could not be read".into()));
+        }
+        key.copy_from_slice(&bytes[..key_len]);
+        let hash = value_checksum(&bytes[key_len..]);
+        self.publish(key, block, hash, cas)
+    }
+
     /// A write target for a value of `value_len` bytes under a key of
     /// `key_len` bytes; `expose` makes its registration writable by the one
     /// client it is for.
@@ -460,26 +487,37 @@ impl Store {
             len: block.len as u64,
             rkey: block.rkey,
         };
-        let block = Arc::new(block);
         match existing {
             Some(item) => {
                 self.index.update(bucket, item.place, slot);
-                let old = std::mem::replace(&mut item.block, block);
                 item.version = version;
                 // After the index points at the new block, before the
                 // writer's reply: whoever reads the old one by a remembered
-                // address from now on finds it superseded.
-                old.supersede();
-                drop(shard);
-                // Freed here unless a lease still holds it.
-                drop(old);
+                // address from now on finds it superseded. Freed at once
+                // unless a lease or a reply in flight still holds it; when
+                // nothing does, the new block takes its place in the same
+                // allocation, so rewriting a key allocates nothing.
+                match Arc::get_mut(&mut item.block) {
+                    Some(only) => {
+                        let old = std::mem::replace(only, block);
+                        old.supersede();
+                        drop(shard);
+                        drop(old);
+                    }
+                    None => {
+                        let old = std::mem::replace(&mut item.block, Arc::new(block));
+                        old.supersede();
+                        drop(shard);
+                        drop(old);
+                    }
+                }
             }
             None => {
                 let place = self.index.insert(bucket, slot);
                 shard.items.insert(
                     key.into(),
                     Item {
-                        block,
+                        block: Arc::new(block),
                         version,
                         place,
                     },

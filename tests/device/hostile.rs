@@ -2,17 +2,18 @@
 //! they may not: each is cut off, and nobody else notices.
 
 use std::net::{IpAddr, SocketAddr};
-use std::sync::Arc;
-use std::time::Instant;
+use std::sync::{mpsc, Arc, Mutex};
+use std::time::{Duration, Instant};
 
-use snowrdma::kv::proto::{Op, Reply, Request};
-use snowrdma::kv::Client;
+use snowrdma::kv::proto::{Op, Reply, Request, ServerInfo};
+use snowrdma::kv::{Client, ClientOptions, KvError, Server, ServerConfig};
 use snowrdma::runtime::legacy_peer::LegacyPeer;
 use snowrdma::runtime::proto::{Cmd, Opcode, CMD_LEN, IMM_EXTENDED, VERSION};
 use snowrdma::runtime::{ConnHandler, ConnState, Connection, Listener, Options};
 use snowrdma::verbs::RemoteAddr;
 
 use crate::kv::{kv_server, stat_falls_to};
+use crate::kv_limits::Replies;
 use crate::runtime::Collect;
 use crate::{device_ip, TIMEOUT};
 
@@ -233,4 +234,166 @@ fn a_panicking_handler_ends_only_its_connection() {
     assert!(c.send(b"late").unwrap() > 0);
     assert_eq!(late.wait_bytes(4, TIMEOUT), b"late");
     listener.release();
+}
+
+/// A small PUT the server stores straight from its receive ring is checked
+/// as any other: a key of no bytes or too many, or a value too long, is
+/// answered with its error and stores nothing; a good one is stored whole.
+#[test]
+#[ignore = "needs an RDMA device: run `make test`"]
+fn puts_stored_from_the_ring_are_checked_like_any_other() {
+    let server = Server::new(ServerConfig {
+        addr: SocketAddr::new(IpAddr::V4(device_ip()), 0),
+        memory_size: 16 << 20,
+        table_size: 1024,
+        workers: 1,
+        max_value: 100,
+        ..ServerConfig::default()
+    })
+    .unwrap();
+    server.start().unwrap();
+    let addr = server.local_addr().unwrap();
+    let (tx, replies) = mpsc::channel();
+    let raw =
+        Connection::connect(addr, &Options::default(), Arc::new(Replies(Mutex::new(tx)))).unwrap();
+    let put = |id: u64, key: &[u8], value: &[u8]| {
+        let mut req = Request::new(Op::Write, id);
+        req.value_len = value.len() as u64;
+        let msg = req.encode(key, value);
+        assert_eq!(msg[0], 0xb1, "a compact request");
+        assert!(raw.send(&msg).unwrap() > 0);
+        let reply = replies.recv_timeout(TIMEOUT).expect("a reply");
+        assert_eq!(reply.req_id, id);
+        reply.status
+    };
+    let code = |e: KvError| e.code();
+    let too_long_key = vec![b'k'; 1025];
+    assert_eq!(
+        put(1, b"", b"value"),
+        code(KvError::InvalidArgument(String::new()))
+    );
+    assert_eq!(put(2, &too_long_key, b"value"), code(KvError::KeyTooLong));
+    assert_eq!(
+        put(3, b"key", &[7; 101]),
+        code(KvError::ValueTooLong { max: 100 })
+    );
+    assert_eq!(put(4, b"key", &[7; 100]), 0);
+    assert_eq!(put(5, b"empty", b""), 0);
+    let client = Client::connect(addr).unwrap();
+    assert_eq!(client.get(b"key").unwrap(), (vec![7; 100], 1));
+    assert_eq!(client.get(b"empty").unwrap(), (vec![], 1));
+    let stats = server.stats();
+    // A value too long is the client's to know, not counted as an error.
+    assert_eq!(
+        (stats.puts, stats.items, stats.errors),
+        (2, 2, 2),
+        "{stats:?}"
+    );
+    assert_eq!(
+        raw.state(),
+        ConnState::MrReady,
+        "errors are answered, not fatal"
+    );
+    server.stop();
+}
+
+/// A kv "server" that answers HELLO as a server would, and every other
+/// request with what `answer` makes of its id.
+struct Liar {
+    answer: Answer,
+}
+
+/// The message a [`Liar`] sends for a request's id.
+type Answer = fn(u64) -> Vec<u8>;
+
+impl ConnHandler for Liar {
+    fn recv(&self, conn: &Connection, data: &[u8], _imm: Option<u32>) {
+        let Ok((req, _, _)) = Request::decode(data) else {
+            return;
+        };
+        let msg = if req.op == Op::Hello {
+            let info = ServerInfo {
+                request_buf: 4096,
+                request_buf_len: 4096,
+                request_buf_rkey: 1,
+                index_addr: 8192,
+                index_rkey: 2,
+                buckets: 16,
+                pool_rkey: 3,
+                max_key: 1024,
+                max_value: 1 << 20,
+            }
+            .encode();
+            let hello = Reply {
+                req_id: req.req_id,
+                value_len: info.len() as u64,
+                ..Reply::default()
+            };
+            hello.encode(&info)
+        } else {
+            (self.answer)(req.req_id)
+        };
+        let _ = conn.send(&msg);
+    }
+}
+
+/// Replies that break the protocol end the client's connection: the call
+/// waiting for one fails at once with `Disconnected` (not after its
+/// timeout), and no byte of them reaches the caller's buffer.
+#[test]
+#[ignore = "needs an RDMA device: run `make test`"]
+fn a_server_that_garbles_its_replies_is_cut_off() {
+    let garbled: [(&str, Answer); 4] = [
+        // A compact reply's tag, then less than its header.
+        ("a cut compact header", |id| {
+            vec![0xa1, 1, 0, 0, 0, 0, 0, id as u8]
+        }),
+        ("a full header with a bad magic", |id| {
+            let mut m = Reply {
+                req_id: id,
+                ..Reply::default()
+            }
+            .encode(&[]);
+            m.resize(56, 0);
+            m[..4].copy_from_slice(b"EVIL");
+            m
+        }),
+        ("a full header cut short", |id| {
+            let mut m = Reply::error(id, KvError::NotFound).encode(&[]);
+            m.truncate(40);
+            m
+        }),
+        ("twelve zero bytes", |_| vec![0; 12]),
+    ];
+    for (what, answer) in garbled {
+        let liar = Listener::bind(
+            SocketAddr::new(IpAddr::V4(device_ip()), 0),
+            &Options::default(),
+            Box::new(move |_| Some(Arc::new(Liar { answer }) as Arc<dyn ConnHandler>)),
+        )
+        .unwrap();
+        liar.start();
+        let opts = ClientOptions {
+            timeout: Duration::from_secs(30),
+            ..ClientOptions::default()
+        };
+        let client = Client::connect_with(liar.local_addr().unwrap(), &opts).unwrap();
+        let mut buf = [0x33u8; 64];
+        let began = Instant::now();
+        let got = client.get_into(b"key", &mut buf);
+        assert!(
+            matches!(got, Err(KvError::Disconnected(_))),
+            "{what}: {got:?}"
+        );
+        assert!(
+            began.elapsed() < Duration::from_secs(10),
+            "{what}: waited for the timeout"
+        );
+        assert_eq!(buf, [0x33; 64], "{what}");
+        assert!(
+            matches!(client.get(b"key"), Err(KvError::Disconnected(_))),
+            "{what}"
+        );
+        liar.release();
+    }
 }

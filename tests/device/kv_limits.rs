@@ -215,7 +215,7 @@ fn kv_limit_queued_requests_per_client_and_per_worker() {
 }
 
 /// Replies of a raw connection, as they come.
-struct Replies(Mutex<mpsc::Sender<Reply>>);
+pub(crate) struct Replies(pub(crate) Mutex<mpsc::Sender<Reply>>);
 
 impl ConnHandler for Replies {
     fn recv(&self, _conn: &Connection, data: &[u8], _imm: Option<u32>) {

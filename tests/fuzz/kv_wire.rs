@@ -96,6 +96,19 @@ fn request_inputs() -> Vec<Input> {
 /// What a decoded request must be: its key and value inside the message,
 /// their lengths as announced, and the same request again once re-encoded.
 fn check_request(msg: &[u8]) -> bool {
+    // What the server tells from a compact PUT's header alone (it stores
+    // such a PUT straight from its ring) is what the whole decode says.
+    if let Some(head) = msg.first_chunk::<COMPACT_REQUEST_LEN>() {
+        if let Some((id, key_len)) = Request::compact_put(head, msg.len()) {
+            let (req, key, value) = Request::decode(msg).expect("a compact PUT decodes");
+            assert_eq!(
+                (req.op, req.source, req.cas),
+                (Op::Write, Source::Inline, None)
+            );
+            assert_eq!((req.req_id, key.len()), (id, key_len));
+            assert_eq!(value.len(), msg.len() - COMPACT_REQUEST_LEN - key_len);
+        }
+    }
     let Ok((req, key, value)) = Request::decode(msg) else {
         return false;
     };

@@ -177,7 +177,11 @@ impl ConnHandler for ReplyHandler {
 
     fn recv(&self, conn: &Connection, data: &[u8], _imm: Option<u32>) {
         let Ok((reply, payload)) = Reply::decode(data) else {
-            log::warn!("ignoring a malformed reply from the server");
+            // A server that breaks the protocol is not believed again: its
+            // callers fail now rather than at their timeouts.
+            log::warn!("disconnecting: the server sent a malformed reply");
+            self.0.dead.store(true, Ordering::Release);
+            conn.close();
             return;
         };
         let mut inbox = self.0.inbox.lock().expect("reply lock");

@@ -278,6 +278,18 @@ impl Request {
         Ok((req, key, inline))
     }
 
+    /// The id and key length of a compact plain PUT, from its header and
+    /// the message's length (the value is the rest of the message): `None`
+    /// for any other request, and for one whose key runs past the message
+    /// ([`Request::decode`] says what is wrong with those).
+    pub fn compact_put(head: &[u8; COMPACT_REQUEST_LEN], msg_len: usize) -> Option<(u64, usize)> {
+        if head[0] != COMPACT_REQUEST_TAG || head[1] != Op::Write as u8 {
+            return None;
+        }
+        let key_len = usize::from(u16::from_le_bytes([head[2], head[3]]));
+        (COMPACT_REQUEST_LEN + key_len <= msg_len).then(|| (u64::from(u32_at(head, 4)), key_len))
+    }
+
     pub(super) fn decode_compact(msg: &[u8]) -> Result<(Request, &[u8], &[u8]), &'static str> {
         if msg.len() < COMPACT_REQUEST_LEN {
             return Err("request shorter than its header");
@@ -511,6 +523,26 @@ mod tests {
             let msg = r.encode(key, value);
             assert_eq!(msg.len(), REQUEST_LEN + key.len() + value.len(), "{r:?}");
         }
+    }
+
+    #[test]
+    fn compact_puts_are_told_from_their_header() {
+        let mut put = Request::new(Op::Write, 7);
+        put.value_len = 64;
+        let msg = put.encode(&[1; 16], &[2; 64]);
+        let head = |m: &[u8]| -> [u8; COMPACT_REQUEST_LEN] {
+            m[..COMPACT_REQUEST_LEN].try_into().unwrap()
+        };
+        assert_eq!(Request::compact_put(&head(&msg), msg.len()), Some((7, 16)));
+        // The key must fit the message; the value may be empty.
+        assert_eq!(Request::compact_put(&head(&msg), 23), None);
+        assert_eq!(Request::compact_put(&head(&msg), 24), Some((7, 16)));
+        let get = Request::new(Op::Get, 7).encode(&[1; 16], &[]);
+        assert_eq!(Request::compact_put(&head(&get), get.len()), None);
+        let mut cas = put.clone();
+        cas.cas = Some(1);
+        let full = cas.encode(&[1; 16], &[2; 64]);
+        assert_eq!(Request::compact_put(&head(&full), full.len()), None);
     }
 
     #[test]

@@ -82,10 +82,7 @@ impl Shared {
         }
         let result = match req.op {
             Op::Get => return Some(self.get(client, id, key)),
-            Op::Write => self.write(client, req, key, inline).map(|version| Reply {
-                version,
-                ..Reply::default()
-            }),
+            Op::Write => return Some(self.written(id, self.write(client, req, key, inline))),
             Op::Alloc => self.alloc(conn, client, req, key),
             Op::Delete => {
                 bump(&self.counters.deletes);
@@ -101,6 +98,34 @@ impl Shared {
             Err(e) => self.error_reply(id, e),
         };
         Some(Answer::plain(reply))
+    }
+
+    /// The answer to a write of request `id` that stored `result`.
+    pub(super) fn written(&self, id: u64, result: Result<u64>) -> Answer {
+        Answer::plain(match result {
+            Ok(version) => Reply {
+                req_id: id,
+                version,
+                ..Reply::default()
+            },
+            Err(e) => self.error_reply(id, e),
+        })
+    }
+
+    /// Stores a plain PUT (request `id`) whose key and value `fill` writes
+    /// straight into their block; its answer.
+    pub(super) fn put_filled(
+        &self,
+        id: u64,
+        key_len: usize,
+        value_len: usize,
+        fill: impl FnOnce(&mut [u8]) -> bool,
+    ) -> Answer {
+        let result = self.store.put_filled(key_len, value_len, fill, None);
+        if result.is_ok() {
+            bump(&self.counters.puts);
+        }
+        self.written(id, result)
     }
 
     pub(super) fn error_reply(&self, id: u64, e: KvError) -> Reply {

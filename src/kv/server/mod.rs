@@ -24,13 +24,14 @@ use std::time::Duration;
 use crossbeam_channel::{bounded, RecvTimeoutError, Sender};
 
 use crate::runtime::{
-    self, AcceptHook, CommMode, ConnHandler, Connection, Listener, Options, PdProvider, Window,
+    self, AcceptHook, CommMode, ConnHandler, Connection, InRing, Listener, Options, PdProvider,
+    Window,
 };
 use crate::verbs::{self, AccessFlags, CmId, Context, EventChannel};
 
 use super::limits::{Episode, Leases, Limits};
 use super::pool::SLAB_PAGE;
-use super::proto::{Op, Request, Source};
+use super::proto::{Op, Request, Source, COMPACT_REQUEST_LEN};
 use super::store::{Store, Target};
 use super::{ConnMode, KvError, Result, DEFAULT_MAX_VALUE, MAX_VALUE_ENV};
 
@@ -517,6 +518,30 @@ impl ConnHandler for ServerConn {
             }
         }
         self.shared.serve_parsed(conn, client, parts);
+    }
+
+    /// A plain small PUT (a compact request, its value inline) is stored
+    /// from the ring: its key and value go straight into their new block,
+    /// their one copy on this side. Anything else, and anything that must
+    /// wait behind this client's queued requests, goes to `recv`.
+    fn recv_in_ring(&self, conn: &Connection, msg: &InRing<'_>) -> bool {
+        let client = &self.client;
+        if client.gone.load(Ordering::Acquire) || client.queued.load(Ordering::Acquire) > 0 {
+            return false;
+        }
+        let mut head = [0u8; COMPACT_REQUEST_LEN];
+        if !msg.read(0, &mut head) {
+            return false;
+        }
+        let Some((id, key_len)) = Request::compact_put(&head, msg.len()) else {
+            return false;
+        };
+        let value_len = msg.len() - COMPACT_REQUEST_LEN - key_len;
+        let answer = self.shared.put_filled(id, key_len, value_len, |block| {
+            msg.read_payload(COMPACT_REQUEST_LEN, block)
+        });
+        self.shared.reply(conn, client, &answer);
+        true
     }
 
     fn connected(&self, conn: &Connection) {

@@ -11,7 +11,7 @@ use clap::Parser;
 use indicatif::{ProgressBar, ProgressFinish, ProgressStyle};
 use rustyline::error::ReadlineError;
 
-use snowrdma::kv::{Client, ClientOptions, ConnMode};
+use snowrdma::kv::{BatchOp, Client, ClientOptions, ConnMode};
 
 #[derive(Parser)]
 #[command(
@@ -214,8 +214,12 @@ impl Phase {
     }
 }
 
+/// Operations of the mix in one batch (up to 64 of them in flight).
+const MIX_BATCH: usize = 256;
+
 /// `n` operations, 95% GETs and 5% PUTs of `size`-byte values over 1000
-/// keys of this process's own, timed from when `start` appears (so that
+/// keys of this process's own, in batches of [`MIX_BATCH`] (as a
+/// throughput-minded program sends them), timed from when `start` appears (so that
 /// several client processes start together, connected and seeded; each
 /// says it is ready with a file `<start>.ready-<pid>`): prints
 /// `<ops> <start> <end>`, the times in nanoseconds since the Unix epoch.
@@ -232,7 +236,6 @@ fn mix(client: &Client, n: &str, size: &str, start: &str) -> Result<String, Stri
             .put(k.as_bytes(), &value)
             .map_err(|e| e.to_string())?;
     }
-    let mut out = vec![0u8; size];
     // Says it is connected and seeded: `<start>.ready-<pid>`.
     std::fs::write(format!("{start}.ready-{}", std::process::id()), "")
         .map_err(|e| format!("{start}.ready: {e}"))?;
@@ -249,14 +252,26 @@ fn mix(client: &Client, n: &str, size: &str, start: &str) -> Result<String, Stri
             .map_or(0, |d| d.as_nanos())
     };
     let began = unix_ns();
-    for i in 0..n {
-        let key = keys[(i * 7) % KEYS].as_bytes();
-        let done = if i % 20 == 0 {
-            client.put(key, &value).map(drop)
-        } else {
-            client.get_into(key, &mut out).map(drop)
-        };
-        done.map_err(|e| format!("operation {i}: {e}"))?;
+    let mut ops = Vec::with_capacity(MIX_BATCH);
+    for first in (0..n).step_by(MIX_BATCH) {
+        ops.clear();
+        ops.extend((first..n.min(first + MIX_BATCH)).map(|i| {
+            let key = keys[(i * 7) % KEYS].as_bytes();
+            if i % 20 == 0 {
+                BatchOp::Put(key, &value)
+            } else {
+                BatchOp::Get(key)
+            }
+        }));
+        let mut failed = None;
+        client.batch_with(&ops, |i, result| match result {
+            Ok((got, _)) if matches!(ops[i], BatchOp::Put(..)) || got.len() == size => {}
+            Ok((got, _)) => failed = Some(format!("a {}-byte value came back", got.len())),
+            Err(e) => failed = Some(format!("operation {}: {e}", first + i)),
+        });
+        if let Some(why) = failed {
+            return Err(why);
+        }
     }
     Ok(format!("{n} {began} {}", unix_ns()))
 }

@@ -19,7 +19,7 @@ mod store;
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::time::Duration;
 
-pub use client::{Client, ClientOptions, KvMemory};
+pub use client::{BatchOp, Client, ClientOptions, KvMemory};
 pub use codes::KV_DEFAULT_PORT;
 pub use limits::Limits;
 pub use server::{Server, ServerConfig, Stats};

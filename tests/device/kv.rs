@@ -5,7 +5,9 @@ use std::sync::Arc;
 use std::thread;
 use std::time::{Duration, Instant};
 
-use snowrdma::kv::{Client, ClientOptions, ConnMode, KvError, Server, ServerConfig, Stats};
+use snowrdma::kv::{
+    BatchOp, Client, ClientOptions, ConnMode, KvError, Server, ServerConfig, Stats,
+};
 use snowrdma::runtime::{ConnHandler, Connection, Options};
 use snowrdma::verbs::selftest::fill_pattern;
 
@@ -214,6 +216,35 @@ fn all_ops_at_all_sizes(huge: bool, mode: ConnMode) {
         5 << 20,
         "and the client is fine"
     );
+
+    // A mixed batch: each operation sees the ones before it, whichever way
+    // its value travels (64 KiB goes alone and is read from a lease).
+    let ops = [
+        BatchOp::Put(b"mixed", b"one"),
+        BatchOp::Get(b"mixed"),
+        BatchOp::Put(b"mixed", &mid),
+        BatchOp::Get(b"mixed"),
+        BatchOp::Get(b"missing"),
+        BatchOp::Put(b"mixed", b"three"),
+        BatchOp::Get(b"mixed"),
+        BatchOp::Get(&[b'k'; 1025]),
+    ];
+    let mut got = vec![None; ops.len()];
+    c.batch_with(&ops, |i, r| {
+        assert!(got[i].is_none(), "operation {i} answered twice");
+        got[i] = Some(r.map(|(v, version)| (v.to_vec(), version)));
+    });
+    let want = [
+        Ok((vec![], 1)),
+        Ok((b"one".to_vec(), 1)),
+        Ok((vec![], 2)),
+        Ok((mid.clone(), 2)),
+        Err(KvError::NotFound),
+        Ok((vec![], 3)),
+        Ok((b"three".to_vec(), 3)),
+        Err(KvError::KeyTooLong),
+    ];
+    assert_eq!(got, want.map(Some));
 
     // A batch ends its leases in one message: once the keys are deleted,
     // their blocks go back to the pool while this client stays connected.

@@ -21,11 +21,13 @@ use super::{ConnMode, KvError, Result, TIMEOUT_ENV};
 
 mod batch;
 mod bounce;
+mod mixed;
 mod one_sided;
 mod registered;
 mod replies;
 mod single;
 
+pub use mixed::BatchOp;
 pub use registered::KvMemory;
 
 use bounce::{Bounce, Staged};

@@ -421,19 +421,19 @@ pub(crate) const CASES: &[Case] = &[
     // kv_server and kv_client processes, as they are deployed.
     kv_procs(
         "kv_mix_1",
-        "kv 95/5 GET/PUT 64 B, 1 kv_client process",
+        "kv 95/5 GET/PUT 64 B, batches, 1 kv_client process",
         "-s 64 -q 1 -n 20000",
         1,
     ),
     kv_procs(
         "kv_mix_2",
-        "kv 95/5 GET/PUT 64 B, 2 kv_client processes",
+        "kv 95/5 GET/PUT 64 B, batches, 2 kv_client processes",
         "-s 64 -q 2 -n 20000",
         2,
     ),
     kv_procs(
         "kv_mix_4",
-        "kv 95/5 GET/PUT 64 B, 4 kv_client processes",
+        "kv 95/5 GET/PUT 64 B, batches, 4 kv_client processes",
         "-s 64 -q 4 -n 10000",
         4,
     ),

@@ -82,19 +82,11 @@ impl Connection {
         std::slice::from_raw_parts_mut((mr.addr() as usize + offset) as *mut u8, len)
     }
 
-    /// Copies `bytes` into one of our own registered buffers at `offset`.
-    ///
-    /// # Safety
-    /// As [`Connection::bytes_of`].
-    pub(super) unsafe fn copy_into(mr: &MemoryRegion, offset: usize, bytes: &[u8]) {
-        crate::copy::copy(Self::bytes_of(mr, offset, bytes.len()), bytes);
-    }
-
     /// Copies the parts of a message, one after the other, into one of our
     /// own registered buffers at `offset`.
     ///
     /// # Safety
-    /// As [`Connection::copy_into`], for the whole message.
+    /// As [`Connection::bytes_of`], for the whole message.
     unsafe fn copy_parts_into(mr: &MemoryRegion, offset: usize, data: Parts<'_>) {
         crate::copy::gather(Self::bytes_of(mr, offset, data.len()), data.0);
     }
@@ -227,12 +219,13 @@ impl Connection {
                     Ok(true) => return Ok(data.len()),
                     Ok(false) => {}
                     Err(e) => {
-                        if before.is_some() {
-                            // The write may be posted without the message:
-                            // the send queue's accounting no longer holds.
-                            drop(st);
-                            self.fail(&format!("posting a write and a message: {e}"));
-                        }
+                        // Its place in the peer's ring was taken and will
+                        // never be filled, a write ahead of it may have
+                        // gone alone, and a credit it carried is reported
+                        // here but never reached the peer: the connection
+                        // cannot go on.
+                        drop(st);
+                        self.fail(&format!("posting a message: {e}"));
                         return Err(e);
                     }
                 }
@@ -383,7 +376,7 @@ impl Connection {
     ) -> Result<Option<StagedMessage>> {
         match Self::reserve(st, data.len(), ext, false) {
             Some(offset) => self
-                .stage_message(st, offset, data, ext, false, true)
+                .stage_message(st, offset, data, ext.map(ExtKind::encode), false, true)
                 .map(Some),
             None => Ok(None),
         }
@@ -484,7 +477,14 @@ impl Connection {
             true => gather_sges(pieces.chain(data.0.iter().copied()), &mut in_place),
             false => None,
         };
-        let m = self.stage_message(st, offset, data, ext, before.is_some(), in_place.is_none())?;
+        let m = self.stage_message(
+            st,
+            offset,
+            data,
+            ext_header,
+            before.is_some(),
+            in_place.is_none(),
+        )?;
         let staged = [m.sge];
         // Inline: the provider copies the parts into the work request at
         // the post, so they may change as soon as it returns.
@@ -511,8 +511,7 @@ impl Connection {
         // slot stays untouched until its send completes.
         let posted = unsafe { self.inner.qp.post_send(&chain[..=n]) }.map_err(Into::into);
         match credit {
-            // The credit is reported already: a failed post loses it, so
-            // the connection cannot go on.
+            // A failed post fails the connection (`send_message`).
             Some((slot, _)) => self.cmd_posted(st, slot, posted),
             None => posted,
         }
@@ -528,25 +527,38 @@ impl Connection {
         st: &mut State,
         offset: usize,
         data: Parts<'_>,
-        ext: Option<ExtKind>,
+        ext_header: Option<[u8; EXT_HEADER_LEN]>,
         before: bool,
         copy: bool,
     ) -> Result<StagedMessage> {
         let peer = st.peer_ring.ok_or(Error::NotConnected)?;
-        let len = data.len() + if ext.is_some() { EXT_HEADER_LEN } else { 0 };
+        let len = data.len()
+            + if ext_header.is_some() {
+                EXT_HEADER_LEN
+            } else {
+                0
+            };
         // SAFETY: [offset, offset+total) was just reserved, so no in-flight
         // write reads it; we hold the state lock.
         unsafe {
-            match ext {
+            match ext_header {
                 _ if !copy => {}
-                Some(kind) => {
-                    Self::copy_into(&self.inner.staging, offset, &kind.encode());
+                Some(header) => {
+                    // The protocol's own 8 bytes, not payload: not counted
+                    // as a copy.
+                    Self::bytes_of(&self.inner.staging, offset, EXT_HEADER_LEN)
+                        .copy_from_slice(&header);
                     Self::copy_parts_into(&self.inner.staging, offset + EXT_HEADER_LEN, data);
                 }
                 None => Self::copy_parts_into(&self.inner.staging, offset, data),
             }
         }
-        let imm = offset as u32 | if ext.is_some() { IMM_EXTENDED } else { 0 };
+        let imm = offset as u32
+            | if ext_header.is_some() {
+                IMM_EXTENDED
+            } else {
+                0
+            };
         // Only every SIGNAL_EVERY-th message asks for a completion; it
         // accounts for the unsignaled requests before it (completions are in
         // order), which saves the completion thread most of the work. A

@@ -174,8 +174,35 @@ measure() {
 # that waiting threads stop spinning, only to name the calls.
 named_syscalls=$(printf 'syscalls:sys_enter_%s,' futex read write ioctl epoll_wait epoll_pwait \
     poll ppoll pread64 sched_yield nanosleep clock_nanosleep openat close | sed 's/,$//')
+# perf_syscalls <case> <side> <dir> <figure>: one run of the case under
+# perf, its system calls per operation (doorbells left out) added to the
+# costs as <figure>, and named.
+perf_syscalls() {
+    local case=$1 who=$2 dir=$3 figure=$4 calls bells ops
+    rm -f "$dir/ctl" "$dir/ack" "$dir/costs" "$dir/perf"
+    mkfifo "$dir/ctl" "$dir/ack"
+    SNOWRDMA_BENCH_COSTS="$dir/costs" SNOWRDMA_BENCH_PERF_CTL="$dir/ctl" SNOWRDMA_BENCH_PERF_ACK="$dir/ack" \
+        timeout 600 perf stat -x, -o "$dir/perf" -e "raw_syscalls:sys_enter,$named_syscalls" \
+        --control "fifo:$dir/ctl,$dir/ack" --delay=-1 \
+        $bench run "$case" snowrdma --port "$port" >/dev/null 2>&1
+    calls=$(awk -F, '/raw_syscalls:sys_enter/ { print $1 }' "$dir/perf")
+    # Soft-RoCE's doorbell is a write to the uverbs device per post_send.
+    bells=$(awk '$3 == "send_doorbells" { s += $4 } END { print s + 0 }' "$dir/costs")
+    ops=$(awk '$3 == "window_ops" { print $4 }' "$dir/costs")
+    if [[ "$calls" =~ ^[0-9]+$ ]] && [ -n "$ops" ]; then
+        echo "$case $who $figure $(awk -v c="$calls" -v o="$ops" -v b="$bells" \
+            'BEGIN { v = c / o - b; printf "%.3f", v < 0 ? 0 : v }')" | tee -a "$costs"
+        # The calls named, per operation (write: with the doorbells).
+        awk -F, -v o="$ops" '$3 ~ /^syscalls:sys_enter_/ && $1 > 0 {
+                n = $3; sub(/^syscalls:sys_enter_/, "", n); printf " %s=%.3f", n, $1 / o }
+            END { printf "\n" }' "$dir/perf" | sed "s/^/    $case $figure under perf:/"
+    else
+        echo "bench: $case under perf produced no count ($(head -c 300 "$dir/perf" 2>/dev/null))" >&2
+    fi
+}
+
 syscalls() {
-    local case=$1 dir counted calls bells ops names line c side kind args who=both
+    local case=$1 dir counted calls names line c side kind args who=both
     dir=$(mktemp -d)
     port=$((port + 1))
     for line in "${cases[@]}"; do
@@ -187,25 +214,11 @@ syscalls() {
         start_server $args
         who=caller
     fi
-    mkfifo "$dir/ctl" "$dir/ack"
-    SNOWRDMA_BENCH_COSTS="$dir/costs" SNOWRDMA_BENCH_PERF_CTL="$dir/ctl" SNOWRDMA_BENCH_PERF_ACK="$dir/ack" \
-        timeout 600 perf stat -x, -o "$dir/perf" -e "raw_syscalls:sys_enter,$named_syscalls" \
-        --control "fifo:$dir/ctl,$dir/ack" --delay=-1 \
-        $bench run "$case" snowrdma --port "$port" >/dev/null 2>&1
-    calls=$(awk -F, '/raw_syscalls:sys_enter/ { print $1 }' "$dir/perf")
-    # Soft-RoCE's doorbell is a write to the uverbs device per post_send.
-    bells=$(awk '$3 == "send_doorbells" { s += $4 } END { print s + 0 }' "$dir/costs")
-    ops=$(awk '$3 == "window_ops" { print $4 }' "$dir/costs")
-    if [[ "$calls" =~ ^[0-9]+$ ]] && [ -n "$ops" ]; then
-        echo "$case $who syscalls $(awk -v c="$calls" -v o="$ops" -v b="$bells" \
-            'BEGIN { v = c / o - b; printf "%.3f", v < 0 ? 0 : v }')" | tee -a "$costs"
-        # The calls named, per operation (write: with the doorbells).
-        awk -F, -v o="$ops" '$3 ~ /^syscalls:sys_enter_/ && $1 > 0 {
-                n = $3; sub(/^syscalls:sys_enter_/, "", n); printf " %s=%.3f", n, $1 / o }
-            END { printf "\n" }' "$dir/perf" | sed "s/^/    $case under perf:/"
-    else
-        echo "bench: $case under perf produced no count ($(head -c 300 "$dir/perf" 2>/dev/null))" >&2
-    fi
+    # As configured (the spin policy stands down on a crowded machine),
+    # then in spinning mode (SNOWRDMA_SPIN_ALWAYS), which the target is for.
+    perf_syscalls "$case" "$who" "$dir" syscalls
+    port=$((port + 1))
+    SNOWRDMA_SPIN_ALWAYS=1 perf_syscalls "$case" "$who" "$dir" syscalls_spin
     port=$((port + 1))
     SNOWRDMA_BENCH_COSTS=/dev/null timeout 600 strace -f -qq -y -o "$dir/trace" \
         $bench run "$case" snowrdma --port "$port" >/dev/null 2>&1

@@ -202,27 +202,36 @@ perf_syscalls() {
 }
 
 syscalls() {
-    local case=$1 dir counted calls names line c side kind args who=both
+    local case=$1 dir counted calls names line c side kind args run who=both
     dir=$(mktemp -d)
     port=$((port + 1))
     for line in "${cases[@]}"; do
         read -r _ c side kind args <<<"$line"
         [ "$c" = "$case" ] && [ "$side" = snowrdma ] && break
     done
-    if [ "$kind" = server ]; then
-        # shellcheck disable=SC2086
-        start_server $args
-        who=caller
-    fi
-    # As configured (the spin policy stands down on a crowded machine),
-    # then in spinning mode (SNOWRDMA_SPIN_ALWAYS), which the target is for.
-    perf_syscalls "$case" "$who" "$dir" syscalls
-    port=$((port + 1))
-    SNOWRDMA_SPIN_ALWAYS=1 perf_syscalls "$case" "$who" "$dir" syscalls_spin
-    port=$((port + 1))
-    SNOWRDMA_BENCH_COSTS=/dev/null timeout 600 strace -f -qq -y -o "$dir/trace" \
-        $bench run "$case" snowrdma --port "$port" >/dev/null 2>&1
-    [ "$kind" = server ] && stop_server
+    [ "$kind" = server ] && who=caller
+    # As configured (the spin policy stands down on a crowded machine), in
+    # spinning mode (SNOWRDMA_SPIN_ALWAYS), which the target is for, then
+    # under strace; each on a fresh port, against a fresh server where the
+    # case has one (a server serves one client).
+    for run in syscalls syscalls_spin strace; do
+        port=$((port + 1))
+        if [ "$kind" = server ]; then
+            # shellcheck disable=SC2086
+            start_server $args
+        fi
+        case $run in
+            syscalls) perf_syscalls "$case" "$who" "$dir" syscalls ;;
+            syscalls_spin) SNOWRDMA_SPIN_ALWAYS=1 perf_syscalls "$case" "$who" "$dir" syscalls_spin ;;
+            strace)
+                SNOWRDMA_BENCH_COSTS=/dev/null timeout 600 strace -f -qq -y -o "$dir/trace" \
+                    $bench run "$case" snowrdma --port "$port" >/dev/null 2>&1
+                ;;
+        esac
+        if [ "$kind" = server ]; then
+            stop_server
+        fi
+    done
     counted=$(awk -f scripts/strace-window.awk "$dir/trace")
     rm -rf "$dir"
     if [ -n "$counted" ]; then

@@ -8,8 +8,9 @@
 #
 # The cases measured here also write what each operation cost (counted,
 # see src/bin/snowrdma-bench/cost.rs) to <results>.costs; after the timed
-# runs, the cases with counted targets run once more under strace, to count
-# their system calls per operation.
+# runs, the cases with counted targets run again under perf, to count their
+# system calls per operation (as configured, and in spinning mode), and under
+# strace, to name them.
 #
 #   scripts/bench.sh <results file>      SNOWRDMA_BENCH_REPS (default 5),
 #                                         SNOWRDMA_BENCH_CASES (a regex of case
@@ -166,14 +167,10 @@ measure() {
     done
 }
 
-# syscalls <case>: the case's system calls per steady-state operation, every
-# thread of its process (of the client's, where the case has a server
-# process), the provider's doorbells left out: counted by perf's syscall
-# tracepoint between the window's marks, which leaves spinning as it is
-# (the figure); then once more under strace, which slows every call enough
-# that waiting threads stop spinning, only to name the calls.
+# The system calls perf names one by one.
 named_syscalls=$(printf 'syscalls:sys_enter_%s,' futex read write ioctl epoll_wait epoll_pwait \
     poll ppoll pread64 sched_yield nanosleep clock_nanosleep openat close | sed 's/,$//')
+
 # perf_syscalls <case> <side> <dir> <figure>: one run of the case under
 # perf, its system calls per operation (doorbells left out) added to the
 # costs as <figure>, and named.
@@ -203,8 +200,8 @@ perf_syscalls() {
 
 syscalls() {
     local case=$1 dir counted calls names line c side kind args run who=both
+    local spin_before=${SNOWRDMA_SPIN_ALWAYS-unset}
     dir=$(mktemp -d)
-    port=$((port + 1))
     for line in "${cases[@]}"; do
         read -r _ c side kind args <<<"$line"
         [ "$c" = "$case" ] && [ "$side" = snowrdma ] && break
@@ -216,13 +213,21 @@ syscalls() {
     # case has one (a server serves one client).
     for run in syscalls syscalls_spin strace; do
         port=$((port + 1))
+        # The spinning run's server spins too.
+        if [ "$run" = syscalls_spin ]; then
+            export SNOWRDMA_SPIN_ALWAYS=1
+        elif [ "$spin_before" = unset ]; then
+            unset SNOWRDMA_SPIN_ALWAYS
+        else
+            export SNOWRDMA_SPIN_ALWAYS=$spin_before
+        fi
         if [ "$kind" = server ]; then
             # shellcheck disable=SC2086
             start_server $args
         fi
         case $run in
             syscalls) perf_syscalls "$case" "$who" "$dir" syscalls ;;
-            syscalls_spin) SNOWRDMA_SPIN_ALWAYS=1 perf_syscalls "$case" "$who" "$dir" syscalls_spin ;;
+            syscalls_spin) perf_syscalls "$case" "$who" "$dir" syscalls_spin ;;
             strace)
                 SNOWRDMA_BENCH_COSTS=/dev/null timeout 600 strace -f -qq -y -o "$dir/trace" \
                     $bench run "$case" snowrdma --port "$port" >/dev/null 2>&1

@@ -1,6 +1,6 @@
 //! The cost report: what each operation of each case cost, counted (not
 //! timed), from the lines the cases wrote (`cost::Window`) and those
-//! `scripts/bench.sh` added (system calls under strace, instructions under
+//! `scripts/bench.sh` added (system calls under perf, instructions under
 //! callgrind), with the targets of `../shared/spec/performance-targets.md`
 //! checked where they apply.
 

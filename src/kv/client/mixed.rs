@@ -86,9 +86,10 @@ impl Client {
                     match run_ops[i] {
                         BatchOp::Put(..) => answer(base + i, Ok((&[], reply.version))),
                         BatchOp::Get(key) if reply.remote => {
-                            self.fetch(key, &reply, |v, version| {
+                            self.replies.recycle(payload);
+                            return self.fetch(key, &reply, |v, version| {
                                 answer(base + i, Ok((v, version)))
-                            })?;
+                            });
                         }
                         BatchOp::Get(_) => answer(base + i, Ok((&payload, reply.version))),
                     }

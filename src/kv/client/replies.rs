@@ -179,9 +179,10 @@ impl ConnHandler for ReplyHandler {
         let Ok((reply, payload)) = Reply::decode(data) else {
             // A server that breaks the protocol is not believed again: its
             // callers fail now rather than at their timeouts.
-            log::warn!("disconnecting: the server sent a malformed reply");
+            // Failed, not closed: a close would wait on this thread for
+            // queued releases to drain, which such a server may never let.
             self.0.dead.store(true, Ordering::Release);
-            conn.close();
+            conn.fail("the server sent a malformed reply");
             return;
         };
         let mut inbox = self.0.inbox.lock().expect("reply lock");

@@ -632,8 +632,10 @@ impl Shared {
     fn drop_malformed(&self, conn: &Connection, client: &ClientState, why: &str) {
         bump(&self.counters.errors);
         log::warn!("closing {:?}: malformed request: {why}", conn.peer_addr());
-        conn.close();
         self.forget(client);
+        // Not here: a close waits for queued replies to drain, and this
+        // thread serves every client.
+        self.close_later(conn);
     }
 
     /// Answers a parsed request.

@@ -96,33 +96,44 @@ pub fn wrap_point(ring_len: usize, ring_use: u32) -> usize {
 }
 
 /// Receiver side: checks where messages land and counts what is consumed.
+/// A message's bytes count as consumed (reportable to the sender, who may
+/// then write them again) only once nobody looks at them any more: from
+/// [`RecvRing::accept`] until [`RecvRing::release`] they are read out of
+/// the ring, and a credit sent meanwhile by another thread (one riding
+/// with a message) must not report them.
 #[derive(Debug, Clone, Default)]
 pub struct RecvRing {
     cap: u64,
-    /// Bytes consumed so far, skipped tails and gaps included.
+    /// Bytes accepted so far, skipped tails and gaps included: where the
+    /// next message must start.
+    accepted: u64,
+    /// Bytes consumed: accepted, and no longer looked at.
     consumed: u64,
     /// What the last credit told the sender.
     reported: u64,
+    /// Messages accepted and not yet released.
+    open: u32,
 }
 
 impl RecvRing {
     pub fn new(cap: usize) -> RecvRing {
         RecvRing {
             cap: cap as u64,
-            consumed: 0,
-            reported: 0,
+            ..RecvRing::default()
         }
     }
 
     /// Accounts for a message of `len` bytes at `offset`, which must start at
     /// the current position or (after a skipped tail) at 0, and end inside
-    /// the ring. Returns false for a message that breaks those rules.
+    /// the ring. Returns false for a message that breaks those rules. An
+    /// accepted message is released ([`RecvRing::release`]) once its bytes
+    /// have been read.
     pub fn accept(&mut self, offset: usize, len: usize) -> bool {
         let (offset, len) = (offset as u64, len as u64);
         if len == 0 || offset.checked_add(len).is_none_or(|end| end > self.cap) {
             return false;
         }
-        let pos = self.consumed % self.cap;
+        let pos = self.accepted % self.cap;
         let skip = if offset == pos {
             0
         } else if offset == 0 {
@@ -130,8 +141,20 @@ impl RecvRing {
         } else {
             return false;
         };
-        self.consumed += skip + len;
+        self.accepted += skip + len;
+        self.open += 1;
         true
+    }
+
+    /// An accepted message's bytes have been read: once every accepted
+    /// message has been, all of them count as consumed. (Deliveries of
+    /// one connection take turns, so that is after each message, but for
+    /// one delivered inside another's callback.)
+    pub fn release(&mut self) {
+        self.open = self.open.saturating_sub(1);
+        if self.open == 0 {
+            self.consumed = self.accepted;
+        }
     }
 
     /// Bytes consumed that the sender has not been told about.
@@ -151,6 +174,15 @@ impl RecvRing {
 mod tests {
     use super::*;
 
+    /// A message accepted and read at once.
+    fn take(rx: &mut RecvRing, offset: usize, len: usize) -> bool {
+        let ok = rx.accept(offset, len);
+        if ok {
+            rx.release();
+        }
+        ok
+    }
+
     #[test]
     fn messages_wrap_and_credit_frees_room() {
         let mut tx = SendRing::new(100);
@@ -158,11 +190,11 @@ mod tests {
         assert_eq!(tx.reserve(40), Some(0));
         assert_eq!(tx.reserve(40), Some(40));
         assert_eq!(tx.reserve(40), None, "only 20 bytes left");
-        assert!(rx.accept(0, 40) && rx.accept(40, 40));
+        assert!(take(&mut rx, 0, 40) && take(&mut rx, 40, 40));
         assert!(tx.ack(rx.take_report()));
         // 20 bytes remain before the end: a 30-byte message skips them.
         assert_eq!(tx.reserve(30), Some(0));
-        assert!(rx.accept(0, 30));
+        assert!(take(&mut rx, 0, 30));
         assert_eq!(tx.in_flight(), 50);
         assert!(tx.ack(rx.take_report()));
         assert_eq!(tx.in_flight(), 0);
@@ -197,19 +229,22 @@ mod tests {
         assert_eq!(tx.reserve(usize::MAX - 1), Some(0));
         assert_eq!(tx.reserve(2), None, "one byte left");
         let mut rx = RecvRing::new(64);
-        assert!(!rx.accept(usize::MAX, 2));
-        assert!(!rx.accept(2, usize::MAX));
+        assert!(!take(&mut rx, usize::MAX, 2));
+        assert!(!take(&mut rx, 2, usize::MAX));
         assert_eq!(rx.unreported(), 0);
     }
 
     #[test]
     fn the_receiver_refuses_messages_out_of_place() {
         let mut rx = RecvRing::new(64);
-        assert!(!rx.accept(10, 4), "must start at the current position or 0");
-        assert!(!rx.accept(60, 8), "must end inside the ring");
-        assert!(!rx.accept(0, 0));
-        assert!(rx.accept(0, 60));
-        assert!(rx.accept(0, 8), "wrapped: skips 4 bytes");
+        assert!(
+            !take(&mut rx, 10, 4),
+            "must start at the current position or 0"
+        );
+        assert!(!take(&mut rx, 60, 8), "must end inside the ring");
+        assert!(!take(&mut rx, 0, 0));
+        assert!(take(&mut rx, 0, 60));
+        assert!(take(&mut rx, 0, 8), "wrapped: skips 4 bytes");
         assert_eq!(rx.unreported(), 72);
     }
 
@@ -227,7 +262,7 @@ mod tests {
                 assert!(tx.ack(rx.take_report()));
                 tx.reserve(len).unwrap()
             });
-            assert!(rx.accept(off, len));
+            assert!(take(&mut rx, off, len));
         }
         assert!(tx.ack(rx.take_report()), "credit matches what was sent");
         assert_eq!(tx.in_flight(), 0);
@@ -247,11 +282,27 @@ mod tests {
                     tx.reserve(len).expect("room after credit")
                 }
             };
-            assert!(rx.accept(off, len), "message {i} at {off}+{len}");
+            assert!(take(&mut rx, off, len), "message {i} at {off}+{len}");
             sent += len as u64;
         }
         assert!(tx.ack(rx.take_report()));
         assert_eq!(tx.in_flight(), 0);
         assert!(sent > 100 * 1000);
+    }
+
+    #[test]
+    fn bytes_still_being_read_are_never_reported() {
+        let mut rx = RecvRing::new(100);
+        assert!(rx.accept(0, 40));
+        // Another thread's credit, while the message is read.
+        assert_eq!(rx.unreported(), 0);
+        assert_eq!(rx.take_report(), 0);
+        // One delivered inside the first's callback.
+        assert!(rx.accept(40, 10));
+        rx.release();
+        assert_eq!(rx.unreported(), 0, "the first is still being read");
+        rx.release();
+        assert_eq!(rx.take_report(), 50);
+        assert!(!rx.accept(10, 10), "accepted bytes set the next position");
     }
 }

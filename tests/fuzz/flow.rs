@@ -160,6 +160,8 @@ impl Sim {
         };
         let start = placed(self.cap, self.received, offset, len).expect("in step");
         assert!(self.rx.accept(offset, len), "{len} bytes at {offset}");
+        // Read at once: nothing else looks at the bytes.
+        self.rx.release();
         self.received = start + len as u64;
     }
 
@@ -295,6 +297,9 @@ proptest! {
             let expect = placed(cap, consumed, offset, len);
             prop_assert_eq!(rx.accept(offset, len), expect.is_some(), "{} at {}", len, offset);
             if let Some(start) = expect {
+                // Until it is released, none of its bytes is reportable.
+                prop_assert_eq!(rx.unreported(), consumed - reported);
+                rx.release();
                 consumed = start + len as u64;
             }
             prop_assert_eq!(rx.unreported(), consumed - reported);

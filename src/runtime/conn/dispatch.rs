@@ -420,6 +420,15 @@ impl Connection {
             }
             st.rx_msgs += 1;
         }
+        // Its bytes are reportable (the peer may write them again) only
+        // once we are done with them, on every path below, panics too.
+        struct Release<'a>(&'a Connection);
+        impl Drop for Release<'_> {
+            fn drop(&mut self) {
+                self.0.lock().rx.release();
+            }
+        }
+        let _release = Release(self);
         // The peer can write its ring slot again while we look at it: each
         // byte is copied out once, and only the copy is parsed or shown.
         // The buffer is reused; a callback that receives again (from a

@@ -25,8 +25,8 @@ use std::time::Duration;
 
 pub(crate) use conn::thread_token;
 pub use conn::{
-    ConnHandler, ConnKind, ConnState, Connection, InRing, PdProvider, PendingReads, WeakConnection,
-    Window,
+    BatchMessage, ConnHandler, ConnKind, ConnState, Connection, InRing, PdProvider, PendingReads,
+    WeakConnection, Window, WriteAhead, MESSAGES_PER_DOORBELL,
 };
 pub use listener::{AcceptHook, Listener};
 pub use options::{

@@ -105,3 +105,51 @@ fn small_gets_and_puts_copy_only_what_they_must() {
     client.get_into(key, &mut buf).unwrap();
     assert_eq!(buf, value);
 }
+
+#[test]
+#[ignore = "needs an RDMA device"]
+fn a_batch_of_large_values_takes_a_doorbell_per_phase_and_copies_none() {
+    const KEYS: usize = 32;
+    const LEN: usize = 64 << 10;
+    let (_server, addr) = kv_server(false);
+    let client = Client::connect(addr).unwrap();
+    let keys: Vec<String> = (0..KEYS).map(|i| format!("batch-{i}")).collect();
+    let key_refs: Vec<&[u8]> = keys.iter().map(|k| k.as_bytes()).collect();
+    // Each key's value in registered memory, a pattern of its own.
+    let mut mem = client.register(KEYS * LEN).unwrap();
+    for (j, b) in mem.as_mut_slice().iter_mut().enumerate() {
+        *b = (j / LEN * 31 + j % 251) as u8;
+    }
+    let value = |i: usize| &mem.as_slice()[i * LEN..(i + 1) * LEN];
+    let pairs: Vec<(&[u8], &[u8])> = (0..KEYS).map(|i| (key_refs[i], value(i))).collect();
+    let get_all = || {
+        let mut seen = [false; KEYS];
+        client.batch_get_with(&key_refs, |i, r| {
+            let (v, _) = r.unwrap();
+            assert!(v == value(i), "value {i}");
+            seen[i] = true;
+        });
+        assert!(seen.iter().all(|&s| s), "a key got no answer");
+    };
+    // Warm-up: the bounce buffer is registered, the server's slots filled.
+    assert!(client.batch_put(&pairs).iter().all(Result::is_ok));
+    get_all();
+
+    let before = costs::this_thread();
+    let versions = client.batch_put(&pairs);
+    let d = costs::this_thread().since(&before);
+    assert!(versions.iter().all(Result::is_ok), "{versions:?}");
+    // 32 WRITEs from the caller's memory, each with its request, with one
+    // doorbell (a credit owed to the server may ride along).
+    assert_eq!(d.get(Counter::SendDoorbells), 1, "{d:?}");
+    assert!(d.get(Counter::CopiedBytes) < LEN as u64, "{d:?}");
+    assert_eq!(d.get(Counter::WireBytes) / LEN as u64, KEYS as u64, "{d:?}");
+
+    let before = costs::this_thread();
+    get_all();
+    let d = costs::this_thread().since(&before);
+    // The requests, the READs of the leased values, the release of the
+    // leases: a doorbell each; the values are lent where they landed.
+    assert_eq!(d.get(Counter::SendDoorbells), 3, "{d:?}");
+    assert!(d.get(Counter::CopiedBytes) < LEN as u64, "{d:?}");
+}

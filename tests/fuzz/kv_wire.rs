@@ -32,7 +32,8 @@ fn request_inputs() -> Vec<Input> {
     allocated.source = Source::Allocated { token: 77 };
     let mut alloc = full(Op::Alloc, 11);
     alloc.value_len = 1 << 20;
-    let (release, more) = Request::release(&[5, 6, 7]);
+    let mut words = [0u8; 16];
+    let (release, more) = Request::release(&[5, 6, 7], &mut words);
     let get = Request::new(Op::Get, 3).encode(b"key", &[]);
     let get_full = full(Op::Get, 3).encode(b"key", &[]);
     let patch = |b: &[u8], at: usize, bytes: &[u8]| {
@@ -62,7 +63,7 @@ fn request_inputs() -> Vec<Input> {
             ("ok-full_staged", staged.encode(b"key", &[])),
             ("ok-full_allocated", allocated.encode(b"key", &[])),
             ("ok-full_alloc", alloc.encode(b"key", &[])),
-            ("ok-full_release", release.encode(&more, &[])),
+            ("ok-full_release", release.encode(more, &[])),
             ("bad-empty", Vec::new()),
             (
                 "bad-compact_truncated",

@@ -342,7 +342,7 @@ pub(crate) const CASES: &[Case] = &[
     ),
     bw(
         "kv_get_bw_2p",
-        "kv batch_get 64 KiB, 32 per batch, 2 procs",
+        "kv batch_get_with 64 KiB, 32 per batch, 2 procs",
         "ib_read_bw",
         "MiB/s",
         ">= 0.90",
@@ -370,7 +370,7 @@ pub(crate) const CASES: &[Case] = &[
     ),
     bw(
         "kv_put_bw_2p",
-        "kv batch_put 64 KiB, 32 per batch, 2 procs",
+        "kv batch_put 64 KiB registered, 32 per batch, 2 procs",
         "ib_write_bw",
         "MiB/s",
         ">= 0.90",
@@ -384,7 +384,7 @@ pub(crate) const CASES: &[Case] = &[
     ),
     bw(
         "kv_get_bw",
-        "kv batch_get 64 KiB, 32 per batch, 1 proc",
+        "kv batch_get_with 64 KiB, 32 per batch, 1 proc",
         "ib_read_bw",
         "MiB/s",
         "reported",
@@ -402,7 +402,7 @@ pub(crate) const CASES: &[Case] = &[
     ),
     bw(
         "kv_put_bw",
-        "kv batch_put 64 KiB, 32 per batch, 1 proc",
+        "kv batch_put 64 KiB registered, 32 per batch, 1 proc",
         "ib_write_bw",
         "MiB/s",
         "reported",

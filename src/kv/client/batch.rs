@@ -1,83 +1,93 @@
 //! Batches: many keys' requests in flight at once, their replies collected
-//! together, and the READs of large values started before the first is
-//! copied out.
+//! together, and the READs of a chunk's large values posted together
+//! (one doorbell each for the requests and the READs).
 
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 
 use crate::copy;
+use smallvec::SmallVec;
+
 use crate::kv::proto::{block_len, is_inline, value_checksum, Op, Reply, Request, Source};
 use crate::kv::{check_key, KvError, Result};
-use crate::runtime::PendingReads;
 use crate::verbs::RemoteAddr;
 
-use super::bounce::BounceGuard;
+use super::bounce::Staged;
 use super::one_sided::verify_leased;
 use super::replies::send_releases;
 use super::{
-    collect_batch, failed_verification, status, Client, Each, GetResult, Sent, BATCH_WINDOW,
-    GROUP_BYTES, SLOT_ALIGN,
+    collect_batch, failed_verification, status, Client, Each, GetResult, Outgoing, Sent,
+    BATCH_WINDOW, GROUP_BYTES, SLOT_ALIGN,
 };
 
-/// A batch's leased blocks being READ side by side into the bounce buffer,
-/// each as soon as its reply is in, so the server answers the batch's later
-/// requests while the earlier values move.
-pub(super) struct BlockReads<'c> {
-    pub(super) client: &'c Client,
-    /// Key index, offset in the bounce buffer, block length, and the READ
-    /// (declared before `bounce`: dropped, so waited for, first).
-    pub(super) pending: Vec<(usize, usize, usize, PendingReads<'c>)>,
-    pub(super) leases: Vec<u64>,
-    pub(super) used: usize,
-    pub(super) bounce: BounceGuard<'c>,
-}
+/// The leased blocks of a batch's values: (key index, the reply).
+type Leased = SmallVec<[(usize, Reply); BATCH_WINDOW]>;
 
-impl BlockReads<'_> {
-    /// Starts the READ of `keys[i]`'s block, after finishing the earlier
-    /// ones when the buffer is full. Its answer goes to `each`, now if
-    /// posting fails, otherwise at [`BlockReads::finish`].
-    pub(super) fn start(&mut self, keys: &[&[u8]], i: usize, reply: &Reply, each: &mut Each<'_>) {
-        let len = block_len(keys[i].len(), reply.value_len as usize);
-        if self.used + len > self.bounce.len {
-            self.finish(keys, each);
-        }
-        self.leases.push(reply.lease);
-        let remote = RemoteAddr {
-            addr: reply.addr,
-            rkey: reply.rkey,
-        };
-        let local = self.bounce.addr + self.used as u64;
-        // SAFETY: the range is looked at only after `finish` has waited for
-        // its READ, and the guard is dropped before the bounce lock is let go
-        // (field order).
-        let read = unsafe {
-            self.client
-                .conn
-                .start_reads(self.bounce.lkey, &[(local, remote, len as u32)])
-        };
-        match read {
-            Ok(read) => {
-                self.pending.push((i, self.used, len, read));
-                self.used += len;
+impl Client {
+    /// READs the leased blocks of a chunk's keys side by side into the
+    /// bounce buffer, as many as it holds with one doorbell, hands each
+    /// verified value to `each`, and ends the leases (one message).
+    fn read_leased(&self, keys: &[&[u8]], leased: &[(usize, Reply)], each: &mut Each<'_>) {
+        let mut bounce = match self.lock_bounce(GROUP_BYTES) {
+            Ok(bounce) => bounce,
+            Err(e) => {
+                for &(i, _) in leased {
+                    each(i, Err(e.clone()));
+                }
+                let leases: SmallVec<[u64; BATCH_WINDOW]> =
+                    leased.iter().map(|(_, r)| r.lease).collect();
+                send_releases(&self.conn, &leases);
+                return;
             }
-            Err(e) => each(i, Err(e.into())),
+        };
+        let mut rest = leased;
+        while !rest.is_empty() {
+            // As many as the bounce buffer holds (each is at most
+            // GROUP_BYTES: larger ones are read alone).
+            let mut used = 0;
+            let mut reads: SmallVec<[(u64, RemoteAddr, u32); BATCH_WINDOW]> = SmallVec::new();
+            for (i, reply) in rest {
+                let len = block_len(keys[*i].len(), reply.value_len as usize);
+                if used + len > bounce.len {
+                    break;
+                }
+                let remote = RemoteAddr {
+                    addr: reply.addr,
+                    rkey: reply.rkey,
+                };
+                reads.push((bounce.addr + used as u64, remote, len as u32));
+                used += len;
+            }
+            let (group, after) = rest.split_at(reads.len().max(1));
+            rest = after;
+            // SAFETY: every range is looked at only after its READ has been
+            // waited for, and the guard (which waits for all of them when
+            // dropped) goes before the bounce lock is let go.
+            match unsafe { self.conn.start_reads(bounce.lkey, &reads) } {
+                Ok(mut pending) => {
+                    for (j, ((i, _), (local, _, len))) in group.iter().zip(&reads).enumerate() {
+                        let answer = match pending.wait_through(j) {
+                            Err(e) => Err(e.into()),
+                            Ok(()) => {
+                                let at = (local - bounce.addr) as usize;
+                                verify_leased(bounce.at(at, *len as usize), keys[*i])
+                                    .map(|(version, value)| (value, version))
+                                    .ok_or_else(failed_verification)
+                            }
+                        };
+                        each(*i, answer);
+                    }
+                }
+                Err(e) => {
+                    let e = KvError::from(e);
+                    for (i, _) in group {
+                        each(*i, Err(e.clone()));
+                    }
+                }
+            }
+            let leases: SmallVec<[u64; BATCH_WINDOW]> =
+                group.iter().map(|(_, r)| r.lease).collect();
+            send_releases(&self.conn, &leases);
         }
-    }
-
-    /// Waits for the READs in order, hands each verified value to `each`
-    /// (the later READs still in flight), and ends the leases.
-    pub(super) fn finish(&mut self, keys: &[&[u8]], each: &mut Each<'_>) {
-        for (i, at, len, mut read) in self.pending.drain(..) {
-            let answer = match read.wait_through(0) {
-                Err(e) => Err(e.into()),
-                Ok(()) => verify_leased(self.bounce.at(at, len), keys[i])
-                    .map(|(version, value)| (value, version))
-                    .ok_or_else(failed_verification),
-            };
-            each(i, answer);
-        }
-        send_releases(&self.client.conn, &self.leases);
-        self.leases.clear();
-        self.used = 0;
     }
 }
 
@@ -143,57 +153,36 @@ impl Client {
         // for us.
         for (n, chunk) in keys.chunks(BATCH_WINDOW).enumerate() {
             let base = n * BATCH_WINDOW;
-            let ids: Vec<Result<Sent>> = chunk
-                .iter()
-                .map(|key| {
-                    check_key(key)?;
-                    sends.send(|| self.send(Request::new(Op::Get, 0), key, &[]))
-                })
-                .collect();
+            let ids = self.send_batch(
+                chunk.len(),
+                |i| {
+                    check_key(chunk[i])?;
+                    Ok(Outgoing::new(Request::new(Op::Get, 0), chunk[i], &[]))
+                },
+                &mut sends,
+            );
             let mut answer = |i: usize, r: Result<(&[u8], u64)>| each(base + i, r);
-            let mut reads: Option<BlockReads> = None;
-            let mut alone = Vec::new();
+            // Every reply first, so the chunk's READs go with one doorbell.
+            let mut leased = Leased::new();
+            let mut alone = Leased::new();
             for (i, id) in ids.iter().enumerate() {
-                let reply = self.collect(i, id, &mut |_, reply, payload| Ok((reply, payload)));
-                let reply = match reply {
+                match self.collect(i, id, &mut |_, reply, payload| Ok((reply, payload))) {
                     Ok((reply, payload)) if !reply.remote => {
                         answer(i, Ok((&payload, reply.version)));
-                        continue;
+                        self.replies.recycle(payload);
                     }
-                    Ok((reply, _)) => reply,
-                    Err(e) => {
-                        answer(i, Err(e));
-                        continue;
-                    }
-                };
-                if block_len(chunk[i].len(), reply.value_len as usize) > GROUP_BYTES {
-                    alone.push((i, reply));
-                    continue;
-                }
-                if reads.is_none() {
-                    match self.lock_bounce(GROUP_BYTES) {
-                        Ok(bounce) => {
-                            reads = Some(BlockReads {
-                                client: self,
-                                pending: Vec::new(),
-                                leases: Vec::new(),
-                                used: 0,
-                                bounce,
-                            })
-                        }
-                        Err(e) => {
-                            answer(i, Err(e));
-                            self.release(reply.lease);
-                            continue;
+                    Ok((reply, _)) => {
+                        if block_len(chunk[i].len(), reply.value_len as usize) > GROUP_BYTES {
+                            alone.push((i, reply));
+                        } else {
+                            leased.push((i, reply));
                         }
                     }
-                }
-                if let Some(r) = reads.as_mut() {
-                    r.start(chunk, i, &reply, &mut answer);
+                    Err(e) => answer(i, Err(e)),
                 }
             }
-            if let Some(mut r) = reads {
-                r.finish(chunk, &mut answer);
+            if !leased.is_empty() {
+                self.read_leased(chunk, &leased, &mut answer);
             }
             for (i, reply) in alone {
                 let fetched = self.fetch(chunk[i], &reply, |v, version| {
@@ -231,10 +220,12 @@ impl Client {
     }
 
     /// Pipelined PUTs of values that fit in a request or in the request
-    /// buffer. A value that does not fit in a request is staged in a slot of
-    /// the bounce buffer and RDMA WRITTEN to the same slot of the request
-    /// buffer; a slot is reused only after the reply to the request that
-    /// used it (the window is at most the number of slots).
+    /// buffer. A value that does not fit in a request is RDMA WRITTEN to a
+    /// slot of the request buffer, from where it lies if that is memory
+    /// registered on this client ([`Client::register`]: no copy), else
+    /// from the same slot of the bounce buffer, staged there; a slot is
+    /// reused only after the reply to the request that used it (the window
+    /// is at most the number of slots).
     pub(super) fn put_pipelined(&self, pairs: &[(&[u8], &[u8])]) -> Vec<Result<u64>> {
         let start_request = |key: &[u8], value: &[u8]| -> Result<Request> {
             check_key(key)?;
@@ -255,7 +246,7 @@ impl Client {
                 BATCH_WINDOW,
                 |i| {
                     let (key, value) = pairs[i];
-                    self.send(start_request(key, value)?, key, value)
+                    Ok(Outgoing::new(start_request(key, value)?, key, value))
                 },
                 version,
             );
@@ -271,11 +262,10 @@ impl Client {
                     let (key, value) = pairs[i];
                     let mut req = start_request(key, value)?;
                     if is_inline(key.len(), value.len()) {
-                        return self.send(req, key, value);
+                        return Ok(Outgoing::new(req, key, value));
                     }
                     let offset = next_slot % slots * slot;
                     next_slot += 1;
-                    copy::copy(b.at(offset, value.len()), value);
                     req.source = Source::Staged {
                         offset: offset as u64,
                         checksum: value_checksum(value),
@@ -284,7 +274,22 @@ impl Client {
                         addr: self.info.request_buf + offset as u64,
                         rkey: self.info.request_buf_rkey,
                     };
-                    self.send_after(req, key, &[], Some(b.staged(offset, remote, value.len())))
+                    let staged = match self.registered(value) {
+                        Some(lkey) => Staged {
+                            local: value.as_ptr() as u64,
+                            lkey,
+                            remote,
+                            len: value.len(),
+                        },
+                        None => {
+                            copy::copy(b.at(offset, value.len()), value);
+                            b.staged(offset, remote, value.len())
+                        }
+                    };
+                    Ok(Outgoing {
+                        staged: Some(staged),
+                        ..Outgoing::new(req, key, &[])
+                    })
                 },
                 version,
             ))
@@ -292,27 +297,31 @@ impl Client {
         staged.unwrap_or_else(|e| pairs.iter().map(|_| Err(e.clone())).collect())
     }
 
-    /// Sends `count` requests with `start` (which returns the request id),
+    /// Sends `count` requests (`prepare(i)`: the i-th, ready to go),
     /// keeping up to `window` in flight, and turns each reply into a result
-    /// with `finish`.
-    pub(super) fn pipelined<T>(
+    /// with `finish`. Requests go in groups of half the window, one
+    /// doorbell a group, so one group is on its way while the replies to
+    /// the other come in; `prepare(i)` is called only once request
+    /// `i - window` has been answered.
+    pub(super) fn pipelined<'k, T>(
         &self,
         count: usize,
         window: usize,
-        mut start: impl FnMut(usize) -> Result<Sent>,
+        mut prepare: impl FnMut(usize) -> Result<Outgoing<'k>>,
         mut finish: impl FnMut(usize, Reply, Vec<u8>) -> Result<T>,
     ) -> Vec<Result<T>> {
+        let group = (window / 2).max(1);
         let mut ids: Vec<Result<Sent>> = Vec::with_capacity(count);
         let mut results: Vec<Result<T>> = Vec::with_capacity(count);
         let mut sends = BatchSends::default();
-        for i in 0..count {
-            ids.push(sends.send(|| start(i)));
-            if ids.len() - results.len() >= window {
-                let j = results.len();
-                results.push(self.collect(j, &ids[j], &mut finish));
-            }
-        }
         while results.len() < count {
+            let room = window - (ids.len() - results.len());
+            if ids.len() < count && room >= group.min(count - ids.len()) {
+                let first = ids.len();
+                let n = room.min(count - first);
+                ids.extend(self.send_batch(n, |j| prepare(first + j), &mut sends));
+                continue;
+            }
             let j = results.len();
             results.push(self.collect(j, &ids[j], &mut finish));
         }

@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, MutexGuard, PoisonError};
 
 use crate::kv::{KvError, Result};
-use crate::runtime::{thread_token, Connection};
+use crate::runtime::{thread_token, Connection, WriteAhead};
 use crate::verbs::{AccessFlags, MemoryRegion, RemoteAddr};
 
 use super::{Client, KEEP_BOUNCE};
@@ -47,12 +47,25 @@ impl Bounce {
     }
 }
 
-/// A value in the bounce buffer to RDMA WRITE ahead of its request.
+/// A value in registered memory (the bounce buffer, or the caller's) to
+/// RDMA WRITE ahead of its request.
+#[derive(Clone, Copy)]
 pub(super) struct Staged {
     pub(super) local: u64,
     pub(super) lkey: u32,
     pub(super) remote: RemoteAddr,
     pub(super) len: usize,
+}
+
+impl Staged {
+    pub(super) fn write_ahead(self) -> WriteAhead {
+        WriteAhead {
+            local_addr: self.local,
+            lkey: self.lkey,
+            remote: self.remote,
+            len: self.len as u32,
+        }
+    }
 }
 
 /// The locked bounce buffer; a buffer over [`KEEP_BOUNCE`] is freed when

@@ -7,7 +7,7 @@ use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 use crate::kv::proto::{is_inline, Op, Request};
 use crate::kv::{check_key, Result};
 
-use super::{Client, BATCH_WINDOW};
+use super::{Client, Outgoing, BATCH_WINDOW};
 
 /// One operation of a mixed batch ([`Client::batch_with`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -72,14 +72,14 @@ impl Client {
                 |i| match run_ops[i] {
                     BatchOp::Get(key) => {
                         check_key(key)?;
-                        self.send(Request::new(Op::Get, 0), key, &[])
+                        Ok(Outgoing::new(Request::new(Op::Get, 0), key, &[]))
                     }
                     BatchOp::Put(key, value) => {
                         check_key(key)?;
                         self.check_value(value)?;
                         let mut req = Request::new(Op::Write, 0);
                         req.value_len = value.len() as u64;
-                        self.send(req, key, value)
+                        Ok(Outgoing::new(req, key, value))
                     }
                 },
                 |i, reply, payload| {

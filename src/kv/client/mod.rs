@@ -13,10 +13,12 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::copy;
-use crate::runtime::{CommMode, Connection, Options};
+use smallvec::SmallVec;
 
-use super::proto::{Op, Reply, Request, ServerInfo};
+use crate::copy;
+use crate::runtime::{BatchMessage, CommMode, Connection, Options};
+
+use super::proto::{Header, Op, Reply, Request, ServerInfo};
 use super::{ConnMode, KvError, Result, TIMEOUT_ENV};
 
 mod batch;
@@ -30,6 +32,7 @@ mod single;
 pub use mixed::BatchOp;
 pub use registered::KvMemory;
 
+use batch::BatchSends;
 use bounce::{Bounce, Staged};
 use one_sided::Locations;
 use replies::{Replies, ReplyHandler};
@@ -109,6 +112,26 @@ pub struct Client {
     /// Where each key's block was last found by a one-sided GET.
     locations: Mutex<Locations>,
     timeout: Duration,
+}
+
+/// A request ready to go: its key and inline value follow its header, and
+/// a staged value is RDMA WRITTEN ahead of it.
+struct Outgoing<'k> {
+    req: Request,
+    key: &'k [u8],
+    inline: &'k [u8],
+    staged: Option<Staged>,
+}
+
+impl<'k> Outgoing<'k> {
+    fn new(req: Request, key: &'k [u8], inline: &'k [u8]) -> Outgoing<'k> {
+        Outgoing {
+            req,
+            key,
+            inline,
+            staged: None,
+        }
+    }
 }
 
 /// A request on its way. Its reply's deadline counts from when it was
@@ -197,10 +220,6 @@ impl Client {
         self.timeout + Duration::from_secs(bytes as u64 / SLOWEST_BYTES_PER_SEC)
     }
 
-    fn send(&self, req: Request, key: &[u8], inline: &[u8]) -> Result<Sent> {
-        self.send_after(req, key, inline, None)
-    }
-
     /// Sends a request, after RDMA WRITing `staged` when given (one
     /// doorbell).
     fn send_after(
@@ -261,6 +280,79 @@ impl Client {
             self.replies.unland(id);
         }
         sent
+    }
+
+    /// Sends `count` requests (`request(i)`: the i-th, ready to go) as one
+    /// batch: those that find room in the server's ring go with one
+    /// doorbell (per [`MESSAGES_PER_DOORBELL`](crate::runtime::MESSAGES_PER_DOORBELL)
+    /// messages), the rest one by one as [`Client::send_after`] sends them.
+    /// One outcome per request, in order; allocates nothing for up to
+    /// [`BATCH_WINDOW`].
+    fn send_batch<'k>(
+        &self,
+        count: usize,
+        mut request: impl FnMut(usize) -> Result<Outgoing<'k>>,
+        sends: &mut BatchSends,
+    ) -> SmallVec<[Result<Sent>; BATCH_WINDOW]> {
+        let at = Instant::now();
+        let arrived_before = self.replies.arrived.load(Ordering::Acquire);
+        let mut outcomes: SmallVec<[Result<Sent>; BATCH_WINDOW]> = SmallVec::new();
+        let mut ready: SmallVec<[(Header, Outgoing<'k>); BATCH_WINDOW]> = SmallVec::new();
+        for i in 0..count {
+            outcomes.push(request(i).map(|mut out| {
+                let id = self.next_id.fetch_add(1, Ordering::Relaxed) & u64::from(u32::MAX);
+                self.replies.reuse(id);
+                out.req.req_id = id;
+                ready.push((out.req.header(out.key.len(), out.inline.len()), out));
+                Sent {
+                    id,
+                    at,
+                    arrived_before,
+                }
+            }));
+        }
+        let parts: SmallVec<[[&[u8]; 3]; BATCH_WINDOW]> = ready
+            .iter()
+            .map(|(h, out)| [h.as_slice(), out.key, out.inline])
+            .collect();
+        let msgs: SmallVec<[BatchMessage<'_>; BATCH_WINDOW]> = parts
+            .iter()
+            .zip(&ready)
+            .map(|(p, (_, out))| (&p[..], out.staged.map(Staged::write_ahead)))
+            .collect();
+        // SAFETY: a staged value stays unchanged until its request's reply
+        // (the callers' rule, as for `send_after`).
+        let (posted, failed) = match unsafe { self.conn.write_then_send_batch(&msgs) } {
+            Ok(n) => (n, None),
+            Err(e) => (0, Some(KvError::from(e))),
+        };
+        // The requests the batch did not post, one by one, in order.
+        let mut rest = msgs.iter().skip(posted);
+        for outcome in outcomes.iter_mut().filter(|o| o.is_ok()).skip(posted) {
+            let Some(&(parts, write)) = rest.next() else {
+                break;
+            };
+            let sent = match &failed {
+                Some(e) => Err(e.clone()),
+                None => sends.send(|| {
+                    let sent = match write {
+                        // SAFETY: as above.
+                        Some(w) => unsafe {
+                            self.conn
+                                .write_then_send(w.local_addr, w.lkey, w.remote, w.len, parts)
+                        },
+                        None => self.conn.send_parts(parts),
+                    };
+                    match sent {
+                        Ok(0) => Err(KvError::Timeout(self.conn.options().timeout)),
+                        Ok(_) => outcome.clone(),
+                        Err(e) => Err(e.into()),
+                    }
+                }),
+            };
+            *outcome = sent;
+        }
+        outcomes
     }
 
     /// Waits for the reply to `sent`, until `allowed` after it was sent.

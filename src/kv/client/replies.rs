@@ -232,9 +232,10 @@ impl ConnHandler for ReplyHandler {
 /// only keeps the memory a little longer (until we disconnect).
 pub(super) fn send_releases(conn: &Connection, leases: &[u64]) {
     for part in leases.chunks(RELEASES_PER_MESSAGE) {
-        let (release, more) = Request::release(part);
+        let mut words = [0u8; (RELEASES_PER_MESSAGE - 1) * 8];
+        let (release, more) = Request::release(part, &mut words);
         let header = release.header(more.len(), 0);
-        let _ = conn.send_parts(&[header.as_slice(), &more]);
+        let _ = conn.send_parts(&[header.as_slice(), more]);
     }
 }
 

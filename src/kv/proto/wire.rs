@@ -210,12 +210,17 @@ impl Request {
     }
 
     /// A release of `leases` (at least one): the first in the header, the
-    /// rest as 8-byte words in the key's place, which go with it as the
+    /// rest as 8-byte words in the key's place, written to the front of
+    /// `words` (8 bytes per lease after the first; a caller's stack buffer,
+    /// so ending leases allocates nothing), which go with it as the
     /// returned bytes.
-    pub fn release(leases: &[u64]) -> (Request, Vec<u8>) {
+    pub fn release<'w>(leases: &[u64], words: &'w mut [u8]) -> (Request, &'w [u8]) {
         let mut req = Request::new(Op::Release, 0);
         req.lease = leases[0];
-        let more = leases[1..].iter().flat_map(|l| l.to_le_bytes()).collect();
+        let more = &mut words[..(leases.len() - 1) * 8];
+        for (word, lease) in more.chunks_exact_mut(8).zip(&leases[1..]) {
+            word.copy_from_slice(&lease.to_le_bytes());
+        }
         (req, more)
     }
 
@@ -459,8 +464,9 @@ mod tests {
     use super::*;
     #[test]
     fn release_names_every_lease() {
-        let (req, more) = Request::release(&[5, 6, 7]);
-        let msg = req.encode(&more, &[]);
+        let mut words = [0u8; 16];
+        let (req, more) = Request::release(&[5, 6, 7], &mut words);
+        let msg = req.encode(more, &[]);
         let (back, key, _) = Request::decode(&msg).unwrap();
         assert_eq!(back.op, Op::Release);
         assert_eq!(back.released(key).collect::<Vec<_>>(), vec![5, 6, 7]);
@@ -510,14 +516,14 @@ mod tests {
         // What a compact header cannot say takes the full one.
         let mut cas = put.clone();
         cas.cas = Some(3);
-        let (release, more) = Request::release(&[5]);
+        let (release, more) = Request::release(&[5], &mut []);
         let mut alloc = Request::new(Op::Alloc, 1);
         alloc.value_len = 1 << 20;
         for (r, key, value) in [
             (cas, &[1u8; 16][..], &[2u8; 64][..]),
             (Request::new(Op::Get, 1 << 32), b"key", &[]),
             (Request::new(Op::Get, 1), &[0u8; 70_000][..], &[]),
-            (release, &more[..], &[]),
+            (release, more, &[]),
             (alloc, b"key", &[]),
         ] {
             let msg = r.encode(key, value);

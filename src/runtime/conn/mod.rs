@@ -3,6 +3,7 @@
 //! and the command buffers. Completions are handled on the runtime's
 //! completion thread; RDMA CM events on its CM thread.
 
+mod batch;
 mod credit;
 mod dispatch;
 mod in_ring;
@@ -14,6 +15,7 @@ mod setup;
 mod sources;
 mod window;
 
+pub use batch::{BatchMessage, WriteAhead, MESSAGES_PER_DOORBELL};
 pub use in_ring::InRing;
 pub use one_sided::PendingReads;
 pub(crate) use setup::warn_no_phys_addr;

@@ -5,6 +5,8 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use smallvec::{smallvec, SmallVec};
+
 use crate::runtime::{Error, Result};
 use crate::verbs::{AccessFlags, MemoryRegion, RemoteAddr, SendOp, SendRequest, Sge};
 
@@ -12,6 +14,10 @@ use super::{
     wr_id, ConnState, Connection, CMD_RESERVE, K_READ, K_SYNC, K_WRITE, MAX_SEND_WR,
     SYNC_OP_TIMEOUT,
 };
+
+/// One-sided operations one post chains without a heap allocation (a kv
+/// batch's READs: up to 64).
+const ON_STACK: usize = 64;
 
 /// READs posted by [`Connection::start_reads`], waited for in posting
 /// order; dropping it waits for the rest, so the device is done with the
@@ -163,7 +169,8 @@ impl Connection {
             .and_then(|room| room)
             .map(|()| self.lock())?;
         let first = st.next_op;
-        let ids: Vec<u64> = if sync {
+        // A batch of up to ON_STACK operations allocates nothing.
+        let ids: SmallVec<[u64; ON_STACK]> = if sync {
             st.next_op += u64::from(n);
             (first..first + u64::from(n))
                 .map(|id| {
@@ -175,13 +182,13 @@ impl Connection {
             // Armed before posting, so the completion raises an event.
             self.inner.async_pending.fetch_add(1, Ordering::SeqCst);
             self.arm_send();
-            vec![wr_id(
+            smallvec![wr_id(
                 if read { K_READ } else { K_WRITE },
                 ops[0].0.length as u64,
             )]
         };
-        let sges: Vec<[Sge; 1]> = ops.iter().map(|(local, _)| [*local]).collect();
-        let reqs: Vec<SendRequest> = ops
+        let sges: SmallVec<[[Sge; 1]; ON_STACK]> = ops.iter().map(|(local, _)| [*local]).collect();
+        let reqs: SmallVec<[SendRequest; ON_STACK]> = ops
             .iter()
             .zip(&sges)
             .zip(&ids)
@@ -295,7 +302,7 @@ impl Connection {
         let checked = ops
             .iter()
             .map(|&(local, remote, len)| Ok((self.check_local(local, lkey, len)?, remote)))
-            .collect::<Result<Vec<_>>>()?;
+            .collect::<Result<SmallVec<[_; ON_STACK]>>>()?;
         let first = if checked.is_empty() {
             0
         } else {

@@ -37,7 +37,7 @@ pub(super) const INLINE_PARTS: usize = 4;
 /// A message copied into the staging buffer and accounted for, to be posted.
 #[derive(Clone, Copy)]
 pub(super) struct StagedMessage {
-    sge: Sge,
+    pub(super) sge: Sge,
     op: SendOp,
     wr_id: u64,
     signal: bool,
@@ -56,7 +56,7 @@ impl StagedMessage {
 
     /// Its WRITE WITH IMM, gathering `sges` (`[self.sge]`, or the message's
     /// parts where it is posted inline from them).
-    fn request<'a>(&self, sges: &'a [Sge]) -> SendRequest<'a> {
+    pub(super) fn request<'a>(&self, sges: &'a [Sge]) -> SendRequest<'a> {
         let mut req = SendRequest::new(self.wr_id, self.op, sges);
         if !self.signal {
             req = req.unsignaled();
@@ -355,7 +355,12 @@ impl Connection {
 
     /// Reserves room for a message in the peer's ring if its receive queue
     /// and our send queue have room too: the offset in the ring.
-    fn reserve(st: &mut State, len: usize, ext: Option<ExtKind>, before: bool) -> Option<usize> {
+    pub(super) fn reserve(
+        st: &mut State,
+        len: usize,
+        ext: Option<ExtKind>,
+        before: bool,
+    ) -> Option<usize> {
         let total = len + if ext.is_some() { EXT_HEADER_LEN } else { 0 };
         let msgs_ok = st.peer_version < 1
             || st.tx_msgs - st.tx_msgs_acked
@@ -522,7 +527,7 @@ impl Connection {
     /// goes `before` it); returns the WRITE WITH IMM to post.
     /// `copy`: whether the message is copied into the staging buffer
     /// (not when it is posted inline from its parts).
-    fn stage_message(
+    pub(super) fn stage_message(
         &self,
         st: &mut State,
         offset: usize,
@@ -581,14 +586,14 @@ impl Connection {
     }
 
     /// Whether a message of `len` bytes (headers included) goes inline.
-    fn fits_inline(&self, len: usize) -> bool {
+    pub(super) fn fits_inline(&self, len: usize) -> bool {
         len <= self.inner.opts.max_inline_data as usize
     }
 }
 
 /// The non-empty `pieces` as SGEs in `out` (the provider reads inline SGEs
 /// by address alone: no key), or `None` when there are more than it holds.
-fn gather_sges<'a, 'b>(
+pub(super) fn gather_sges<'a, 'b>(
     pieces: impl Iterator<Item = &'b [u8]>,
     out: &'a mut [Sge; INLINE_PARTS],
 ) -> Option<&'a [Sge]> {

@@ -1,0 +1,189 @@
+//! Several messages posted with one doorbell: a batch of requests (a kv
+//! batch's GETs or PUTs) leaves in one `ibv_post_send`, not one per message.
+
+use smallvec::SmallVec;
+
+use crate::runtime::Result;
+use crate::verbs::{RemoteAddr, SendOp, SendRequest, Sge};
+
+use super::send::{cmd_request, gather_sges, Parts, StagedMessage, INLINE_PARTS};
+use super::{wr_id, Connection, K_DATA};
+
+/// Work requests one doorbell chains at most: what the verbs layer chains
+/// on the stack (a kv batch's 64 requests, or 32 PUTs with their writes).
+/// A credit command may take one of them.
+const CHAIN: usize = 128;
+
+/// Messages one doorbell posts at most (each with no write ahead of it).
+pub const MESSAGES_PER_DOORBELL: usize = CHAIN - 1;
+
+/// An RDMA WRITE from a buffer registered on the connection that goes
+/// ahead of a message, as [`Connection::write_then_send`] makes it.
+#[derive(Debug, Clone, Copy)]
+pub struct WriteAhead {
+    pub local_addr: u64,
+    pub lkey: u32,
+    pub remote: RemoteAddr,
+    pub len: u32,
+}
+
+/// A message of [`Connection::write_then_send_batch`]: its parts, and the
+/// write that goes ahead of it, if any.
+pub type BatchMessage<'a> = (&'a [&'a [u8]], Option<WriteAhead>);
+
+/// A message staged in a batch, with the pieces it is posted from (its
+/// parts where it goes inline, else its place in the staging buffer) and
+/// the write ahead of it.
+struct Batched {
+    msg: StagedMessage,
+    sges: [Sge; INLINE_PARTS],
+    n: usize,
+    write: Option<([Sge; 1], RemoteAddr)>,
+}
+
+impl Connection {
+    /// Sends `msgs` in order, each as [`Connection::send_parts`] would, up
+    /// to [`MESSAGES_PER_DOORBELL`] with one doorbell, as long as each finds
+    /// room now. Returns how many were posted: the first of the rest found
+    /// no room (or messages queued before it, or is empty or too large),
+    /// and the caller sends it and those after it one by one with
+    /// `send_parts`, which waits, queues or reports the error as it does
+    /// for any message. An error means the connection failed.
+    pub fn send_batch(&self, msgs: &[&[&[u8]]]) -> Result<usize> {
+        // SAFETY: no writes.
+        unsafe { self.post_batch(msgs.len(), |i| (msgs[i], None)) }
+    }
+
+    /// [`Connection::send_batch`], each message after its write, if it has
+    /// one (a write and its message are two of a doorbell's work
+    /// requests). The first message not posted, with its write, is the
+    /// caller's to send with [`Connection::write_then_send`] (which also
+    /// reports a write outside the registered buffers).
+    ///
+    /// # Safety
+    /// As [`Connection::write_then_send`], for every write posted.
+    pub unsafe fn write_then_send_batch(&self, msgs: &[BatchMessage<'_>]) -> Result<usize> {
+        self.post_batch(msgs.len(), |i| msgs[i])
+    }
+
+    /// Posts messages `0..count` (`msg(i)`: its parts and its write) as
+    /// [`Connection::write_then_send_batch`] describes.
+    ///
+    /// # Safety
+    /// As [`Connection::write_then_send_batch`].
+    unsafe fn post_batch<'m>(
+        &self,
+        count: usize,
+        msg: impl Fn(usize) -> (&'m [&'m [u8]], Option<WriteAhead>),
+    ) -> Result<usize> {
+        // The writes' buffers are checked before the state lock is taken
+        // (the registrations have a lock of their own); the batch ends
+        // before the first that fails the check.
+        let mut writes: SmallVec<[Option<(Sge, RemoteAddr)>; CHAIN]> = SmallVec::new();
+        for i in 0..count {
+            let Some(w) = msg(i).1 else {
+                writes.push(None);
+                continue;
+            };
+            match self.check_local(w.local_addr, w.lkey, w.len) {
+                Ok(sge) if w.len > 0 => writes.push(Some((sge, w.remote))),
+                _ => break,
+            }
+        }
+        let count = writes.len();
+        let mut posted = 0;
+        let mut st = self.lock();
+        while posted < count {
+            let mut staged: SmallVec<[Batched; MESSAGES_PER_DOORBELL]> = SmallVec::new();
+            // The credit command's place is kept.
+            let mut wrs = 1;
+            for (i, &write) in writes.iter().enumerate().skip(posted) {
+                let data = Parts(msg(i).0);
+                wrs += 1 + usize::from(write.is_some());
+                if wrs > CHAIN
+                    || data.len() == 0
+                    || !st.queue.is_empty()
+                    || self.check_sendable(&st, data.len(), None).is_err()
+                {
+                    break;
+                }
+                let Some(offset) = Self::reserve(&mut st, data.len(), None, write.is_some()) else {
+                    break;
+                };
+                let mut sges = [Sge::EMPTY; INLINE_PARTS];
+                let in_place = match self.fits_inline(data.len()) {
+                    true => gather_sges(data.0.iter().copied(), &mut sges).map(<[Sge]>::len),
+                    false => None,
+                };
+                let staged_msg = self.stage_message(
+                    &mut st,
+                    offset,
+                    data,
+                    None,
+                    write.is_some(),
+                    in_place.is_none(),
+                );
+                let m = match staged_msg {
+                    Ok(m) => m,
+                    Err(e) => {
+                        // Ring places were taken that will never be filled.
+                        drop(st);
+                        self.fail(&format!("staging a batch of messages: {e}"));
+                        return Err(e);
+                    }
+                };
+                let n = in_place.unwrap_or_else(|| {
+                    sges[0] = m.sge;
+                    1
+                });
+                staged.push(Batched {
+                    msg: m,
+                    sges,
+                    n,
+                    write: write.map(|(sge, remote)| ([sge], remote)),
+                });
+            }
+            if staged.is_empty() {
+                break;
+            }
+            let result = self.credit_to_carry(&mut st).and_then(|credit| {
+                let credit_sge = credit.map(|(_, sge)| [sge]);
+                let mut chain: SmallVec<[SendRequest<'_>; CHAIN]> = SmallVec::new();
+                if let (Some((slot, _)), Some(sge)) = (credit, &credit_sge) {
+                    chain.push(cmd_request(slot, sge));
+                }
+                for b in &staged {
+                    if let Some((local, remote)) = &b.write {
+                        chain.push(
+                            SendRequest::new(wr_id(K_DATA, 0), SendOp::Write(*remote), local)
+                                .unsignaled(),
+                        );
+                    }
+                    chain.push(b.msg.request(&b.sges[..b.n]));
+                }
+                // SAFETY: inline parts are the caller's, read at the post;
+                // written ranges stay unchanged until the peer has their
+                // messages (the caller's promise); staging ranges stay
+                // reserved until the peer returns them, after the messages
+                // have landed; the command slot stays untouched until its
+                // send completes.
+                let posted = self.inner.qp.post_send(&chain).map_err(Into::into);
+                match credit {
+                    Some((slot, _)) => self.cmd_posted(&mut st, slot, posted),
+                    None => posted,
+                }
+            });
+            if let Err(e) = result {
+                drop(st);
+                self.fail(&format!("posting a batch of messages: {e}"));
+                return Err(e);
+            }
+            let stopped_early = posted + staged.len() < count && wrs <= CHAIN;
+            posted += staged.len();
+            if stopped_early {
+                break;
+            }
+        }
+        Ok(posted)
+    }
+}

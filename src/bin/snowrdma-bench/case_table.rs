@@ -370,7 +370,7 @@ pub(crate) const CASES: &[Case] = &[
     ),
     bw(
         "kv_put_bw_2p",
-        "kv batch_put 64 KiB registered, 32 per batch, 2 procs",
+        "kv batch_put_with 64 KiB registered, 32 per batch, 2 procs",
         "ib_write_bw",
         "MiB/s",
         ">= 0.90",
@@ -402,7 +402,7 @@ pub(crate) const CASES: &[Case] = &[
     ),
     bw(
         "kv_put_bw",
-        "kv batch_put 64 KiB registered, 32 per batch, 1 proc",
+        "kv batch_put_with 64 KiB registered, 32 per batch, 1 proc",
         "ib_write_bw",
         "MiB/s",
         "reported",

@@ -112,7 +112,11 @@ fn kv_bw_at(addr: SocketAddr, op: KvOp, iters: usize, size: usize) -> f64 {
                 .batch_get_one_sided(&key_refs)
                 .iter()
                 .all(Result::is_ok),
-            KvOp::Put => client.batch_put(&pairs).iter().all(Result::is_ok),
+            KvOp::Put => {
+                let mut ok = true;
+                client.batch_put_with(&pairs, |_, r| ok &= r.is_ok());
+                ok
+            }
         };
         assert!(ok, "a batched kv operation failed");
     };

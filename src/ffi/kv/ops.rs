@@ -343,7 +343,9 @@ pub unsafe extern "C" fn kv_client_batch_put(
                     .collect()
             };
             let Ok(pairs) = parse() else { return -1 };
-            c.batch_put(&pairs).iter().filter(|r| r.is_ok()).count() as c_int
+            let mut stored = 0;
+            c.batch_put_with(&pairs, |_, r| stored += c_int::from(r.is_ok()));
+            stored
         })
     })
 }

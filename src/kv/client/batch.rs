@@ -202,21 +202,33 @@ impl Client {
     /// value.
     pub fn batch_put(&self, pairs: &[(&[u8], &[u8])]) -> Vec<Result<u64>> {
         let mut results = Vec::with_capacity(pairs.len());
-        let mut rest = pairs;
-        while let Some(((key, value), after)) = rest.split_first() {
-            let run = rest
+        self.batch_put_with(pairs, |_, r| results.push(r));
+        results
+    }
+
+    /// [`Client::batch_put`], handing each pair's result to `each` (with
+    /// the pair's index), in order, on the calling thread, instead of
+    /// collecting them: allocates nothing.
+    pub fn batch_put_with(
+        &self,
+        pairs: &[(&[u8], &[u8])],
+        mut each: impl FnMut(usize, Result<u64>),
+    ) {
+        let mut base = 0;
+        while base < pairs.len() {
+            let run = pairs[base..]
                 .iter()
                 .take_while(|(_, v)| v.len() as u64 <= self.info.request_buf_len)
                 .count();
             if run == 0 {
-                results.push(self.put(key, value));
-                rest = after;
+                let (key, value) = pairs[base];
+                each(base, self.put(key, value));
+                base += 1;
             } else {
-                results.extend(self.put_pipelined(&rest[..run]));
-                rest = &rest[run..];
+                self.put_pipelined(&pairs[base..base + run], |i, r| each(base + i, r));
+                base += run;
             }
         }
-        results
     }
 
     /// Pipelined PUTs of values that fit in a request or in the request
@@ -226,7 +238,11 @@ impl Client {
     /// from the same slot of the bounce buffer, staged there; a slot is
     /// reused only after the reply to the request that used it (the window
     /// is at most the number of slots).
-    pub(super) fn put_pipelined(&self, pairs: &[(&[u8], &[u8])]) -> Vec<Result<u64>> {
+    pub(super) fn put_pipelined(
+        &self,
+        pairs: &[(&[u8], &[u8])],
+        mut each: impl FnMut(usize, Result<u64>),
+    ) {
         let start_request = |key: &[u8], value: &[u8]| -> Result<Request> {
             check_key(key)?;
             self.check_value(value)?;
@@ -249,13 +265,15 @@ impl Client {
                     Ok(Outgoing::new(start_request(key, value)?, key, value))
                 },
                 version,
+                each,
             );
         };
         let buf_len = usize::try_from(self.info.request_buf_len).unwrap_or(usize::MAX);
         let slots = (buf_len / slot).clamp(1, BATCH_WINDOW);
+        let mut answered = 0;
         let staged = self.with_bounce(slots * slot, |b| {
             let mut next_slot = 0;
-            Ok(self.pipelined(
+            self.pipelined(
                 pairs.len(),
                 slots,
                 |i| {
@@ -292,40 +310,61 @@ impl Client {
                     })
                 },
                 version,
-            ))
+                |i, r| {
+                    answered += 1;
+                    each(i, r)
+                },
+            );
+            Ok(())
         });
-        staged.unwrap_or_else(|e| pairs.iter().map(|_| Err(e.clone())).collect())
+        if let Err(e) = staged {
+            // The bounce buffer could not be had: nothing was sent.
+            for i in answered..pairs.len() {
+                each(i, Err(e.clone()));
+            }
+        }
     }
 
     /// Sends `count` requests (`prepare(i)`: the i-th, ready to go),
-    /// keeping up to `window` in flight, and turns each reply into a result
-    /// with `finish`. Requests go in groups of half the window, one
-    /// doorbell a group, so one group is on its way while the replies to
-    /// the other come in; `prepare(i)` is called only once request
-    /// `i - window` has been answered.
+    /// keeping up to `window` (at most [`BATCH_WINDOW`]) in flight, turns
+    /// each reply into a result with `finish` and hands it to `answer`, in
+    /// order. Requests go in groups of half the window, one doorbell a
+    /// group, so one group is on its way while the replies to the other
+    /// come in; `prepare(i)` is called only once request `i - window` has
+    /// been answered. Allocates nothing.
     pub(super) fn pipelined<'k, T>(
         &self,
         count: usize,
         window: usize,
         mut prepare: impl FnMut(usize) -> Result<Outgoing<'k>>,
         mut finish: impl FnMut(usize, Reply, Vec<u8>) -> Result<T>,
-    ) -> Vec<Result<T>> {
+        mut answer: impl FnMut(usize, Result<T>),
+    ) {
+        let window = window.clamp(1, BATCH_WINDOW);
         let group = (window / 2).max(1);
-        let mut ids: Vec<Result<Sent>> = Vec::with_capacity(count);
-        let mut results: Vec<Result<T>> = Vec::with_capacity(count);
+        // Request i's outcome is at i % window while it is in flight.
+        let mut in_flight: SmallVec<[Option<Result<Sent>>; BATCH_WINDOW]> =
+            (0..window).map(|_| None).collect();
+        let (mut sent, mut done) = (0, 0);
         let mut sends = BatchSends::default();
-        while results.len() < count {
-            let room = window - (ids.len() - results.len());
-            if ids.len() < count && room >= group.min(count - ids.len()) {
-                let first = ids.len();
-                let n = room.min(count - first);
-                ids.extend(self.send_batch(n, |j| prepare(first + j), &mut sends));
+        while done < count {
+            let room = window - (sent - done);
+            if sent < count && room >= group.min(count - sent) {
+                let n = room.min(count - sent);
+                let first = sent;
+                let outcomes = self.send_batch(n, |j| prepare(first + j), &mut sends);
+                for outcome in outcomes {
+                    in_flight[sent % window] = Some(outcome);
+                    sent += 1;
+                }
                 continue;
             }
-            let j = results.len();
-            results.push(self.collect(j, &ids[j], &mut finish));
+            let outcome = in_flight[done % window]
+                .take()
+                .unwrap_or_else(|| Err(KvError::Internal("a request went missing".into())));
+            answer(done, self.collect(done, &outcome, &mut finish));
+            done += 1;
         }
-        results
     }
 
     pub(super) fn collect<T>(

@@ -2,6 +2,7 @@
 //! throughput (a closed loop of single calls waits a round trip per
 //! operation).
 
+use std::cell::RefCell;
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 
 use crate::kv::proto::{is_inline, Op, Request};
@@ -47,11 +48,13 @@ impl Client {
         mut each: impl FnMut(usize, Result<(&[u8], u64)>),
     ) {
         let mut panic = None;
-        let mut answer = |i: usize, r: Result<(&[u8], u64)>| {
+        // Shared by the reply handling and the errors: never called
+        // inside itself.
+        let answer = RefCell::new(|i: usize, r: Result<(&[u8], u64)>| {
             if panic.is_none() {
                 panic = catch_unwind(AssertUnwindSafe(|| each(i, r))).err();
             }
-        };
+        });
         let mut base = 0;
         while base < ops.len() {
             let run = ops[base..]
@@ -60,13 +63,13 @@ impl Client {
                 .count();
             if run == 0 {
                 if let BatchOp::Put(key, value) = ops[base] {
-                    answer(base, self.put(key, value).map(|v| (&[][..], v)));
+                    answer.borrow_mut()(base, self.put(key, value).map(|v| (&[][..], v)));
                 }
                 base += 1;
                 continue;
             }
             let run_ops = &ops[base..base + run];
-            let results = self.pipelined(
+            self.pipelined(
                 run,
                 BATCH_WINDOW,
                 |i| match run_ops[i] {
@@ -84,24 +87,26 @@ impl Client {
                 },
                 |i, reply, payload| {
                     match run_ops[i] {
-                        BatchOp::Put(..) => answer(base + i, Ok((&[], reply.version))),
+                        BatchOp::Put(..) => answer.borrow_mut()(base + i, Ok((&[], reply.version))),
                         BatchOp::Get(key) if reply.remote => {
                             self.replies.recycle(payload);
                             return self.fetch(key, &reply, |v, version| {
-                                answer(base + i, Ok((v, version)))
+                                answer.borrow_mut()(base + i, Ok((v, version)))
                             });
                         }
-                        BatchOp::Get(_) => answer(base + i, Ok((&payload, reply.version))),
+                        BatchOp::Get(_) => {
+                            answer.borrow_mut()(base + i, Ok((&payload, reply.version)))
+                        }
                     }
                     self.replies.recycle(payload);
                     Ok(())
                 },
+                |i, result| {
+                    if let Err(e) = result {
+                        answer.borrow_mut()(base + i, Err(e));
+                    }
+                },
             );
-            for (i, result) in results.into_iter().enumerate() {
-                if let Err(e) = result {
-                    answer(base + i, Err(e));
-                }
-            }
             base += run;
         }
         if let Some(payload) = panic {

@@ -4,6 +4,8 @@
 //! alone only when the peer could run short, or a tick passes with nothing
 //! sent to carry it.
 
+use std::sync::atomic::Ordering;
+
 use crate::runtime::proto::{Cmd, Opcode};
 use crate::runtime::Result;
 use crate::verbs::Sge;
@@ -55,6 +57,8 @@ impl Connection {
         }
         self.flush_reposts(st)?;
         let consumed = st.rx.take_report();
+        // Until something more is received and read.
+        self.inner.rx_owed.store(false, Ordering::SeqCst);
         st.rx_msgs_reported = st.rx_msgs;
         st.tx_msgs_at_credit = st.tx_msgs;
         let cmd = Cmd::new(Opcode::Credit, consumed, st.rx_msgs as u32, 0);
@@ -77,6 +81,11 @@ impl Connection {
     /// the last tick. A sender so waits at most about a tick, and one
     /// credit covers many messages.
     pub(super) fn maybe_send_credit(&self, tick: bool) {
+        // Between ticks, only what was received since the last report can
+        // be owed.
+        if !tick && !self.inner.rx_owed.load(Ordering::SeqCst) {
+            return;
+        }
         let mut st = self.lock();
         let owed = self.credit_owed(&st);
         let sent_since_tick = st.tx_msgs != st.tx_msgs_at_tick;

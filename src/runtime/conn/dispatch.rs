@@ -136,7 +136,7 @@ impl Connection {
             }
             if self.inner.async_pending.load(Ordering::SeqCst) > 0
                 || self.inner.sleepers.load(Ordering::SeqCst) > 0
-                || !self.lock().queue.is_empty()
+                || self.inner.queued.load(Ordering::SeqCst)
             {
                 self.arm_send();
             }
@@ -207,9 +207,14 @@ impl Connection {
                 }
             }
             K_DATA => {
-                let mut st = self.lock();
-                st.sq_used = st.sq_used.saturating_sub(low as u32);
-                drop(st);
+                // Not worth waiting for a sender's post: the next holder of
+                // the lock gives the places back.
+                match self.inner.st.try_lock() {
+                    Ok(mut st) => st.sq_used = st.sq_used.saturating_sub(low as u32),
+                    Err(_) => {
+                        self.inner.sq_done.fetch_add(low as u32, Ordering::AcqRel);
+                    }
+                }
                 self.wake();
             }
             K_CMD => {
@@ -366,6 +371,7 @@ impl Connection {
             let mut st = self.lock();
             if inline || !on_cq_thread || !st.deferred.is_empty() {
                 st.deferred.push_back(cb);
+                self.inner.deferred_any.store(true, Ordering::SeqCst);
                 drop(st);
                 if !on_cq_thread {
                     self.inner.owed.store(true, Ordering::Release);
@@ -386,8 +392,16 @@ impl Connection {
     }
 
     pub(super) fn deliver_deferred(&self) {
-        loop {
-            let Some(cb) = self.lock().deferred.pop_front() else {
+        while self.inner.deferred_any.load(Ordering::SeqCst) {
+            let cb = {
+                let mut st = self.lock();
+                let cb = st.deferred.pop_front();
+                if cb.is_none() {
+                    self.inner.deferred_any.store(false, Ordering::SeqCst);
+                }
+                cb
+            };
+            let Some(cb) = cb else {
                 return;
             };
             self.run_callback(cb);
@@ -421,14 +435,14 @@ impl Connection {
             st.rx_msgs += 1;
         }
         // Its bytes are reportable (the peer may write them again) only
-        // once we are done with them, on every path below, panics too.
-        struct Release<'a>(&'a Connection);
-        impl Drop for Release<'_> {
-            fn drop(&mut self) {
-                self.0.lock().rx.release();
-            }
-        }
-        let _release = Release(self);
+        // once we are done with them: before the callback when it gets a
+        // copy (the caller a callback wakes may send at once, and would
+        // find the lock taken), after it when it reads in the ring, and on
+        // every other path when this is dropped.
+        let mut release = Release {
+            conn: self,
+            armed: true,
+        };
         // The peer can write its ring slot again while we look at it: each
         // byte is copied out once, and only the copy is parsed or shown.
         // The buffer is reused; a callback that receives again (from a
@@ -469,6 +483,7 @@ impl Connection {
             let mut buf = std::mem::take(&mut *slot());
             buf.clear();
             self.inner.recv_ring.copy_out(start..end, &mut buf);
+            release.now();
             crate::costs::copied_if_any(buf.len());
             h.recv(self, &buf, imm);
             copy = Some(buf);
@@ -509,5 +524,28 @@ impl Connection {
             n > 0
         })
         .unwrap_or(false)
+    }
+}
+
+/// The end of a delivery's look at its message in the ring
+/// ([`RecvRing::release`](crate::runtime::ring::RecvRing::release)), once:
+/// when [`Release::now`] is called, or else when dropped.
+struct Release<'a> {
+    conn: &'a Connection,
+    armed: bool,
+}
+
+impl Release<'_> {
+    fn now(&mut self) {
+        if std::mem::replace(&mut self.armed, false) {
+            self.conn.lock().rx.release();
+            self.conn.inner.rx_owed.store(true, Ordering::SeqCst);
+        }
+    }
+}
+
+impl Drop for Release<'_> {
+    fn drop(&mut self) {
+        self.now();
     }
 }

@@ -26,7 +26,7 @@ use std::collections::{HashMap, VecDeque};
 use std::fmt;
 use std::net::SocketAddr;
 use std::panic::AssertUnwindSafe;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError, RwLock};
 use std::time::Duration;
 
@@ -274,6 +274,22 @@ pub(crate) struct ConnInner {
     wakeups: AtomicU64,
     /// Another thread queued callbacks for the completion thread.
     owed: AtomicBool,
+    /// Hints the completion thread reads instead of taking the state lock
+    /// in every round (a sender holds it across `ibv_post_send`, a system
+    /// call on Soft-RoCE, and waiting for it costs two futex calls). Each is
+    /// set under the lock when its state changes and cleared under the lock
+    /// when that state is found empty, so a stale `true` only costs the
+    /// lock, and a `false` is never stale past the lock hold that set it.
+    /// The send queue may hold messages.
+    queued: AtomicBool,
+    /// Callbacks may be deferred.
+    deferred_any: AtomicBool,
+    /// Received bytes or messages may be owed credit.
+    rx_owed: AtomicBool,
+    /// Send-queue places of completed data writes not yet given back: the
+    /// completion thread leaves them here when the state lock is held, and
+    /// the next holder gives them back ([`Connection::lock`]).
+    sq_done: AtomicU32,
     user_mrs: Mutex<HashMap<usize, Arc<MemoryRegion>>>,
     disconnect_fired: AtomicBool,
     closed_locally: AtomicBool,
@@ -346,7 +362,12 @@ impl Connection {
         // Nothing panics while holding it (handlers run without it), but if
         // our code ever did, the connection would end, not every thread
         // that touches it.
-        self.inner.st.lock().unwrap_or_else(PoisonError::into_inner)
+        let mut st = self.inner.st.lock().unwrap_or_else(PoisonError::into_inner);
+        if self.inner.sq_done.load(Ordering::Relaxed) != 0 {
+            let done = self.inner.sq_done.swap(0, Ordering::AcqRel);
+            st.sq_used = st.sq_used.saturating_sub(done);
+        }
+        st
     }
 
     /// Runs a handler method: a panic in it ends this connection (logged),

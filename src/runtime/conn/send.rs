@@ -2,6 +2,7 @@
 //! the staging buffer), commands, the send queue for messages that find no
 //! room, and the credit this side returns.
 
+use std::sync::atomic::Ordering;
 use std::sync::MutexGuard;
 use std::time::{Duration, Instant};
 
@@ -275,7 +276,7 @@ impl Connection {
             return 0;
         }
         match st.queue.push_parts(data.0, ext) {
-            Push::Queued => {}
+            Push::Queued => self.inner.queued.store(true, Ordering::SeqCst),
             Push::Refused { first } => {
                 if first {
                     log::warn!(
@@ -408,6 +409,9 @@ impl Connection {
 
     /// Sends queued messages while there is room.
     pub(super) fn flush_queued(&self) {
+        if !self.inner.queued.load(Ordering::SeqCst) {
+            return;
+        }
         let mut st = self.lock();
         if let Err(e) = self.post_queued(&mut st) {
             drop(st);
@@ -424,6 +428,7 @@ impl Connection {
                 return Ok(());
             }
         }
+        self.inner.queued.store(false, Ordering::SeqCst);
         if let Some(ep) = st.queue.end_episode() {
             log::warn!(
                 "connection to {:?}: the send queue drained; {} messages ({} bytes) were refused while it was full",

@@ -3,7 +3,7 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
@@ -168,6 +168,10 @@ impl Connection {
                 sleepers: AtomicUsize::new(0),
                 wakeups: AtomicU64::new(0),
                 owed: AtomicBool::new(false),
+                queued: AtomicBool::new(false),
+                deferred_any: AtomicBool::new(false),
+                rx_owed: AtomicBool::new(false),
+                sq_done: AtomicU32::new(0),
                 user_mrs: Mutex::new(HashMap::new()),
                 disconnect_fired: AtomicBool::new(false),
                 closed_locally: AtomicBool::new(false),

@@ -348,24 +348,12 @@ impl Store {
     /// on the current version (0: the key must be absent). Returns the new
     /// version.
     pub fn put(&self, key: &[u8], value: &[u8], cas: Option<u64>) -> Result<u64> {
-        self.put_hashed(key, value, value_checksum(value), cas)
-    }
-
-    /// As [`Store::put`], for a value whose hash (`value_checksum`) the
-    /// caller already took.
-    pub fn put_hashed(
-        &self,
-        key: &[u8],
-        value: &[u8],
-        value_hash: u64,
-        cas: Option<u64>,
-    ) -> Result<u64> {
         self.check_value_len(value.len() as u64)?;
         let mut block = self.new_block(block_len(key.len(), value.len()))?;
         let bytes = block.bytes_mut();
         bytes[BLOCK_HEADER_LEN..BLOCK_HEADER_LEN + key.len()].copy_from_slice(key);
         crate::copy::copy(&mut bytes[BLOCK_HEADER_LEN + key.len()..], value);
-        self.publish(key, block, value_hash, cas)
+        self.publish(key, block, value_checksum(value), cas)
     }
 
     /// Stores under a `key_len`-byte key a `value_len`-byte value that
@@ -373,12 +361,14 @@ impl Store {
     /// one copy): `fill` gets the block's key-and-value bytes and says
     /// whether it filled them all. Until it is published only this call can
     /// reach the block, so the key and the value's hash are taken from what
-    /// `fill` wrote.
+    /// `fill` wrote. `expect`: the hash the value must have (one the client
+    /// sent with a value it wrote into our memory), else nothing is stored.
     pub fn put_filled(
         &self,
         key_len: usize,
         value_len: usize,
         fill: impl FnOnce(&mut [u8]) -> bool,
+        expect: Option<u64>,
         cas: Option<u64>,
     ) -> Result<u64> {
         let mut key = [0u8; MAX_KEY_LEN];
@@ -392,6 +382,11 @@ impl Store {
         }
         key.copy_from_slice(&bytes[..key_len]);
         let hash = value_checksum(&bytes[key_len..]);
+        if expect.is_some_and(|expected| expected != hash) {
+            return Err(KvError::InvalidArgument(
+                "the staged value did not arrive whole (checksum mismatch)".into(),
+            ));
+        }
         self.publish(key, block, hash, cas)
     }
 

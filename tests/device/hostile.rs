@@ -397,3 +397,87 @@ fn a_server_that_garbles_its_replies_is_cut_off() {
         liar.release();
     }
 }
+
+/// Every message, whole.
+struct Messages(Mutex<mpsc::Sender<Vec<u8>>>);
+impl ConnHandler for Messages {
+    fn recv(&self, _conn: &Connection, data: &[u8], _imm: Option<u32>) {
+        let _ = self.0.lock().unwrap().send(data.to_vec());
+    }
+}
+
+#[test]
+#[ignore = "needs an RDMA device: run `make test`"]
+fn a_staged_value_is_stored_only_if_it_arrived_as_its_checksum_says() {
+    use snowrdma::kv::proto::{value_checksum, Source};
+    const LEN: usize = 8192;
+    let (server, addr) = kv_server(false);
+    let (tx, rx) = mpsc::channel();
+    let raw = Connection::connect(
+        addr,
+        &Options::default(),
+        Arc::new(Messages(Mutex::new(tx))),
+    )
+    .unwrap();
+    let call = |msg: &[u8], staged: Option<&snowrdma::verbs::MemoryRegion>, to: RemoteAddr| {
+        let sent = match staged {
+            // SAFETY: the region stays untouched until the reply.
+            Some(mr) => unsafe {
+                raw.write_then_send(mr.addr(), mr.lkey(), to, LEN as u32, &[msg])
+            },
+            None => raw.send(msg),
+        };
+        assert!(sent.unwrap() > 0);
+        let bytes = rx.recv_timeout(TIMEOUT).expect("a reply");
+        let (reply, payload) = Reply::decode(&bytes).unwrap();
+        (reply, payload.to_vec())
+    };
+    let (_, hello) = call(
+        &Request::new(Op::Hello, 1).encode(&[], &[]),
+        None,
+        RemoteAddr { addr: 0, rkey: 0 },
+    );
+    let info = ServerInfo::decode(&hello).unwrap();
+    let value = raw.register(LEN).unwrap();
+    // SAFETY: our own registered memory, not posted anywhere yet.
+    unsafe { std::ptr::write_bytes(value.addr() as *mut u8, 0x5a, LEN) };
+    let right = value_checksum(&vec![0x5a; LEN]);
+    let buf = RemoteAddr {
+        addr: info.request_buf,
+        rkey: info.request_buf_rkey,
+    };
+    // The value is written at `at` of the request buffer; the request says
+    // it is at `offset`.
+    let staged_put = |id: u64, at: u64, offset: u64, checksum: u64| {
+        let mut req = Request::new(Op::Write, id);
+        req.value_len = LEN as u64;
+        req.source = Source::Staged { offset, checksum };
+        call(
+            &req.encode(b"staged", &[]),
+            Some(&value),
+            RemoteAddr {
+                addr: buf.addr + at,
+                rkey: buf.rkey,
+            },
+        )
+        .0
+    };
+    let invalid = KvError::InvalidArgument(String::new()).code();
+    // Torn on the way (or rewritten after its checksum): not stored.
+    assert_eq!(staged_put(2, 0, 0, right ^ 1).status, invalid);
+    // Past the end of the request buffer.
+    let past = info.request_buf_len - LEN as u64 + 64;
+    assert_eq!(staged_put(3, 0, past, right).status, invalid);
+    let client = Client::connect(addr).unwrap();
+    assert!(matches!(client.get(b"staged"), Err(KvError::NotFound)));
+    // Whole: stored, and read back as written.
+    let stored = staged_put(4, 64, 64, right);
+    assert_eq!((stored.status, stored.version), (0, 1));
+    assert_eq!(client.get(b"staged").unwrap(), (vec![0x5a; LEN], 1));
+    assert_eq!(
+        raw.state(),
+        ConnState::MrReady,
+        "errors are answered, not fatal"
+    );
+    server.stop();
+}

@@ -4,9 +4,7 @@
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use crate::kv::proto::{
-    is_inline, value_checksum, Op, Reply, Request, ServerInfo, Source, BLOCK_HEADER_LEN,
-};
+use crate::kv::proto::{is_inline, Op, Reply, Request, ServerInfo, Source, BLOCK_HEADER_LEN};
 use crate::kv::store::Block;
 use crate::kv::{check_key, KvError, Result, MAX_KEY_LEN};
 use crate::runtime::{Connection, Window};
@@ -121,7 +119,7 @@ impl Shared {
         value_len: usize,
         fill: impl FnOnce(&mut [u8]) -> bool,
     ) -> Answer {
-        let result = self.store.put_filled(key_len, value_len, fill, None);
+        let result = self.store.put_filled(key_len, value_len, fill, None, None);
         if result.is_ok() {
             bump(&self.counters.puts);
         }
@@ -249,17 +247,23 @@ impl Shared {
                         )
                     })?;
                 // The client can write its buffer again at any moment: the
-                // value is copied once, and the copy is checked and stored.
-                let mut value = Vec::new();
-                buf.copy_out(range, &mut value);
-                let value = &value[..];
-                if value_checksum(value) != checksum {
-                    return Err(KvError::InvalidArgument(
-                        "the staged value did not arrive whole (checksum mismatch)".into(),
-                    ));
-                }
-                // Verified above: the same hash seals the block.
-                self.store.put_hashed(key, value, checksum, req.cas)
+                // value is copied once, straight into its block, and the
+                // copy is checked there before it is published.
+                self.store.put_filled(
+                    key.len(),
+                    range.len(),
+                    |block| {
+                        let (k, v) = block.split_at_mut(key.len());
+                        k.copy_from_slice(key);
+                        let read = buf.copy_out_to(range.start, v);
+                        if read {
+                            crate::costs::copied_if_any(v.len());
+                        }
+                        read
+                    },
+                    Some(checksum),
+                    req.cas,
+                )
             }
             Source::Allocated { token } => {
                 let target = client

@@ -82,11 +82,18 @@ impl Connection {
     /// credit covers many messages.
     pub(super) fn maybe_send_credit(&self, tick: bool) {
         // Between ticks, only what was received since the last report can
-        // be owed.
+        // be owed, and a sender holding the lock carries it when enough is
+        // owed (else a later round or the tick sends it).
         if !tick && !self.inner.rx_owed.load(Ordering::SeqCst) {
             return;
         }
-        let mut st = self.lock();
+        let mut st = match tick {
+            true => self.lock(),
+            false => match self.try_lock() {
+                Some(st) => st,
+                None => return,
+            },
+        };
         let owed = self.credit_owed(&st);
         let sent_since_tick = st.tx_msgs != st.tx_msgs_at_tick;
         if tick {

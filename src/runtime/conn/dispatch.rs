@@ -209,9 +209,9 @@ impl Connection {
             K_DATA => {
                 // Not worth waiting for a sender's post: the next holder of
                 // the lock gives the places back.
-                match self.inner.st.try_lock() {
-                    Ok(mut st) => st.sq_used = st.sq_used.saturating_sub(low as u32),
-                    Err(_) => {
+                match self.try_lock() {
+                    Some(mut st) => st.sq_used = st.sq_used.saturating_sub(low as u32),
+                    None => {
                         self.inner.sq_done.fetch_add(low as u32, Ordering::AcqRel);
                     }
                 }

@@ -27,7 +27,7 @@ use std::fmt;
 use std::net::SocketAddr;
 use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError, RwLock};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError, RwLock, TryLockError};
 use std::time::Duration;
 
 use crate::verbs::{
@@ -359,10 +359,21 @@ impl Connection {
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
-        // Nothing panics while holding it (handlers run without it), but if
-        // our code ever did, the connection would end, not every thread
-        // that touches it.
-        let mut st = self.inner.st.lock().unwrap_or_else(PoisonError::into_inner);
+        self.settled(self.inner.st.lock().unwrap_or_else(PoisonError::into_inner))
+    }
+
+    /// The state lock if nobody holds it now: for work that can be left to
+    /// the thread holding it (a sender carries credit) or to a later round.
+    fn try_lock(&self) -> Option<MutexGuard<'_, State>> {
+        match self.inner.st.try_lock() {
+            Ok(st) => Some(self.settled(st)),
+            Err(TryLockError::Poisoned(p)) => Some(self.settled(p.into_inner())),
+            Err(TryLockError::WouldBlock) => None,
+        }
+    }
+
+    /// The state with the send-queue places of completed writes given back.
+    fn settled<'a>(&self, mut st: MutexGuard<'a, State>) -> MutexGuard<'a, State> {
         if self.inner.sq_done.load(Ordering::Relaxed) != 0 {
             let done = self.inner.sq_done.swap(0, Ordering::AcqRel);
             st.sq_used = st.sq_used.saturating_sub(done);

@@ -4,14 +4,12 @@
 
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 
-use crate::copy;
 use smallvec::SmallVec;
 
 use crate::kv::proto::{block_len, is_inline, value_checksum, Op, Reply, Request, Source};
 use crate::kv::{check_key, KvError, Result};
 use crate::verbs::RemoteAddr;
 
-use super::bounce::Staged;
 use super::one_sided::verify_leased;
 use super::replies::send_releases;
 use super::{
@@ -292,18 +290,7 @@ impl Client {
                         addr: self.info.request_buf + offset as u64,
                         rkey: self.info.request_buf_rkey,
                     };
-                    let staged = match self.registered(value) {
-                        Some(lkey) => Staged {
-                            local: value.as_ptr() as u64,
-                            lkey,
-                            remote,
-                            len: value.len(),
-                        },
-                        None => {
-                            copy::copy(b.at(offset, value.len()), value);
-                            b.staged(offset, remote, value.len())
-                        }
-                    };
+                    let staged = b.stage(offset, value, self.registered(value), remote);
                     Ok(Outgoing {
                         staged: Some(staged),
                         ..Outgoing::new(req, key, &[])

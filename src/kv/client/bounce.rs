@@ -36,6 +36,30 @@ impl Bounce {
         }
     }
 
+    /// `value` as the RDMA WRITE to `remote`: from where it lies when it is
+    /// in memory registered on the client (`registered`: its lkey), else
+    /// copied to `offset` of this buffer first.
+    pub(super) fn stage(
+        &mut self,
+        offset: usize,
+        value: &[u8],
+        registered: Option<u32>,
+        remote: RemoteAddr,
+    ) -> Staged {
+        match registered {
+            Some(lkey) => Staged {
+                local: value.as_ptr() as u64,
+                lkey,
+                remote,
+                len: value.len(),
+            },
+            None => {
+                crate::copy::copy(self.at(offset, value.len()), value);
+                self.staged(offset, remote, value.len())
+            }
+        }
+    }
+
     /// The bytes from `offset` as the value to RDMA WRITE to `remote`.
     pub(super) fn staged(&self, offset: usize, remote: RemoteAddr, len: usize) -> Staged {
         Staged {

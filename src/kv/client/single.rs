@@ -8,7 +8,6 @@ use crate::kv::proto::{block_len, is_inline, value_checksum, Op, Reply, Request,
 use crate::kv::{check_key, KvError, Result};
 use crate::verbs::RemoteAddr;
 
-use super::bounce::Staged;
 use super::one_sided::verify_leased;
 use super::replies::send_releases;
 use super::{copy_into, failed_verification, Client};
@@ -179,18 +178,7 @@ impl Client {
                     offset: 0,
                     checksum: value_checksum(value),
                 };
-                let staged = Some(match zero_copy {
-                    Some(lkey) => Staged {
-                        local: value.as_ptr() as u64,
-                        lkey,
-                        remote,
-                        len: value.len(),
-                    },
-                    None => {
-                        copy::copy(b.bytes(value.len()), value);
-                        b.staged(0, remote, value.len())
-                    }
-                });
+                let staged = Some(b.stage(0, value, zero_copy, remote));
                 self.call_after(req, key, &[], staged, value.len())
                     .map(|(r, _)| r.version)
             });

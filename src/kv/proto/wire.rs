@@ -214,6 +214,10 @@ impl Request {
     /// `words` (8 bytes per lease after the first; a caller's stack buffer,
     /// so ending leases allocates nothing), which go with it as the
     /// returned bytes.
+    ///
+    /// # Panics
+    /// When `leases` is empty or `words` is shorter than its other leases
+    /// need.
     pub fn release<'w>(leases: &[u64], words: &'w mut [u8]) -> (Request, &'w [u8]) {
         let mut req = Request::new(Op::Release, 0);
         req.lease = leases[0];

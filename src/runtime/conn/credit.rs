@@ -74,6 +74,27 @@ impl Connection {
         self.stage_credit(st)
     }
 
+    /// Sends the credit owed, alone, if an eighth or more is owed (a
+    /// thread about to wait while the peer may be waiting for it).
+    pub(super) fn send_owed_credit(&self, st: &mut State) {
+        if self.credit_owed(st) < Owed::Enough {
+            return;
+        }
+        let posted = self.stage_credit(st).and_then(|staged| {
+            let Some((slot, sge)) = staged else {
+                return Ok(());
+            };
+            // SAFETY: the slot stays untouched until the send completes.
+            let posted = unsafe { self.inner.qp.post_send(&[cmd_request(slot, &[sge])]) };
+            self.cmd_posted(st, slot, posted.map_err(Into::into))
+        });
+        if let Err(e) = posted {
+            // Failing the connection needs the lock, which the caller
+            // holds; the broken QP fails every later post too.
+            log::warn!("connection to {:?}: returning credit: {e}", self.inner.peer);
+        }
+    }
+
     /// Sends the credit owed alone when it cannot wait for a message to
     /// carry it: half the ring or receive queue is owed, or an eighth while
     /// this side has sent nothing since its last report; at a `tick` (of
@@ -91,7 +112,12 @@ impl Connection {
             true => self.lock(),
             false => match self.try_lock() {
                 Some(st) => st,
-                None => return,
+                None => {
+                    // The next round looks again (a holder about to wait
+                    // sends it itself: `park`).
+                    self.inner.owed.store(true, Ordering::Release);
+                    return;
+                }
             },
         };
         let owed = self.credit_owed(&st);

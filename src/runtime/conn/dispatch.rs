@@ -538,8 +538,10 @@ struct Release<'a> {
 impl Release<'_> {
     fn now(&mut self) {
         if std::mem::replace(&mut self.armed, false) {
-            self.conn.lock().rx.release();
+            let mut st = self.conn.lock();
+            st.rx.release();
             self.conn.inner.rx_owed.store(true, Ordering::SeqCst);
+            drop(st);
         }
     }
 }

@@ -11,7 +11,7 @@ use crate::runtime::{Error, Result};
 use crate::verbs::{AccessFlags, MemoryRegion, RemoteAddr, SendOp, SendRequest, Sge};
 
 use super::{
-    wr_id, ConnState, Connection, CMD_RESERVE, K_READ, K_SYNC, K_WRITE, MAX_SEND_WR,
+    wr_id, ConnState, Connection, State, CMD_RESERVE, K_READ, K_SYNC, K_WRITE, MAX_SEND_WR,
     SYNC_OP_TIMEOUT,
 };
 
@@ -155,19 +155,27 @@ impl Connection {
             )));
         }
         let deadline = Instant::now() + self.inner.opts.timeout.max(Duration::from_secs(1));
-        let mut st = self
-            .wait_until(deadline, |st| match st.state {
-                ConnState::Closed | ConnState::Error => Some(Err(Error::Disconnected)),
-                ConnState::Connected | ConnState::MrReady
-                    if st.sq_used + n <= MAX_SEND_WR - CMD_RESERVE =>
-                {
-                    Some(Ok(()))
-                }
-                ConnState::Connected | ConnState::MrReady => None,
-                _ => Some(Err(Error::NotConnected)),
-            })
-            .and_then(|room| room)
-            .map(|()| self.lock())?;
+        let room = |st: &mut State| match st.state {
+            ConnState::Closed | ConnState::Error => Some(Err(Error::Disconnected)),
+            ConnState::Connected | ConnState::MrReady
+                if st.sq_used + n <= MAX_SEND_WR - CMD_RESERVE =>
+            {
+                Some(Ok(()))
+            }
+            ConnState::Connected | ConnState::MrReady => None,
+            _ => Some(Err(Error::NotConnected)),
+        };
+        // The room found may be taken by another sender before this one
+        // locks again: it looks once more under the lock it posts with.
+        let mut st = loop {
+            self.wait_until(deadline, room).and_then(|r| r)?;
+            let mut st = self.lock();
+            match room(&mut st) {
+                Some(Ok(())) => break st,
+                Some(Err(e)) => return Err(e),
+                None => {}
+            }
+        };
         let first = st.next_op;
         // A batch of up to ON_STACK operations allocates nothing.
         let ids: SmallVec<[u64; ON_STACK]> = if sync {

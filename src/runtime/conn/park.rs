@@ -29,10 +29,20 @@ impl Connection {
     /// sleeping thread can be woken, then sleeps in short bounded waits.
     pub(super) fn park<'a>(
         &'a self,
-        st: MutexGuard<'a, State>,
+        mut st: MutexGuard<'a, State>,
         deadline: Instant,
     ) -> MutexGuard<'a, State> {
         let seen = self.inner.wakeups.load(Ordering::SeqCst);
+        // Places a write's completion left while we held the lock: look
+        // again at once (its wake is already counted in `seen`).
+        if self.inner.sq_done.load(Ordering::SeqCst) != 0 {
+            drop(st);
+            return self.lock();
+        }
+        // Credit owed goes now: the completion thread leaves it to the
+        // holder of the lock when it finds it taken, and this holder is
+        // about to wait, perhaps for a peer that waits for this credit.
+        self.send_owed_credit(&mut st);
         drop(st);
         let caller_polls = self.inner.opts.caller_polls;
         let spin_until = Instant::now() + self.inner.opts.spin;

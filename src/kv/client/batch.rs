@@ -31,9 +31,7 @@ impl Client {
                 for &(i, _) in leased {
                     each(i, Err(e.clone()));
                 }
-                let leases: SmallVec<[u64; BATCH_WINDOW]> =
-                    leased.iter().map(|(_, r)| r.lease).collect();
-                send_releases(&self.conn, &leases);
+                self.end_leases(leased);
                 return;
             }
         };
@@ -82,10 +80,14 @@ impl Client {
                     }
                 }
             }
-            let leases: SmallVec<[u64; BATCH_WINDOW]> =
-                group.iter().map(|(_, r)| r.lease).collect();
-            send_releases(&self.conn, &leases);
+            self.end_leases(group);
         }
+    }
+
+    /// Ends the leases of `leased` (one message).
+    fn end_leases(&self, leased: &[(usize, Reply)]) {
+        let leases: SmallVec<[u64; BATCH_WINDOW]> = leased.iter().map(|(_, r)| r.lease).collect();
+        send_releases(&self.conn, &leases);
     }
 }
 

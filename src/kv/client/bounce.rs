@@ -45,13 +45,13 @@ impl Bounce {
         value: &[u8],
         registered: Option<u32>,
         remote: RemoteAddr,
-    ) -> Staged {
+    ) -> WriteAhead {
         match registered {
-            Some(lkey) => Staged {
-                local: value.as_ptr() as u64,
+            Some(lkey) => WriteAhead {
+                local_addr: value.as_ptr() as u64,
                 lkey,
                 remote,
-                len: value.len(),
+                len: value.len() as u32,
             },
             None => {
                 crate::copy::copy(self.at(offset, value.len()), value);
@@ -61,33 +61,12 @@ impl Bounce {
     }
 
     /// The bytes from `offset` as the value to RDMA WRITE to `remote`.
-    pub(super) fn staged(&self, offset: usize, remote: RemoteAddr, len: usize) -> Staged {
-        Staged {
-            local: self.addr + offset as u64,
+    pub(super) fn staged(&self, offset: usize, remote: RemoteAddr, len: usize) -> WriteAhead {
+        WriteAhead {
+            local_addr: self.addr + offset as u64,
             lkey: self.lkey,
             remote,
-            len,
-        }
-    }
-}
-
-/// A value in registered memory (the bounce buffer, or the caller's) to
-/// RDMA WRITE ahead of its request.
-#[derive(Clone, Copy)]
-pub(super) struct Staged {
-    pub(super) local: u64,
-    pub(super) lkey: u32,
-    pub(super) remote: RemoteAddr,
-    pub(super) len: usize,
-}
-
-impl Staged {
-    pub(super) fn write_ahead(self) -> WriteAhead {
-        WriteAhead {
-            local_addr: self.local,
-            lkey: self.lkey,
-            remote: self.remote,
-            len: self.len as u32,
+            len: len as u32,
         }
     }
 }

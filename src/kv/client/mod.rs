@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use smallvec::SmallVec;
 
 use crate::copy;
-use crate::runtime::{BatchMessage, CommMode, Connection, Options};
+use crate::runtime::{BatchMessage, CommMode, Connection, Options, WriteAhead};
 
 use super::proto::{Header, Op, Reply, Request, ServerInfo};
 use super::{ConnMode, KvError, Result, TIMEOUT_ENV};
@@ -33,7 +33,7 @@ pub use mixed::BatchOp;
 pub use registered::KvMemory;
 
 use batch::BatchSends;
-use bounce::{Bounce, Staged};
+use bounce::Bounce;
 use one_sided::Locations;
 use replies::{Replies, ReplyHandler};
 
@@ -120,7 +120,7 @@ struct Outgoing<'k> {
     req: Request,
     key: &'k [u8],
     inline: &'k [u8],
-    staged: Option<Staged>,
+    staged: Option<WriteAhead>,
 }
 
 impl<'k> Outgoing<'k> {
@@ -227,7 +227,7 @@ impl Client {
         req: Request,
         key: &[u8],
         inline: &[u8],
-        staged: Option<Staged>,
+        staged: Option<WriteAhead>,
     ) -> Result<Sent> {
         self.send_with(req, key, inline, staged, None)
     }
@@ -239,13 +239,10 @@ impl Client {
         mut req: Request,
         key: &[u8],
         inline: &[u8],
-        staged: Option<Staged>,
+        staged: Option<WriteAhead>,
         landing: Option<&mut [u8]>,
     ) -> Result<Sent> {
-        // Ids wrap at 32 bits so replies can carry them in a compact header;
-        // far fewer than 2^32 requests are ever outstanding at once.
-        let id = self.next_id.fetch_add(1, Ordering::Relaxed) & u64::from(u32::MAX);
-        self.replies.reuse(id);
+        let id = self.new_request_id();
         req.req_id = id;
         let lands = landing.is_some();
         if let Some(buf) = landing {
@@ -257,29 +254,44 @@ impl Client {
         let arrived_before = self.replies.arrived.load(Ordering::Acquire);
         let header = req.header(key.len(), inline.len());
         let msg = [header.as_slice(), key, inline];
-        let sent = match staged {
-            // SAFETY: the bounce buffer stays untouched (the caller holds its
-            // lock) until the reply, which comes after the server has the
-            // request.
-            Some(v) => unsafe {
-                self.conn
-                    .write_then_send(v.local, v.lkey, v.remote, v.len as u32, &msg)
-            },
-            None => self.conn.send_parts(&msg),
-        };
-        let sent = match sent {
-            Ok(0) => Err(KvError::Timeout(self.conn.options().timeout)),
-            Ok(_) => Ok(Sent {
-                id,
-                at,
-                arrived_before,
-            }),
-            Err(e) => Err(e.into()),
-        };
+        let sent = self.post_request(&msg, staged).map(|()| Sent {
+            id,
+            at,
+            arrived_before,
+        });
         if sent.is_err() && lands {
             self.replies.unland(id);
         }
         sent
+    }
+
+    /// A new request id. Ids wrap at 32 bits so replies can carry them in a
+    /// compact header; far fewer than 2^32 requests are ever outstanding
+    /// at once.
+    fn new_request_id(&self) -> u64 {
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed) & u64::from(u32::MAX);
+        self.replies.reuse(id);
+        id
+    }
+
+    /// Sends one request's message, after RDMA WRITing `staged` when given
+    /// (one doorbell).
+    fn post_request(&self, msg: &[&[u8]], staged: Option<WriteAhead>) -> Result<()> {
+        let sent = match staged {
+            // SAFETY: the staged value stays untouched (the bounce buffer
+            // under its lock, the caller's memory under the callers' rule)
+            // until the reply, which comes after the server has the request.
+            Some(w) => unsafe {
+                self.conn
+                    .write_then_send(w.local_addr, w.lkey, w.remote, w.len, msg)
+            },
+            None => self.conn.send_parts(msg),
+        };
+        match sent {
+            Ok(0) => Err(KvError::Timeout(self.conn.options().timeout)),
+            Ok(_) => Ok(()),
+            Err(e) => Err(e.into()),
+        }
     }
 
     /// Sends `count` requests (`request(i)`: the i-th, ready to go) as one
@@ -300,8 +312,7 @@ impl Client {
         let mut ready: SmallVec<[(Header, Outgoing<'k>); BATCH_WINDOW]> = SmallVec::new();
         for i in 0..count {
             outcomes.push(request(i).map(|mut out| {
-                let id = self.next_id.fetch_add(1, Ordering::Relaxed) & u64::from(u32::MAX);
-                self.replies.reuse(id);
+                let id = self.new_request_id();
                 out.req.req_id = id;
                 ready.push((out.req.header(out.key.len(), out.inline.len()), out));
                 Sent {
@@ -318,7 +329,7 @@ impl Client {
         let msgs: SmallVec<[BatchMessage<'_>; BATCH_WINDOW]> = parts
             .iter()
             .zip(&ready)
-            .map(|(p, (_, out))| (&p[..], out.staged.map(Staged::write_ahead)))
+            .map(|(p, (_, out))| (&p[..], out.staged))
             .collect();
         // SAFETY: a staged value stays unchanged until its request's reply
         // (the callers' rule, as for `send_after`).
@@ -335,19 +346,8 @@ impl Client {
             let sent = match &failed {
                 Some(e) => Err(e.clone()),
                 None => sends.send(|| {
-                    let sent = match write {
-                        // SAFETY: as above.
-                        Some(w) => unsafe {
-                            self.conn
-                                .write_then_send(w.local_addr, w.lkey, w.remote, w.len, parts)
-                        },
-                        None => self.conn.send_parts(parts),
-                    };
-                    match sent {
-                        Ok(0) => Err(KvError::Timeout(self.conn.options().timeout)),
-                        Ok(_) => outcome.clone(),
-                        Err(e) => Err(e.into()),
-                    }
+                    self.post_request(parts, write)
+                        .and_then(|()| outcome.clone())
                 }),
             };
             *outcome = sent;
@@ -405,7 +405,7 @@ impl Client {
         req: Request,
         key: &[u8],
         inline: &[u8],
-        staged: Option<Staged>,
+        staged: Option<WriteAhead>,
         moves: usize,
     ) -> Result<(Reply, Vec<u8>)> {
         let sent = self.send_after(req, key, inline, staged)?;

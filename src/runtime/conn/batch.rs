@@ -1,13 +1,17 @@
-//! Several messages posted with one doorbell: a batch of requests (a kv
-//! batch's GETs or PUTs) leaves in one `ibv_post_send`, not one per message.
+//! Posting staged messages: one (`send`), or several with one doorbell (a
+//! batch of requests, a kv batch's GETs or PUTs, leaves in one
+//! `ibv_post_send`, not one per message), each after its write if it has
+//! one, with the credit owed to the peer in front.
 
 use smallvec::SmallVec;
 
 use crate::runtime::Result;
 use crate::verbs::{RemoteAddr, SendOp, SendRequest, Sge};
 
+use crate::runtime::proto::EXT_HEADER_LEN;
+
 use super::send::{cmd_request, gather_sges, Parts, StagedMessage, INLINE_PARTS};
-use super::{wr_id, Connection, K_DATA};
+use super::{wr_id, Connection, State, K_DATA};
 
 /// Work requests one doorbell chains at most: what the verbs layer chains
 /// on the stack (a kv batch's 64 requests, or 32 PUTs with their writes).
@@ -31,10 +35,10 @@ pub struct WriteAhead {
 /// write that goes ahead of it, if any.
 pub type BatchMessage<'a> = (&'a [&'a [u8]], Option<WriteAhead>);
 
-/// A message staged in a batch, with the pieces it is posted from (its
+/// A message staged for posting, with the pieces it is posted from (its
 /// parts where it goes inline, else its place in the staging buffer) and
 /// the write ahead of it.
-struct Batched {
+pub(super) struct Ready {
     msg: StagedMessage,
     sges: [Sge; INLINE_PARTS],
     n: usize,
@@ -42,6 +46,77 @@ struct Batched {
 }
 
 impl Connection {
+    /// Stages a message at `offset` (reserved in the peer's ring) for
+    /// [`Connection::post_ready`]: inline from its pieces (`ext_header`,
+    /// which must stay where it is until the post, then `data`) when it
+    /// fits, else copied into the staging buffer.
+    pub(super) fn stage_ready(
+        &self,
+        st: &mut State,
+        offset: usize,
+        data: Parts<'_>,
+        ext_header: Option<&[u8; EXT_HEADER_LEN]>,
+        write: Option<(Sge, RemoteAddr)>,
+    ) -> Result<Ready> {
+        let mut sges = [Sge::EMPTY; INLINE_PARTS];
+        let header = ext_header.map(|h| h.as_slice());
+        let in_place = match self.fits_inline(data.len() + header.map_or(0, <[u8]>::len)) {
+            true => gather_sges(header.into_iter().chain(data.0.iter().copied()), &mut sges)
+                .map(<[Sge]>::len),
+            false => None,
+        };
+        let msg = self.stage_message(
+            st,
+            offset,
+            data,
+            ext_header.copied(),
+            write.is_some(),
+            in_place.is_none(),
+        )?;
+        let n = in_place.unwrap_or_else(|| {
+            sges[0] = msg.sge;
+            1
+        });
+        Ok(Ready {
+            msg,
+            sges,
+            n,
+            write: write.map(|(sge, remote)| ([sge], remote)),
+        })
+    }
+
+    /// Posts staged messages, in order, each after its write, with the
+    /// credit owed to the peer in front (no doorbell of its own), all with
+    /// one doorbell. The caller fails the connection if this fails.
+    pub(super) fn post_ready(&self, st: &mut State, ready: &[Ready]) -> Result<()> {
+        let credit = self.credit_to_carry(st)?;
+        let credit_sge = credit.map(|(_, sge)| [sge]);
+        let mut chain: SmallVec<[SendRequest<'_>; CHAIN]> = SmallVec::new();
+        if let (Some((slot, _)), Some(sge)) = (credit, &credit_sge) {
+            chain.push(cmd_request(slot, sge));
+        }
+        for r in ready {
+            if let Some((local, remote)) = &r.write {
+                chain.push(
+                    SendRequest::new(wr_id(K_DATA, 0), SendOp::Write(*remote), local).unsignaled(),
+                );
+            }
+            // Inline, the provider copies the parts into the work request
+            // at the post, so they may change as soon as it returns.
+            chain.push(r.msg.request(&r.sges[..r.n]));
+        }
+        // SAFETY: inline parts are read at the post; written ranges stay
+        // unchanged until the peer has their messages (the callers'
+        // promise); staging ranges stay reserved until the peer returns
+        // them, after the messages have landed; the command slot stays
+        // untouched until its send completes.
+        let posted = unsafe { self.inner.qp.post_send(&chain) }.map_err(Into::into);
+        match credit {
+            Some((slot, _)) => self.cmd_posted(st, slot, posted),
+            None => posted,
+        }
+    }
+
     /// Sends `msgs` in order, each as [`Connection::send_parts`] would, up
     /// to [`MESSAGES_PER_DOORBELL`] with one doorbell, as long as each finds
     /// room now. Returns how many were posted: the first of the rest found
@@ -94,7 +169,7 @@ impl Connection {
         let mut posted = 0;
         let mut st = self.lock();
         while posted < count {
-            let mut staged: SmallVec<[Batched; MESSAGES_PER_DOORBELL]> = SmallVec::new();
+            let mut staged: SmallVec<[Ready; MESSAGES_PER_DOORBELL]> = SmallVec::new();
             // The credit command's place is kept.
             let mut wrs = 1;
             for (i, &write) in writes.iter().enumerate().skip(posted) {
@@ -110,70 +185,20 @@ impl Connection {
                 let Some(offset) = Self::reserve(&mut st, data.len(), None, write.is_some()) else {
                     break;
                 };
-                let mut sges = [Sge::EMPTY; INLINE_PARTS];
-                let in_place = match self.fits_inline(data.len()) {
-                    true => gather_sges(data.0.iter().copied(), &mut sges).map(<[Sge]>::len),
-                    false => None,
-                };
-                let staged_msg = self.stage_message(
-                    &mut st,
-                    offset,
-                    data,
-                    None,
-                    write.is_some(),
-                    in_place.is_none(),
-                );
-                let m = match staged_msg {
-                    Ok(m) => m,
+                match self.stage_ready(&mut st, offset, data, None, write) {
+                    Ok(ready) => staged.push(ready),
                     Err(e) => {
                         // Ring places were taken that will never be filled.
                         drop(st);
                         self.fail(&format!("staging a batch of messages: {e}"));
                         return Err(e);
                     }
-                };
-                let n = in_place.unwrap_or_else(|| {
-                    sges[0] = m.sge;
-                    1
-                });
-                staged.push(Batched {
-                    msg: m,
-                    sges,
-                    n,
-                    write: write.map(|(sge, remote)| ([sge], remote)),
-                });
+                }
             }
             if staged.is_empty() {
                 break;
             }
-            let result = self.credit_to_carry(&mut st).and_then(|credit| {
-                let credit_sge = credit.map(|(_, sge)| [sge]);
-                let mut chain: SmallVec<[SendRequest<'_>; CHAIN]> = SmallVec::new();
-                if let (Some((slot, _)), Some(sge)) = (credit, &credit_sge) {
-                    chain.push(cmd_request(slot, sge));
-                }
-                for b in &staged {
-                    if let Some((local, remote)) = &b.write {
-                        chain.push(
-                            SendRequest::new(wr_id(K_DATA, 0), SendOp::Write(*remote), local)
-                                .unsignaled(),
-                        );
-                    }
-                    chain.push(b.msg.request(&b.sges[..b.n]));
-                }
-                // SAFETY: inline parts are the caller's, read at the post;
-                // written ranges stay unchanged until the peer has their
-                // messages (the caller's promise); staging ranges stay
-                // reserved until the peer returns them, after the messages
-                // have landed; the command slot stays untouched until its
-                // send completes.
-                let posted = self.inner.qp.post_send(&chain).map_err(Into::into);
-                match credit {
-                    Some((slot, _)) => self.cmd_posted(&mut st, slot, posted),
-                    None => posted,
-                }
-            });
-            if let Err(e) = result {
+            if let Err(e) = self.post_ready(&mut st, &staged) {
                 drop(st);
                 self.fail(&format!("posting a batch of messages: {e}"));
                 return Err(e);

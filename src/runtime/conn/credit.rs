@@ -10,7 +10,6 @@ use crate::runtime::proto::{Cmd, Opcode};
 use crate::runtime::Result;
 use crate::verbs::Sge;
 
-use super::send::cmd_request;
 use super::{ConnState, Connection, State};
 
 /// Consumed receive space not yet reported, by how pressing it is.
@@ -57,8 +56,12 @@ impl Connection {
         }
         self.flush_reposts(st)?;
         let consumed = st.rx.take_report();
-        // Until something more is received and read.
+        // Until something more is received and read; a message read while
+        // this holder had the lock is not in this report yet.
         self.inner.rx_owed.store(false, Ordering::SeqCst);
+        if self.inner.rx_read.load(Ordering::SeqCst) != 0 {
+            self.inner.rx_owed.store(true, Ordering::SeqCst);
+        }
         st.rx_msgs_reported = st.rx_msgs;
         st.tx_msgs_at_credit = st.tx_msgs;
         let cmd = Cmd::new(Opcode::Credit, consumed, st.rx_msgs as u32, 0);
@@ -74,21 +77,22 @@ impl Connection {
         self.stage_credit(st)
     }
 
+    /// Sends the credit owed now, alone (later when no command slot is
+    /// free: a command's completion frees one).
+    fn post_credit(&self, st: &mut State) -> Result<()> {
+        match self.stage_credit(st)? {
+            Some((slot, sge)) => self.post_staged_cmd(st, slot, sge),
+            None => Ok(()),
+        }
+    }
+
     /// Sends the credit owed, alone, if an eighth or more is owed (a
     /// thread about to wait while the peer may be waiting for it).
     pub(super) fn send_owed_credit(&self, st: &mut State) {
         if self.credit_owed(st) < Owed::Enough {
             return;
         }
-        let posted = self.stage_credit(st).and_then(|staged| {
-            let Some((slot, sge)) = staged else {
-                return Ok(());
-            };
-            // SAFETY: the slot stays untouched until the send completes.
-            let posted = unsafe { self.inner.qp.post_send(&[cmd_request(slot, &[sge])]) };
-            self.cmd_posted(st, slot, posted.map_err(Into::into))
-        });
-        if let Err(e) = posted {
+        if let Err(e) = self.post_credit(st) {
             // Failing the connection needs the lock, which the caller
             // holds; the broken QP fails every later post too.
             log::warn!("connection to {:?}: returning credit: {e}", self.inner.peer);
@@ -134,15 +138,7 @@ impl Connection {
         if !due {
             return;
         }
-        let staged = self.stage_credit(&mut st).and_then(|staged| {
-            let Some((slot, sge)) = staged else {
-                return Ok(());
-            };
-            // SAFETY: the slot stays untouched until the send completes.
-            let posted = unsafe { self.inner.qp.post_send(&[cmd_request(slot, &[sge])]) };
-            self.cmd_posted(&mut st, slot, posted.map_err(Into::into))
-        });
-        if let Err(e) = staged {
+        if let Err(e) = self.post_credit(&mut st) {
             drop(st);
             self.fail(&format!("returning credit: {e}"));
         }

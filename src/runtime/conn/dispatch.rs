@@ -436,9 +436,9 @@ impl Connection {
         }
         // Its bytes are reportable (the peer may write them again) only
         // once we are done with them: before the callback when it gets a
-        // copy (the caller a callback wakes may send at once, and would
-        // find the lock taken), after it when it reads in the ring, and on
-        // every other path when this is dropped.
+        // copy (a send from the callback may then carry the credit), after
+        // it when it reads in the ring, and on every other path when this
+        // is dropped.
         let mut release = Release {
             conn: self,
             armed: true,
@@ -527,9 +527,9 @@ impl Connection {
     }
 }
 
-/// The end of a delivery's look at its message in the ring
-/// ([`RecvRing::release`](crate::runtime::ring::RecvRing::release)), once:
-/// when [`Release::now`] is called, or else when dropped.
+/// The end of a delivery's look at its message in the ring, once: when
+/// [`Release::now`] is called, or else when dropped. The lock's next holder
+/// releases its bytes ([`RecvRing::release`](crate::runtime::ring::RecvRing::release)).
 struct Release<'a> {
     conn: &'a Connection,
     armed: bool,
@@ -538,10 +538,10 @@ struct Release<'a> {
 impl Release<'_> {
     fn now(&mut self) {
         if std::mem::replace(&mut self.armed, false) {
-            let mut st = self.conn.lock();
-            st.rx.release();
+            // The bytes were read before this (AcqRel), so the holder that
+            // releases them reports them after.
+            self.conn.inner.rx_read.fetch_add(1, Ordering::AcqRel);
             self.conn.inner.rx_owed.store(true, Ordering::SeqCst);
-            drop(st);
         }
     }
 }

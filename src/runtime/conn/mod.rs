@@ -290,6 +290,10 @@ pub(crate) struct ConnInner {
     /// completion thread leaves them here when the state lock is held, and
     /// the next holder gives them back ([`Connection::lock`]).
     sq_done: AtomicU32,
+    /// Received messages read out of the ring since the lock was last
+    /// taken: the next holder releases their bytes (`RecvRing::release`),
+    /// so a delivery takes the lock once, not twice.
+    rx_read: AtomicU32,
     user_mrs: Mutex<HashMap<usize, Arc<MemoryRegion>>>,
     disconnect_fired: AtomicBool,
     closed_locally: AtomicBool,
@@ -372,11 +376,18 @@ impl Connection {
         }
     }
 
-    /// The state with the send-queue places of completed writes given back.
+    /// The state with what other threads left for the lock's next holder
+    /// applied: the send-queue places of completed writes given back, the
+    /// ring bytes of messages read released.
     fn settled<'a>(&self, mut st: MutexGuard<'a, State>) -> MutexGuard<'a, State> {
         if self.inner.sq_done.load(Ordering::Relaxed) != 0 {
             let done = self.inner.sq_done.swap(0, Ordering::AcqRel);
             st.sq_used = st.sq_used.saturating_sub(done);
+        }
+        if self.inner.rx_read.load(Ordering::Relaxed) != 0 {
+            for _ in 0..self.inner.rx_read.swap(0, Ordering::AcqRel) {
+                st.rx.release();
+            }
         }
         st
     }

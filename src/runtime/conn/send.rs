@@ -97,10 +97,14 @@ impl Connection {
         let Some((slot, sge)) = self.stage_cmd(st, cmd) else {
             return Ok(false);
         };
+        self.post_staged_cmd(st, slot, sge).map(|()| true)
+    }
+
+    /// Posts a command staged in `slot`, alone.
+    pub(super) fn post_staged_cmd(&self, st: &mut State, slot: u16, sge: Sge) -> Result<()> {
         // SAFETY: the slot stays untouched until the send completes.
         let posted = unsafe { self.inner.qp.post_send(&[cmd_request(slot, &[sge])]) };
         self.cmd_posted(st, slot, posted.map_err(Into::into))
-            .map(|()| true)
     }
 
     /// Writes a command into a free slot: the slot and its bytes, or `None`
@@ -480,51 +484,11 @@ impl Connection {
         ext: Option<ExtKind>,
         before: Option<(Sge, RemoteAddr)>,
     ) -> Result<()> {
+        // Inline, the header is read at the post, from here.
         let ext_header = ext.map(ExtKind::encode);
-        let mut in_place = [Sge::EMPTY; INLINE_PARTS];
-        let pieces = ext_header.as_ref().map(|h| h.as_slice()).into_iter();
-        let in_place = match self.fits_inline(data.len() + ext_header.map_or(0, |h| h.len())) {
-            true => gather_sges(pieces.chain(data.0.iter().copied()), &mut in_place),
-            false => None,
-        };
-        let m = self.stage_message(
-            st,
-            offset,
-            data,
-            ext_header,
-            before.is_some(),
-            in_place.is_none(),
-        )?;
-        let staged = [m.sge];
-        // Inline: the provider copies the parts into the work request at
-        // the post, so they may change as soon as it returns.
-        let req = m.request(in_place.unwrap_or(&staged));
-        // Credit owed to the peer goes with the message: no doorbell of its own.
-        let credit = self.credit_to_carry(st)?;
-        let credit_sge = credit.map(|(_, sge)| [sge]);
-        let mut chain = [req; 3];
-        let mut n = 0;
-        if let (Some((slot, _)), Some(sge)) = (credit, &credit_sge) {
-            chain[n] = cmd_request(slot, sge);
-            n += 1;
-        }
-        let local = before.map(|(local, _)| [local]);
-        if let (Some((_, remote)), Some(local)) = (before, &local) {
-            chain[n] =
-                SendRequest::new(wr_id(K_DATA, 0), SendOp::Write(remote), local).unsignaled();
-            n += 1;
-        }
-        chain[n] = req;
-        // SAFETY: a write's caller keeps the written range unchanged until
-        // the peer has the message; the staging range stays reserved until
-        // the peer returns it, after the message has landed; the command
-        // slot stays untouched until its send completes.
-        let posted = unsafe { self.inner.qp.post_send(&chain[..=n]) }.map_err(Into::into);
-        match credit {
-            // A failed post fails the connection (`send_message`).
-            Some((slot, _)) => self.cmd_posted(st, slot, posted),
-            None => posted,
-        }
+        let ready = self.stage_ready(st, offset, data, ext_header.as_ref(), before)?;
+        // A failed post fails the connection (`send_message`).
+        self.post_ready(st, std::slice::from_ref(&ready))
     }
 
     /// Copies a message into the staging buffer at `offset` (reserved in the

@@ -172,6 +172,7 @@ impl Connection {
                 deferred_any: AtomicBool::new(false),
                 rx_owed: AtomicBool::new(false),
                 sq_done: AtomicU32::new(0),
+                rx_read: AtomicU32::new(0),
                 user_mrs: Mutex::new(HashMap::new()),
                 disconnect_fired: AtomicBool::new(false),
                 closed_locally: AtomicBool::new(false),

@@ -189,6 +189,50 @@ fn a_slow_reader_in_the_ring_gets_every_echo_intact_while_its_side_sends() {
 
 #[test]
 #[ignore = "needs an RDMA device: run `make test`"]
+fn a_batch_posts_what_it_can_and_hands_back_the_rest() {
+    use snowrdma::costs::{self, Counter};
+    use snowrdma::runtime::WriteAhead;
+    let (server, addr) = echo_server(&blocking());
+    let sink = Arc::new(Collect::default());
+    let conn = Connection::connect(addr, &blocking(), sink.clone()).unwrap();
+    // Three messages with one doorbell (a credit may ride in front).
+    let before = costs::this_thread();
+    assert_eq!(
+        conn.send_batch(&[&[b"one "], &[b"two", b" "], &[b"three "]])
+            .unwrap(),
+        3
+    );
+    let d = costs::this_thread().since(&before);
+    assert_eq!(d.get(Counter::SendDoorbells), 1, "{d:?}");
+    // An empty message stops the batch: it and what follows are the
+    // caller's to send one by one, and the send reports the error.
+    assert_eq!(
+        conn.send_batch(&[&[b"four "], &[], &[b"never"]]).unwrap(),
+        1
+    );
+    assert!(conn.send(b"").is_err());
+    // A write from memory not registered on the connection stops it too.
+    let target = conn.peer_buffer().expect("the peer's ring").at(0);
+    let bogus = WriteAhead {
+        local_addr: 0x1000,
+        lkey: 0xdead,
+        remote: target,
+        len: 8,
+    };
+    // SAFETY: nothing is posted: the write fails its check first.
+    let posted = unsafe { conn.write_then_send_batch(&[(&[b"five"], Some(bogus))]) };
+    assert_eq!(posted.unwrap(), 0);
+    // SAFETY: as above.
+    let refused = unsafe { conn.write_then_send(0x1000, 0xdead, target, 8, &[b"five"]) };
+    assert!(refused.is_err(), "an unregistered write is refused");
+    assert_eq!(&sink.wait_bytes(19, TIMEOUT), b"one two three four ");
+    assert_eq!(conn.state(), ConnState::MrReady, "refusals are not fatal");
+    conn.close();
+    server.release();
+}
+
+#[test]
+#[ignore = "needs an RDMA device: run `make test`"]
 fn immediates_arrive_with_their_message() {
     let (server, addr) = echo_server(&blocking());
     let sink = Arc::new(Collect::default());

@@ -171,18 +171,40 @@ measure() {
 named_syscalls=$(printf 'syscalls:sys_enter_%s,' futex read write ioctl epoll_wait epoll_pwait \
     poll ppoll pread64 sched_yield nanosleep clock_nanosleep openat close | sed 's/,$//')
 
-# perf_syscalls <case> <side> <dir> <figure>: one run of the case under
-# perf, its system calls per operation (doorbells left out) added to the
-# costs as <figure>, and named.
-perf_syscalls() {
-    local case=$1 who=$2 dir=$3 figure=$4 calls bells ops
+# under_perf <dir> <bench args...>: runs the bench under perf stat, counting
+# system calls from its cost window's open to its close.
+under_perf() {
+    local dir=$1
+    shift
     rm -f "$dir/ctl" "$dir/ack" "$dir/costs" "$dir/perf"
     mkfifo "$dir/ctl" "$dir/ack"
     SNOWRDMA_BENCH_COSTS="$dir/costs" SNOWRDMA_BENCH_PERF_CTL="$dir/ctl" SNOWRDMA_BENCH_PERF_ACK="$dir/ack" \
         timeout 600 perf stat -x, -o "$dir/perf" -e "raw_syscalls:sys_enter,$named_syscalls" \
         --control "fifo:$dir/ctl,$dir/ack" --delay=-1 \
-        $bench run "$case" snowrdma --port "$port" >/dev/null 2>&1
-    calls=$(awk -F, '/raw_syscalls:sys_enter/ { print $1 }' "$dir/perf")
+        $bench "$@" >/dev/null 2>&1
+}
+
+# The system calls of the window's own marks (the handshake with perf
+# through its FIFOs: an open, a read or write and a close on each side of
+# the window), counted around an empty window, and taken off each count.
+marks=
+window_marks() {
+    local dir
+    dir=$(mktemp -d)
+    under_perf "$dir" window
+    marks=$(awk -F, '/raw_syscalls:sys_enter/ { print $1 }' "$dir/perf")
+    rm -rf "$dir"
+    [[ "$marks" =~ ^[0-9]+$ ]] || marks=0
+    echo "    the window's own marks: $marks system calls, taken off each count"
+}
+
+# perf_syscalls <case> <side> <dir> <figure>: one run of the case under
+# perf, its system calls per operation (doorbells and the window's marks
+# left out) added to the costs as <figure>, and named.
+perf_syscalls() {
+    local case=$1 who=$2 dir=$3 figure=$4 calls bells ops
+    under_perf "$dir" run "$case" snowrdma --port "$port"
+    calls=$(awk -F, -v m="${marks:-0}" '/raw_syscalls:sys_enter/ { print ($1 > m ? $1 - m : 0) }' "$dir/perf")
     # Soft-RoCE's doorbell is a write to the uverbs device per post_send.
     bells=$(awk '$3 == "send_doorbells" { s += $4 } END { print s + 0 }' "$dir/costs")
     ops=$(awk '$3 == "window_ops" { print $4 }' "$dir/costs")
@@ -303,6 +325,7 @@ for rep in $(seq 1 "$reps"); do
     measure each
 done
 echo "--- system calls per operation (perf; strace names them)"
+window_marks
 for case in kv_get_lat kv_put_lat echo_lat msg_rate kv_get_bw safe_send_lat broker_rate_b32 broker_lat; do
     [[ "$case" =~ ${SNOWRDMA_BENCH_CASES:-.} ]] && syscalls "$case"
 done

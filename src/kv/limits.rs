@@ -4,7 +4,7 @@
 //! may hold. Each limit, when hit, is counted in [`super::Stats`] and logged
 //! once per episode.
 
-use std::collections::BTreeMap;
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -96,14 +96,18 @@ impl Episode {
 }
 
 struct Lease {
+    token: u64,
     block: Arc<Block>,
     since: Instant,
 }
 
-/// One client's leases, oldest first (tokens only grow).
+/// One client's leases, oldest first. Tokens only grow, so a lease is
+/// appended and nearly always released from the front; the queue keeps its
+/// room, so a steady stream of leases allocates nothing (a tree's nodes
+/// were allocated and freed as it went).
 #[derive(Default)]
 pub(crate) struct Leases {
-    map: BTreeMap<u64, Lease>,
+    queue: VecDeque<Lease>,
     bytes: u64,
 }
 
@@ -112,15 +116,22 @@ impl Leases {
     /// `cap` bytes or `max` leases. Returns how many ended.
     pub fn insert(&mut self, token: u64, block: Arc<Block>, cap: u64, max: usize) -> u64 {
         self.bytes += block.len() as u64;
-        self.map.insert(
+        let lease = Lease {
             token,
-            Lease {
-                block,
-                since: Instant::now(),
-            },
-        );
+            block,
+            since: Instant::now(),
+        };
+        // Two threads serving one client could take their tokens in one
+        // order and insert in the other.
+        match self.queue.back() {
+            Some(last) if last.token > token => {
+                let at = self.queue.partition_point(|l| l.token < token);
+                self.queue.insert(at, lease);
+            }
+            _ => self.queue.push_back(lease),
+        }
         let mut ended = 0;
-        while self.map.len() > 1 && (self.bytes > cap || self.map.len() > max) {
+        while self.queue.len() > 1 && (self.bytes > cap || self.queue.len() > max) {
             self.pop_first();
             ended += 1;
         }
@@ -128,13 +139,13 @@ impl Leases {
     }
 
     pub fn remove(&mut self, token: u64) -> bool {
-        match self.map.remove(&token) {
-            Some(lease) => {
-                self.bytes -= lease.block.len() as u64;
-                true
-            }
-            None => false,
+        let Ok(at) = self.queue.binary_search_by_key(&token, |l| l.token) else {
+            return false;
+        };
+        if let Some(lease) = self.queue.remove(at) {
+            self.bytes -= lease.block.len() as u64;
         }
+        true
     }
 
     /// Ends the leases older than `ttl`; returns how many.
@@ -142,9 +153,9 @@ impl Leases {
         let now = Instant::now();
         let mut ended = 0;
         while self
-            .map
-            .first_key_value()
-            .is_some_and(|(_, l)| now.duration_since(l.since) >= ttl)
+            .queue
+            .front()
+            .is_some_and(|l| now.duration_since(l.since) >= ttl)
         {
             self.pop_first();
             ended += 1;
@@ -153,12 +164,12 @@ impl Leases {
     }
 
     pub fn clear(&mut self) {
-        self.map.clear();
+        self.queue.clear();
         self.bytes = 0;
     }
 
     fn pop_first(&mut self) {
-        if let Some((_, lease)) = self.map.pop_first() {
+        if let Some(lease) = self.queue.pop_front() {
             self.bytes -= lease.block.len() as u64;
         }
     }

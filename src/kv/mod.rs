@@ -22,6 +22,7 @@ use std::time::Duration;
 pub use client::{BatchOp, Client, ClientOptions, KvMemory};
 pub use codes::KV_DEFAULT_PORT;
 pub use limits::Limits;
+pub use pool::QUARANTINE;
 pub use server::{Server, ServerConfig, Stats};
 
 /// Longest key accepted.

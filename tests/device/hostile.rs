@@ -398,6 +398,78 @@ fn a_server_that_garbles_its_replies_is_cut_off() {
     }
 }
 
+/// A server whose leases cannot be READ (a bad rkey, half the batch's
+/// replies) fails the READs in the middle of a batch and, with them, the
+/// connection: every key is answered once, none with bytes the READ did
+/// not bring, the batch ends at once rather than at its timeout, and the
+/// client says Disconnected from then on.
+#[test]
+#[ignore = "needs an RDMA device: run `make test`"]
+fn a_server_whose_leases_cannot_be_read_fails_the_batch_not_the_caller() {
+    const KEYS: usize = 16;
+    const INLINE: [u8; 64] = [0x42; 64];
+    let liar = Listener::bind(
+        SocketAddr::new(IpAddr::V4(device_ip()), 0),
+        &Options::default(),
+        Box::new(|_| {
+            Some(Arc::new(Liar {
+                answer: |id| match id % 2 {
+                    // A small value, inline: good.
+                    0 => Reply {
+                        req_id: id,
+                        version: 1,
+                        value_len: INLINE.len() as u64,
+                        ..Reply::default()
+                    }
+                    .encode(&INLINE),
+                    // A large value lent where no memory is registered.
+                    _ => Reply {
+                        req_id: id,
+                        version: 1,
+                        value_len: 65536,
+                        remote: true,
+                        addr: 0x1000,
+                        rkey: 0xdead,
+                        lease: id,
+                        ..Reply::default()
+                    }
+                    .encode(&[]),
+                },
+            }) as Arc<dyn ConnHandler>)
+        }),
+    )
+    .unwrap();
+    liar.start();
+    let opts = ClientOptions {
+        timeout: Duration::from_secs(30),
+        ..ClientOptions::default()
+    };
+    let client = Client::connect_with(liar.local_addr().unwrap(), &opts).unwrap();
+    let names: Vec<String> = (0..KEYS).map(|i| format!("key-{i}")).collect();
+    let keys: Vec<&[u8]> = names.iter().map(|k| k.as_bytes()).collect();
+    let mut answered = [0usize; KEYS];
+    let mut failed = 0;
+    let began = Instant::now();
+    client.batch_get_with(&keys, |i, r| {
+        answered[i] += 1;
+        match r {
+            Ok((value, _)) => assert_eq!(value, INLINE, "key {i}: bytes no READ brought"),
+            Err(_) => failed += 1,
+        }
+    });
+    assert!(
+        began.elapsed() < Duration::from_secs(10),
+        "the batch waited for its timeout"
+    );
+    assert_eq!(answered, [1; KEYS], "every key answered once");
+    assert!(failed >= KEYS / 2, "only {failed} of {KEYS} failed");
+    assert!(
+        matches!(client.get(b"key-0"), Err(KvError::Disconnected(_))),
+        "the connection outlived the failed READs"
+    );
+    liar.release();
+}
+
 /// Every message, whole.
 struct Messages(Mutex<mpsc::Sender<Vec<u8>>>);
 impl ConnHandler for Messages {

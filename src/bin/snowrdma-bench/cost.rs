@@ -30,6 +30,32 @@ thread_local! {
     // Const-initialised and without a destructor: usable inside the
     // allocator without allocating.
     static MY_ALLOCS: Cell<(u64, u64)> = const { Cell::new((0, 0)) };
+    // Set while this thread prints a traced allocation's backtrace, whose
+    // own allocations are not traced.
+    static TRACING: Cell<bool> = const { Cell::new(false) };
+}
+
+/// How many more allocations inside the window print their backtrace
+/// (`SNOWRDMA_BENCH_TRACE_ALLOCS=<n>`, read when the window opens): where
+/// an allocation the report counts comes from.
+static TRACE_LEFT: AtomicU64 = AtomicU64::new(0);
+
+fn trace() {
+    if TRACE_LEFT.load(Ordering::Relaxed) == 0 || TRACING.try_with(Cell::get).unwrap_or(true) {
+        return;
+    }
+    let taken = TRACE_LEFT.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1));
+    if taken.is_err() {
+        return;
+    }
+    TRACING.with(|t| t.set(true));
+    let thread = std::thread::current();
+    eprintln!(
+        "bench: allocation in the window on thread {:?}:\n{}",
+        thread.name().unwrap_or("?"),
+        std::backtrace::Backtrace::force_capture()
+    );
+    TRACING.with(|t| t.set(false));
 }
 
 fn count(alloc: u64, free: u64) {
@@ -45,10 +71,12 @@ fn count(alloc: u64, free: u64) {
 unsafe impl GlobalAlloc for CountingAlloc {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
         count(1, 0);
+        trace();
         System.alloc(layout)
     }
     unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
         count(1, 0);
+        trace();
         System.alloc_zeroed(layout)
     }
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
@@ -58,6 +86,7 @@ unsafe impl GlobalAlloc for CountingAlloc {
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
         // A move to a new block: one allocation and one free.
         count(1, 1);
+        trace();
         System.realloc(ptr, layout, new_size)
     }
 }
@@ -107,12 +136,19 @@ impl Window {
             all: all(),
         };
         snowrdma_cost_window_open();
+        if let Some(n) = std::env::var("SNOWRDMA_BENCH_TRACE_ALLOCS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+        {
+            TRACE_LEFT.store(n, Ordering::Relaxed);
+        }
         w
     }
 
     /// Closes the window over `ops` operations and writes their cost.
     pub(crate) fn close(self, ops: usize) {
         let (all, mine) = (all(), mine());
+        TRACE_LEFT.store(0, Ordering::Relaxed);
         snowrdma_cost_window_close(ops);
         let Ok(path) = std::env::var("SNOWRDMA_BENCH_COSTS") else {
             return;

@@ -36,6 +36,7 @@ const TARGETS: &[(&str, &str, f64)] = &[
     ("echo_lat", "allocs", 0.0),
     ("msg_rate", "allocs", 0.0),
     ("kv_get_bw", "allocs", 0.0),
+    ("kv_put_bw", "allocs", 0.0),
     ("broker_rate_b32", "allocs", 0.0),
     // In spinning mode (`SNOWRDMA_SPIN_ALWAYS`): as configured, the spin
     // policy stands down on a crowded machine and waiters sleep.

@@ -100,6 +100,9 @@ enum Cmd {
         #[arg(short = 'n', long, default_value_t = 0)]
         iters: usize,
     },
+    /// Open and close a cost window around nothing: what the window's own
+    /// marks cost under perf, which scripts/bench.sh takes off each count.
+    Window,
     /// Summarise a results file (lines: case, side, value) as a table and JSON.
     Report {
         results: PathBuf,
@@ -233,6 +236,10 @@ fn main() -> ExitCode {
             );
         }
         Cmd::Cases => print_cases(),
+        Cmd::Window => {
+            cost::set_case("window");
+            cost::Window::open().close(1);
+        }
         Cmd::Run {
             case,
             side,

@@ -2,7 +2,7 @@
 //! requests, leases past their time, and checking a new set of limits.
 
 use std::sync::atomic::Ordering;
-use std::sync::Weak;
+use std::sync::{Arc, Weak};
 
 use crossbeam_channel::{Sender, TrySendError};
 
@@ -12,7 +12,7 @@ use crate::kv::{KvError, Result};
 use crate::runtime::Connection;
 
 use super::answer::Answer;
-use super::{bump, Chore, ClientState, Job, Shared};
+use super::{bump, Chore, ClientState, Job, Shared, SPARE_MSG_BYTES};
 
 impl Shared {
     /// One of the current limits.
@@ -101,18 +101,38 @@ impl Shared {
         }
     }
 
-    /// Ends the leases held past their time (lease sweeper thread).
-    pub(super) fn expire_leases(&self) {
+    /// A job's copy of request `data`, in a buffer a finished job handed
+    /// back: a steady stream of worker requests (large PUTs) allocates
+    /// nothing.
+    pub(super) fn job_message(&self, data: &[u8]) -> Vec<u8> {
+        let mut msg = self.spare_msgs.1.try_recv().unwrap_or_default();
+        msg.clear();
+        msg.extend_from_slice(data);
+        msg
+    }
+
+    /// Keeps a finished job's buffer for the next one, unless enough are
+    /// kept or it grew past what a request usually needs.
+    pub(super) fn recycle(&self, msg: Vec<u8>) {
+        if msg.capacity() <= SPARE_MSG_BYTES {
+            let _ = self.spare_msgs.0.try_send(msg);
+        }
+    }
+
+    /// Ends the leases held past their time (lease sweeper thread);
+    /// `clients` is the sweeper's own list, kept between sweeps so that a
+    /// sweep allocates nothing.
+    pub(super) fn expire_leases(&self, clients: &mut Vec<Arc<ClientState>>) {
         let ttl = self.limit(|l| l.lease_time);
-        let clients: Vec<_> = self
-            .clients
-            .lock()
-            .expect("clients lock")
-            .iter()
-            .filter_map(Weak::upgrade)
-            .collect();
+        clients.extend(
+            self.clients
+                .lock()
+                .expect("clients lock")
+                .iter()
+                .filter_map(Weak::upgrade),
+        );
         let mut ended = 0;
-        for client in clients {
+        for client in clients.drain(..) {
             ended += client.leases.lock().expect("lease lock").expire(ttl);
         }
         if ended > 0 {

@@ -21,7 +21,7 @@ use std::sync::{Arc, Mutex, OnceLock, RwLock, Weak};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use crossbeam_channel::{bounded, RecvTimeoutError, Sender};
+use crossbeam_channel::{bounded, Receiver, RecvTimeoutError, Sender};
 
 use crate::runtime::{
     self, AcceptHook, CommMode, ConnHandler, Connection, InRing, Listener, Options, PdProvider,
@@ -31,9 +31,9 @@ use crate::verbs::{self, AccessFlags, CmId, Context, EventChannel};
 
 use super::limits::{Episode, Leases, Limits};
 use super::pool::SLAB_PAGE;
-use super::proto::{Op, Request, Source, COMPACT_REQUEST_LEN};
+use super::proto::{Op, Request, Source, COMPACT_REQUEST_LEN, REQUEST_LEN};
 use super::store::{Store, Target};
-use super::{ConnMode, KvError, Result, DEFAULT_MAX_VALUE, MAX_VALUE_ENV};
+use super::{ConnMode, KvError, Result, DEFAULT_MAX_VALUE, MAX_KEY_LEN, MAX_VALUE_ENV};
 
 mod answer;
 mod limits;
@@ -228,6 +228,8 @@ struct Shared {
     clients: Mutex<Vec<Weak<ClientState>>>,
     /// To the housekeeping thread, while running.
     chores: Mutex<Option<Sender<Chore>>>,
+    /// Jobs' message buffers, handed back by the workers for the next job.
+    spare_msgs: (Sender<Vec<u8>>, Receiver<Vec<u8>>),
 }
 
 /// Work for the housekeeping thread (which also ends expired leases).
@@ -241,6 +243,15 @@ enum Chore {
 /// Closes waiting for the housekeeping thread; beyond, they are done in
 /// place.
 const CHORES: usize = 1024;
+
+/// Jobs' message buffers kept for reuse: more than the requests a burst
+/// of large PUTs keeps in the workers' queues at once.
+const SPARE_MSGS: usize = 256;
+
+/// A kept buffer's largest capacity: room for a request's header and longest key
+/// (a worker's job carries no value, except an inline one queued behind
+/// this client's jobs, which may grow a buffer past this).
+const SPARE_MSG_BYTES: usize = REQUEST_LEN + 2 * MAX_KEY_LEN;
 
 /// A key-value server. Create, [`Server::start`], [`Server::stop`]; dropping
 /// it stops it.
@@ -279,6 +290,7 @@ impl Server {
                 next_client: AtomicUsize::new(0),
                 clients: Mutex::new(Vec::new()),
                 chores: Mutex::new(None),
+                spare_msgs: bounded(SPARE_MSGS),
             }),
             listener: Mutex::new(None),
             workers: Mutex::new(Vec::new()),
@@ -372,6 +384,7 @@ impl Server {
                             shared.serve(&job.conn, &job.client, &job.msg)
                         }));
                         job.client.queued.fetch_sub(1, Ordering::AcqRel);
+                        shared.recycle(job.msg);
                         if served.is_err() {
                             log::error!(
                                 "closing {:?}: serving its request panicked",
@@ -390,14 +403,17 @@ impl Server {
         let shared = self.shared.clone();
         let housekeeper = std::thread::Builder::new()
             .name("kv-housekeeping".into())
-            .spawn(move || loop {
-                // A lease outlives its time by at most a quarter of it.
-                let every = (shared.limit(|l| l.lease_time) / 4)
-                    .clamp(Duration::from_millis(10), Duration::from_secs(1));
-                match rx.recv_timeout(every) {
-                    Err(RecvTimeoutError::Timeout) => shared.expire_leases(),
-                    Ok(Chore::Close(conn)) => conn.close(),
-                    Ok(Chore::Stop) | Err(RecvTimeoutError::Disconnected) => return,
+            .spawn(move || {
+                let mut swept = Vec::new();
+                loop {
+                    // A lease outlives its time by at most a quarter of it.
+                    let every = (shared.limit(|l| l.lease_time) / 4)
+                        .clamp(Duration::from_millis(10), Duration::from_secs(1));
+                    match rx.recv_timeout(every) {
+                        Err(RecvTimeoutError::Timeout) => shared.expire_leases(&mut swept),
+                        Ok(Chore::Close(conn)) => conn.close(),
+                        Ok(Chore::Stop) | Err(RecvTimeoutError::Disconnected) => return,
+                    }
                 }
             })
             .map_err(|e| KvError::Internal(format!("starting the housekeeping thread: {e}")))?;
@@ -509,7 +525,7 @@ impl ConnHandler for ServerConn {
                 let job = Job {
                     conn: conn.clone(),
                     client: client.clone(),
-                    msg: data.to_vec(),
+                    msg: self.shared.job_message(data),
                 };
                 if self.shared.queue_job(&tx, job) {
                     return;

@@ -160,8 +160,7 @@ impl Connection {
         let kind = wc.wr_id() >> KIND_SHIFT;
         let low = wc.wr_id() & LOW_MASK;
         if !wc.is_ok() {
-            let ending = matches!(self.state(), ConnState::Closed | ConnState::Error)
-                || self.inner.peer_left.load(Ordering::SeqCst);
+            let ending = self.has_ended() || self.inner.peer_left.load(Ordering::SeqCst);
             if kind == K_SYNC {
                 let reason = format!("completed with {}", wc.status());
                 if let Some(slot) = self.lock().sync_ops.get_mut(&low) {
@@ -194,7 +193,7 @@ impl Connection {
                         false
                     }
                 };
-                if !matches!(self.state(), ConnState::Closed | ConnState::Error) {
+                if !self.has_ended() {
                     // Commands' receives go back at once: the peer's
                     // reserve for them is not covered by credit.
                     let reposted = match message {

@@ -46,6 +46,7 @@ impl Connection {
             log::warn!("connection to {:?} failed: {reason}", self.inner.peer);
             self.drop_queued(&mut st, "it failed");
             st.state = ConnState::Error;
+            self.inner.ended.store(true, Ordering::Release);
             st.last_errno = libc::ECONNABORTED;
             for slot in st.sync_ops.values_mut() {
                 slot.get_or_insert_with(|| Err(reason.to_string()));
@@ -77,6 +78,7 @@ impl Connection {
             let was = st.state;
             if !matches!(was, ConnState::Closed | ConnState::Error) {
                 st.state = ConnState::Closed;
+                self.inner.ended.store(true, Ordering::Release);
             }
             self.drop_queued(&mut st, "the peer left");
             for slot in st.sync_ops.values_mut() {
@@ -211,6 +213,7 @@ impl Connection {
         {
             let mut st = self.lock();
             st.state = ConnState::Closed;
+            self.inner.ended.store(true, Ordering::Release);
             for slot in st.sync_ops.values_mut() {
                 slot.get_or_insert_with(|| Err("the connection was closed".into()));
             }

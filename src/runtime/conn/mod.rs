@@ -297,6 +297,9 @@ pub(crate) struct ConnInner {
     user_mrs: Mutex<HashMap<usize, Arc<MemoryRegion>>>,
     disconnect_fired: AtomicBool,
     closed_locally: AtomicBool,
+    /// The state is Closed or Error, which it never leaves: the completion
+    /// thread looks after every receive, without the lock a sender holds.
+    ended: AtomicBool,
     /// The peer disconnected; the thread that polls completions finishes
     /// delivering what arrived before, then ends the connection.
     peer_left: AtomicBool,
@@ -409,6 +412,11 @@ impl Connection {
         self.lock().state
     }
 
+    /// Whether the connection is closed or failed, without the state lock.
+    pub(crate) fn has_ended(&self) -> bool {
+        self.inner.ended.load(Ordering::Acquire)
+    }
+
     pub fn kind(&self) -> ConnKind {
         self.inner.kind
     }
@@ -466,6 +474,9 @@ impl Connection {
 
     fn set_state(&self, state: ConnState) {
         self.lock().state = state;
+        if matches!(state, ConnState::Closed | ConnState::Error) {
+            self.inner.ended.store(true, Ordering::Release);
+        }
         self.wake();
         self.notify_state(state);
     }

@@ -176,6 +176,7 @@ impl Connection {
                 user_mrs: Mutex::new(HashMap::new()),
                 disconnect_fired: AtomicBool::new(false),
                 closed_locally: AtomicBool::new(false),
+                ended: AtomicBool::new(false),
                 peer_left: AtomicBool::new(false),
                 retired: AtomicBool::new(false),
                 cm_source: AtomicU64::new(0),

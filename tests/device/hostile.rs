@@ -337,6 +337,24 @@ impl ConnHandler for Liar {
     }
 }
 
+/// A [`Liar`] answering with `answer`, and a client connected to it (whose
+/// calls wait up to 30 s for a reply).
+fn liar_and_client(answer: Answer) -> (Listener, Client) {
+    let liar = Listener::bind(
+        SocketAddr::new(IpAddr::V4(device_ip()), 0),
+        &Options::default(),
+        Box::new(move |_| Some(Arc::new(Liar { answer }) as Arc<dyn ConnHandler>)),
+    )
+    .unwrap();
+    liar.start();
+    let opts = ClientOptions {
+        timeout: Duration::from_secs(30),
+        ..ClientOptions::default()
+    };
+    let client = Client::connect_with(liar.local_addr().unwrap(), &opts).unwrap();
+    (liar, client)
+}
+
 /// Replies that break the protocol end the client's connection: the call
 /// waiting for one fails at once with `Disconnected` (not after its
 /// timeout), and no byte of them reaches the caller's buffer.
@@ -366,18 +384,7 @@ fn a_server_that_garbles_its_replies_is_cut_off() {
         ("twelve zero bytes", |_| vec![0; 12]),
     ];
     for (what, answer) in garbled {
-        let liar = Listener::bind(
-            SocketAddr::new(IpAddr::V4(device_ip()), 0),
-            &Options::default(),
-            Box::new(move |_| Some(Arc::new(Liar { answer }) as Arc<dyn ConnHandler>)),
-        )
-        .unwrap();
-        liar.start();
-        let opts = ClientOptions {
-            timeout: Duration::from_secs(30),
-            ..ClientOptions::default()
-        };
-        let client = Client::connect_with(liar.local_addr().unwrap(), &opts).unwrap();
+        let (liar, client) = liar_and_client(answer);
         let mut buf = [0x33u8; 64];
         let began = Instant::now();
         let got = client.get_into(b"key", &mut buf);
@@ -408,43 +415,28 @@ fn a_server_that_garbles_its_replies_is_cut_off() {
 fn a_server_whose_leases_cannot_be_read_fails_the_batch_not_the_caller() {
     const KEYS: usize = 16;
     const INLINE: [u8; 64] = [0x42; 64];
-    let liar = Listener::bind(
-        SocketAddr::new(IpAddr::V4(device_ip()), 0),
-        &Options::default(),
-        Box::new(|_| {
-            Some(Arc::new(Liar {
-                answer: |id| match id % 2 {
-                    // A small value, inline: good.
-                    0 => Reply {
-                        req_id: id,
-                        version: 1,
-                        value_len: INLINE.len() as u64,
-                        ..Reply::default()
-                    }
-                    .encode(&INLINE),
-                    // A large value lent where no memory is registered.
-                    _ => Reply {
-                        req_id: id,
-                        version: 1,
-                        value_len: 65536,
-                        remote: true,
-                        addr: 0x1000,
-                        rkey: 0xdead,
-                        lease: id,
-                        ..Reply::default()
-                    }
-                    .encode(&[]),
-                },
-            }) as Arc<dyn ConnHandler>)
-        }),
-    )
-    .unwrap();
-    liar.start();
-    let opts = ClientOptions {
-        timeout: Duration::from_secs(30),
-        ..ClientOptions::default()
-    };
-    let client = Client::connect_with(liar.local_addr().unwrap(), &opts).unwrap();
+    let (liar, client) = liar_and_client(|id| match id % 2 {
+        // A small value, inline: good.
+        0 => Reply {
+            req_id: id,
+            version: 1,
+            value_len: INLINE.len() as u64,
+            ..Reply::default()
+        }
+        .encode(&INLINE),
+        // A large value lent where no memory is registered.
+        _ => Reply {
+            req_id: id,
+            version: 1,
+            value_len: 65536,
+            remote: true,
+            addr: 0x1000,
+            rkey: 0xdead,
+            lease: id,
+            ..Reply::default()
+        }
+        .encode(&[]),
+    });
     let names: Vec<String> = (0..KEYS).map(|i| format!("key-{i}")).collect();
     let keys: Vec<&[u8]> = names.iter().map(|k| k.as_bytes()).collect();
     let mut answered = [0usize; KEYS];

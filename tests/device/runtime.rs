@@ -231,6 +231,77 @@ fn a_batch_posts_what_it_can_and_hands_back_the_rest() {
     server.release();
 }
 
+/// Echoes each round's messages together at its end, as the kv server
+/// answers: nothing is sent from `recv`.
+#[derive(Default)]
+struct RoundEcho {
+    held: Mutex<Vec<Vec<u8>>>,
+    rounds: Mutex<usize>,
+}
+impl ConnHandler for RoundEcho {
+    fn recv(&self, _conn: &Connection, data: &[u8], _imm: Option<u32>) {
+        self.held.lock().unwrap().push(data.to_vec());
+    }
+    fn round_done(&self, conn: &Connection) {
+        let held = std::mem::take(&mut *self.held.lock().unwrap());
+        *self.rounds.lock().unwrap() += 1;
+        let parts: Vec<[&[u8]; 1]> = held.iter().map(|m| [&m[..]]).collect();
+        let msgs: Vec<&[&[u8]]> = parts.iter().map(|p| &p[..]).collect();
+        let mut sent = 0;
+        while sent < msgs.len() {
+            let chunk = &msgs[sent..msgs.len().min(sent + 100)];
+            sent += conn.send_batch(chunk).unwrap();
+            if sent < msgs.len() {
+                assert!(conn.send(&held[sent]).unwrap() > 0, "echo");
+                sent += 1;
+            }
+        }
+    }
+}
+
+/// A handler that answers only at the end of each round of completions
+/// gets that call after every round, whichever way the messages came (one
+/// by one or many to a doorbell): every echo arrives, in order.
+#[test]
+#[ignore = "needs an RDMA device: run `make test`"]
+fn a_handler_that_answers_at_the_end_of_each_round_answers_everything() {
+    let echo = Arc::new(RoundEcho::default());
+    let handler = echo.clone();
+    let server = Listener::bind(
+        SocketAddr::new(IpAddr::V4(device_ip()), 0),
+        &blocking(),
+        Box::new(move |_| Some(handler.clone() as Arc<dyn ConnHandler>)),
+    )
+    .unwrap();
+    server.start();
+    let sink = Arc::new(Collect::default());
+    let conn =
+        Connection::connect(server.local_addr().unwrap(), &blocking(), sink.clone()).unwrap();
+    let msgs: Vec<[u8; 8]> = (0..600u64).map(u64::to_le_bytes).collect();
+    let mut expected = Vec::new();
+    for (i, group) in msgs.chunks(40).enumerate() {
+        if i % 2 == 0 {
+            // Many to a doorbell, arriving together.
+            let parts: Vec<[&[u8]; 1]> = group.iter().map(|m| [&m[..]]).collect();
+            let batch: Vec<&[&[u8]]> = parts.iter().map(|p| &p[..]).collect();
+            let posted = conn.send_batch(&batch).unwrap();
+            for m in &group[posted..] {
+                assert_eq!(conn.send(m).unwrap(), 8);
+            }
+        } else {
+            for m in group {
+                assert_eq!(conn.send(m).unwrap(), 8);
+            }
+        }
+        expected.extend(group.iter().flatten());
+    }
+    assert_eq!(sink.wait_bytes(expected.len(), TIMEOUT), expected);
+    let rounds = *echo.rounds.lock().unwrap();
+    assert!((1..=msgs.len()).contains(&rounds), "{rounds} rounds");
+    conn.close();
+    server.release();
+}
+
 #[test]
 #[ignore = "needs an RDMA device: run `make test`"]
 fn immediates_arrive_with_their_message() {

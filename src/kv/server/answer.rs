@@ -4,7 +4,11 @@
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use crate::kv::proto::{is_inline, Op, Reply, Request, ServerInfo, Source, BLOCK_HEADER_LEN};
+use smallvec::SmallVec;
+
+use crate::kv::proto::{
+    is_inline, Header, Op, Reply, Request, ServerInfo, Source, BLOCK_HEADER_LEN,
+};
 use crate::kv::store::Block;
 use crate::kv::{check_key, KvError, Result, MAX_KEY_LEN};
 use crate::runtime::{Connection, Window};
@@ -35,16 +39,55 @@ impl Answer {
         }
     }
 
-    /// Sends the reply on `conn`: its header and payload gathered straight
-    /// into the connection's ring.
-    pub(super) fn send(&self, conn: &Connection) -> crate::runtime::Result<usize> {
+    /// The reply's header, and the payload that follows it.
+    fn parts(&self) -> (Header, &[u8]) {
         let payload = match &self.payload {
             Payload::Empty => &[][..],
             Payload::Value(block, key_len) => block.value(*key_len),
             Payload::Info(info) => info,
         };
-        let header = self.reply.header(payload);
+        (self.reply.header(payload), payload)
+    }
+
+    /// Sends the reply on `conn`: its header and payload gathered straight
+    /// into the connection's ring.
+    pub(super) fn send(&self, conn: &Connection) -> crate::runtime::Result<usize> {
+        let (header, payload) = self.parts();
         conn.send_parts(&[header.as_slice(), payload])
+    }
+}
+
+/// Replies sent with one doorbell: as many as one round of completions
+/// delivers requests.
+const REPLIES_PER_DOORBELL: usize = 32;
+
+impl Shared {
+    /// Sends `answers` on `conn`, up to [`REPLIES_PER_DOORBELL`] with one
+    /// doorbell; those that find no room go one by one, as [`Shared::reply`]
+    /// sends any reply.
+    pub(super) fn reply_all(&self, conn: &Connection, client: &ClientState, answers: &[Answer]) {
+        if let [one] = answers {
+            return self.reply(conn, client, one);
+        }
+        for chunk in answers.chunks(REPLIES_PER_DOORBELL) {
+            let parts: SmallVec<[(Header, &[u8]); REPLIES_PER_DOORBELL]> =
+                chunk.iter().map(Answer::parts).collect();
+            let pieces: SmallVec<[[&[u8]; 2]; REPLIES_PER_DOORBELL]> = parts
+                .iter()
+                .map(|(header, payload)| [header.as_slice(), *payload])
+                .collect();
+            let msgs: SmallVec<[&[&[u8]]; REPLIES_PER_DOORBELL]> =
+                pieces.iter().map(|p| &p[..]).collect();
+            let posted = match conn.send_batch(&msgs) {
+                Ok(n) => n,
+                // The connection failed: sending one more finds it and
+                // lets the client go.
+                Err(_) => return self.reply(conn, client, &chunk[0]),
+            };
+            for answer in &chunk[posted..] {
+                self.reply(conn, client, answer);
+            }
+        }
     }
 }
 

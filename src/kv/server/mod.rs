@@ -24,20 +24,21 @@ use std::time::Duration;
 use crossbeam_channel::{bounded, Receiver, RecvTimeoutError, Sender};
 
 use crate::runtime::{
-    self, AcceptHook, CommMode, ConnHandler, Connection, InRing, Listener, Options, PdProvider,
-    Window,
+    self, AcceptHook, CommMode, ConnHandler, Connection, Listener, Options, PdProvider, Window,
 };
-use crate::verbs::{self, AccessFlags, CmId, Context, EventChannel};
+use crate::verbs::{self, CmId, Context, EventChannel};
 
 use super::limits::{Episode, Leases, Limits};
 use super::pool::SLAB_PAGE;
-use super::proto::{Op, Request, Source, COMPACT_REQUEST_LEN, REQUEST_LEN};
+use super::proto::{Request, REQUEST_LEN};
 use super::store::{Store, Target};
 use super::{ConnMode, KvError, Result, DEFAULT_MAX_VALUE, MAX_KEY_LEN, MAX_VALUE_ENV};
 
 mod answer;
+mod conn;
 mod limits;
 
+use conn::ServerConn;
 use limits::check_limits;
 
 /// Leases one client may hold; beyond, its oldest lease ends (the byte cap
@@ -492,104 +493,6 @@ impl Drop for Server {
     }
 }
 
-struct ServerConn {
-    shared: Arc<Shared>,
-    client: Arc<ClientState>,
-}
-
-impl ConnHandler for ServerConn {
-    fn recv(&self, conn: &Connection, data: &[u8], _imm: Option<u32>) {
-        let client = &self.client;
-        if client.gone.load(Ordering::Acquire) {
-            return; // Being closed: nothing more is answered.
-        }
-        // Parsed once here; only requests handed to a worker are parsed
-        // again there (they are copied out of the ring anyway).
-        let parts = match Request::decode(data) {
-            Ok(parts) => parts,
-            Err(why) => return self.shared.drop_malformed(conn, client, why),
-        };
-        let req = &parts.0;
-        let heavy = req.op == Op::Alloc || (req.op == Op::Write && req.source != Source::Inline);
-        let queued = client.queued.load(Ordering::Acquire);
-        if heavy || queued > 0 {
-            if queued >= self.shared.limit(|l| l.client_jobs) && req.op != Op::Release {
-                return self.shared.refuse_busy(conn, client, req.req_id, queued);
-            }
-            let tx = {
-                let jobs = self.shared.jobs.lock().expect("jobs lock");
-                jobs.get(client.worker % jobs.len().max(1)).cloned()
-            };
-            if let Some(tx) = tx {
-                client.queued.fetch_add(1, Ordering::AcqRel);
-                let job = Job {
-                    conn: conn.clone(),
-                    client: client.clone(),
-                    msg: self.shared.job_message(data),
-                };
-                if self.shared.queue_job(&tx, job) {
-                    return;
-                }
-                client.queued.fetch_sub(1, Ordering::AcqRel);
-            }
-        }
-        self.shared.serve_parsed(conn, client, parts);
-    }
-
-    /// A plain small PUT (a compact request, its value inline) is stored
-    /// from the ring: its key and value go straight into their new block,
-    /// their one copy on this side. Anything else, and anything that must
-    /// wait behind this client's queued requests, goes to `recv`.
-    fn recv_in_ring(&self, conn: &Connection, msg: &InRing<'_>) -> bool {
-        let client = &self.client;
-        if client.gone.load(Ordering::Acquire) || client.queued.load(Ordering::Acquire) > 0 {
-            return false;
-        }
-        let mut head = [0u8; COMPACT_REQUEST_LEN];
-        if !msg.read(0, &mut head) {
-            return false;
-        }
-        let Some((id, key_len)) = Request::compact_put(&head, msg.len()) else {
-            return false;
-        };
-        let value_len = msg.len() - COMPACT_REQUEST_LEN - key_len;
-        let answer = self.shared.put_filled(id, key_len, value_len, |block| {
-            msg.read_payload(COMPACT_REQUEST_LEN, block)
-        });
-        self.shared.reply(conn, client, &answer);
-        true
-    }
-
-    fn connected(&self, conn: &Connection) {
-        // Bound now that the QP can send: before the client's first request
-        // (RC keeps its advertisement ahead of it), and only its QP can use it.
-        let access = AccessFlags::LOCAL_WRITE | AccessFlags::MW_BIND;
-        let window = conn
-            .pd()
-            .allocate(self.shared.cfg.request_buf_len, access)
-            .map_err(runtime::Error::from)
-            .and_then(|mr| conn.expose(mr, AccessFlags::REMOTE_WRITE));
-        match window {
-            Ok(w) => {
-                let _ = self.client.request_buf.set(w);
-            }
-            Err(e) => {
-                log::warn!("closing {:?}: no request buffer: {e}", conn.peer_addr());
-                conn.close();
-                self.shared.forget(&self.client);
-            }
-        }
-    }
-
-    fn disconnected(&self, _conn: &Connection) {
-        self.shared.forget(&self.client);
-    }
-
-    fn retired(&self, _conn: &Connection) {
-        self.shared.forget(&self.client);
-    }
-}
-
 impl Shared {
     /// Sets up a new client (CM thread, before the connection is accepted).
     fn accept(self: &Arc<Self>, conn: &Connection) -> Option<Arc<dyn ConnHandler>> {
@@ -620,10 +523,7 @@ impl Shared {
         clients.push(Arc::downgrade(&client));
         drop(clients);
         log::info!("client {:?} connected", conn.peer_addr());
-        Some(Arc::new(ServerConn {
-            shared: self.clone(),
-            client,
-        }))
+        Some(Arc::new(ServerConn::new(self.clone(), client)))
     }
 
     /// A client went away: its leases and targets end now.
@@ -636,10 +536,14 @@ impl Shared {
         client.targets.lock().expect("target lock").clear();
     }
 
-    /// Answers one request message.
+    /// Answers one request message (a worker's job).
     fn serve(&self, conn: &Connection, client: &ClientState, msg: &[u8]) {
         match Request::decode(msg) {
-            Ok(parts) => self.serve_parsed(conn, client, parts),
+            Ok((req, key, inline)) => {
+                if let Some(answer) = self.answer(conn, client, &req, key, inline) {
+                    self.reply(conn, client, &answer);
+                }
+            }
             Err(why) => self.drop_malformed(conn, client, why),
         }
     }
@@ -652,18 +556,6 @@ impl Shared {
         // Not here: a close waits for queued replies to drain, and this
         // thread serves every client.
         self.close_later(conn);
-    }
-
-    /// Answers a parsed request.
-    fn serve_parsed(
-        &self,
-        conn: &Connection,
-        client: &ClientState,
-        (req, key, inline): (Request, &[u8], &[u8]),
-    ) {
-        if let Some(reply) = self.answer(conn, client, &req, key, inline) {
-            self.reply(conn, client, &reply);
-        }
     }
 }
 

@@ -469,6 +469,7 @@ impl Connection {
             }
             start += EXT_HEADER_LEN;
         }
+        self.inner.delivered.store(true, Ordering::Relaxed);
         self.call_handler("receive", |h| {
             // A message without an immediate is offered where it lies first.
             if imm.is_none()
@@ -492,11 +493,17 @@ impl Connection {
         }
     }
 
-    /// After completions were handled: owed callbacks, then credit, then
-    /// messages that waited for room.
+    /// After completions were handled: owed callbacks and the end of the
+    /// handler's round (what it held back goes, and credit rides with it),
+    /// then credit, then messages that waited for room.
     /// Last, a wake, for callers waiting on what a callback did.
     pub(super) fn after_round(&self) {
         self.deliver_deferred();
+        if self.inner.delivered.load(Ordering::Relaxed)
+            && self.inner.delivered.swap(false, Ordering::Relaxed)
+        {
+            self.call_handler("round", |h| h.round_done(self));
+        }
         self.maybe_send_credit(false);
         self.flush_queued();
         if self.inner.peer_left.load(Ordering::SeqCst) {

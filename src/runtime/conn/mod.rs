@@ -138,6 +138,11 @@ pub trait ConnHandler: Send + Sync {
     fn recv_in_ring(&self, _conn: &Connection, _msg: &InRing<'_>) -> bool {
         false
     }
+    /// The messages of one round of completions have been delivered: called
+    /// on the thread that delivered them, before it polls again or waits. A
+    /// handler that held back what its `recv` calls answered sends it now,
+    /// several messages with one doorbell ([`Connection::send_batch`]).
+    fn round_done(&self, _conn: &Connection) {}
     /// An asynchronous RDMA WRITE of `len` bytes completed.
     fn write_done(&self, _conn: &Connection, _len: usize) {}
     /// An asynchronous RDMA READ of `len` bytes completed.
@@ -297,6 +302,8 @@ pub(crate) struct ConnInner {
     user_mrs: Mutex<HashMap<usize, Arc<MemoryRegion>>>,
     disconnect_fired: AtomicBool,
     closed_locally: AtomicBool,
+    /// A message reached the handler since its last `round_done`.
+    delivered: AtomicBool,
     /// The state is Closed or Error, which it never leaves: the completion
     /// thread looks after every receive, without the lock a sender holds.
     ended: AtomicBool,

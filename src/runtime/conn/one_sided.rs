@@ -10,6 +10,7 @@ use smallvec::{smallvec, SmallVec};
 use crate::runtime::{Error, Result};
 use crate::verbs::{AccessFlags, MemoryRegion, RemoteAddr, SendOp, SendRequest, Sge};
 
+use super::send::cmd_request;
 use super::{
     wr_id, ConnState, Connection, State, CMD_RESERVE, K_READ, K_SYNC, K_WRITE, MAX_SEND_WR,
     SYNC_OP_TIMEOUT,
@@ -176,6 +177,10 @@ impl Connection {
                 None => {}
             }
         };
+        // The credit owed to the peer rides in front, as it does with a
+        // message, rather than going alone when this thread waits.
+        let credit = self.credit_to_carry(&mut st)?;
+        let credit_sge = credit.map(|(_, sge)| [sge]);
         let first = st.next_op;
         // A batch of up to ON_STACK operations allocates nothing.
         let ids: SmallVec<[u64; ON_STACK]> = if sync {
@@ -196,27 +201,36 @@ impl Connection {
             )]
         };
         let sges: SmallVec<[[Sge; 1]; ON_STACK]> = ops.iter().map(|(local, _)| [*local]).collect();
-        let reqs: SmallVec<[SendRequest; ON_STACK]> = ops
-            .iter()
-            .zip(&sges)
-            .zip(&ids)
-            .map(|(((_, remote), sge), &id)| {
-                let op = if read {
-                    SendOp::Read(*remote)
-                } else {
-                    SendOp::Write(*remote)
-                };
-                SendRequest::new(id, op, sge)
-            })
-            .collect();
+        let mut reqs: SmallVec<[SendRequest; ON_STACK + 1]> = SmallVec::new();
+        if let (Some((slot, _)), Some(sge)) = (credit, &credit_sge) {
+            reqs.push(cmd_request(slot, sge));
+        }
+        reqs.extend(
+            ops.iter()
+                .zip(&sges)
+                .zip(&ids)
+                .map(|(((_, remote), sge), &id)| {
+                    let op = if read {
+                        SendOp::Read(*remote)
+                    } else {
+                        SendOp::Write(*remote)
+                    };
+                    SendRequest::new(id, op, sge)
+                }),
+        );
         // SAFETY: the caller's buffers were checked to be registered here;
         // the C contract (and `read`/`write`'s docs) leave them to the device
-        // until the completion.
-        let posted = unsafe { self.inner.qp.post_send(&reqs) };
+        // until the completion; the command slot stays untouched until its
+        // send completes.
+        let mut posted = unsafe { self.inner.qp.post_send(&reqs) };
+        if let Some((slot, _)) = credit {
+            posted = self.cmd_posted(&mut st, slot, posted);
+        }
         if let Err(e) = posted {
-            if n > 1 {
+            if n > 1 || credit.is_some() {
                 // A prefix of the list may be posted, and its completions
-                // still come: only the connection's end is safe.
+                // still come; a credit carried counts as reported: only the
+                // connection's end is safe.
                 drop(st);
                 self.fail(&format!("posting one-sided operations: {e}"));
             } else if sync {

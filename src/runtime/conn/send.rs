@@ -125,7 +125,12 @@ impl Connection {
 
     /// Accounts for a staged command's post: its send-queue entry, or its
     /// slot back when the post failed.
-    pub(super) fn cmd_posted(&self, st: &mut State, slot: u16, posted: Result<()>) -> Result<()> {
+    pub(super) fn cmd_posted<E>(
+        &self,
+        st: &mut State,
+        slot: u16,
+        posted: std::result::Result<(), E>,
+    ) -> std::result::Result<(), E> {
         match posted {
             Ok(()) => st.sq_used += 1,
             Err(_) => st.cmd_free.push(slot),

@@ -177,6 +177,7 @@ impl Connection {
                 disconnect_fired: AtomicBool::new(false),
                 closed_locally: AtomicBool::new(false),
                 ended: AtomicBool::new(false),
+                delivered: AtomicBool::new(false),
                 peer_left: AtomicBool::new(false),
                 retired: AtomicBool::new(false),
                 cm_source: AtomicU64::new(0),

@@ -85,6 +85,10 @@ impl Shared {
                 Err(_) => return self.reply(conn, client, &chunk[0]),
             };
             for answer in &chunk[posted..] {
+                if client.gone.load(Ordering::Acquire) {
+                    // A reply found the connection ended: no more.
+                    return;
+                }
                 self.reply(conn, client, answer);
             }
         }

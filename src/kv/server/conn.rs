@@ -143,9 +143,13 @@ impl ConnHandler for ServerConn {
 
     fn disconnected(&self, _conn: &Connection) {
         self.shared.forget(&self.client);
+        // Answers to messages delivered as the peer left: nobody to send
+        // them to, and inline GETs' blocks are held until they go.
+        self.held.lock().expect("held lock").clear();
     }
 
     fn retired(&self, _conn: &Connection) {
         self.shared.forget(&self.client);
+        self.held.lock().expect("held lock").clear();
     }
 }

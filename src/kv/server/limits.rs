@@ -105,7 +105,11 @@ impl Shared {
     /// back: a steady stream of worker requests (large PUTs) allocates
     /// nothing.
     pub(super) fn job_message(&self, data: &[u8]) -> Vec<u8> {
-        let mut msg = self.spare_msgs.1.try_recv().unwrap_or_default();
+        let mut msg = self
+            .spare_msgs
+            .1
+            .try_recv()
+            .unwrap_or_else(|_| Vec::with_capacity(SPARE_MSG_BYTES));
         msg.clear();
         msg.extend_from_slice(data);
         msg

@@ -111,10 +111,10 @@ impl Connection {
         // them, after the messages have landed; the command slot stays
         // untouched until its send completes.
         let posted = unsafe { self.inner.qp.post_send(&chain) }.map_err(Into::into);
-        match credit {
-            Some((slot, _)) => self.cmd_posted(st, slot, posted),
-            None => posted,
+        if credit.is_some() {
+            Self::chained_cmd_posted(st);
         }
+        posted
     }
 
     /// Sends `msgs` in order, each as [`Connection::send_parts`] would, up

@@ -498,10 +498,16 @@ impl Connection {
     /// then credit, then messages that waited for room.
     /// Last, a wake, for callers waiting on what a callback did.
     pub(super) fn after_round(&self) {
-        self.deliver_deferred();
-        if self.inner.delivered.load(Ordering::Relaxed)
-            && self.inner.delivered.swap(false, Ordering::Relaxed)
-        {
+        // A `round_done` that waits (a sync operation, a close) defers the
+        // messages it meets: they are delivered, and their round ended,
+        // before this round is over.
+        loop {
+            self.deliver_deferred();
+            if !(self.inner.delivered.load(Ordering::Relaxed)
+                && self.inner.delivered.swap(false, Ordering::Relaxed))
+            {
+                break;
+            }
             self.call_handler("round", |h| h.round_done(self));
         }
         self.maybe_send_credit(false);

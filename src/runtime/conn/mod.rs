@@ -480,9 +480,12 @@ impl Connection {
     }
 
     fn set_state(&self, state: ConnState) {
-        self.lock().state = state;
-        if matches!(state, ConnState::Closed | ConnState::Error) {
-            self.inner.ended.store(true, Ordering::Release);
+        {
+            let mut st = self.lock();
+            st.state = state;
+            if matches!(state, ConnState::Closed | ConnState::Error) {
+                self.inner.ended.store(true, Ordering::Release);
+            }
         }
         self.wake();
         self.notify_state(state);

@@ -179,7 +179,14 @@ impl Connection {
         };
         // The credit owed to the peer rides in front, as it does with a
         // message, rather than going alone when this thread waits.
-        let credit = self.credit_to_carry(&mut st)?;
+        let credit = match self.credit_to_carry(&mut st) {
+            Ok(credit) => credit,
+            Err(e) => {
+                drop(st);
+                self.fail(&format!("returning credit: {e}"));
+                return Err(e);
+            }
+        };
         let credit_sge = credit.map(|(_, sge)| [sge]);
         let first = st.next_op;
         // A batch of up to ON_STACK operations allocates nothing.
@@ -222,11 +229,14 @@ impl Connection {
         // the C contract (and `read`/`write`'s docs) leave them to the device
         // until the completion; the command slot stays untouched until its
         // send completes.
-        let mut posted = unsafe { self.inner.qp.post_send(&reqs) };
-        if let Some((slot, _)) = credit {
-            posted = self.cmd_posted(&mut st, slot, posted);
+        let posted = unsafe { self.inner.qp.post_send(&reqs) };
+        if credit.is_some() {
+            Self::chained_cmd_posted(&mut st);
         }
         if let Err(e) = posted {
+            if !sync {
+                self.inner.async_pending.fetch_sub(1, Ordering::SeqCst);
+            }
             if n > 1 || credit.is_some() {
                 // A prefix of the list may be posted, and its completions
                 // still come; a credit carried counts as reported: only the
@@ -235,8 +245,6 @@ impl Connection {
                 self.fail(&format!("posting one-sided operations: {e}"));
             } else if sync {
                 st.sync_ops.remove(&first);
-            } else {
-                self.inner.async_pending.fetch_sub(1, Ordering::SeqCst);
             }
             return Err(e.into());
         }

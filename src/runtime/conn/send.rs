@@ -123,19 +123,22 @@ impl Connection {
         Some((slot, self.inner.cmd_send.sge(off..off + CMD_LEN)))
     }
 
-    /// Accounts for a staged command's post: its send-queue entry, or its
-    /// slot back when the post failed.
-    pub(super) fn cmd_posted<E>(
-        &self,
-        st: &mut State,
-        slot: u16,
-        posted: std::result::Result<(), E>,
-    ) -> std::result::Result<(), E> {
+    /// Accounts for a staged command's post (alone): its send-queue entry,
+    /// or its slot back when the post failed.
+    pub(super) fn cmd_posted(&self, st: &mut State, slot: u16, posted: Result<()>) -> Result<()> {
         match posted {
             Ok(()) => st.sq_used += 1,
             Err(_) => st.cmd_free.push(slot),
         }
         posted
+    }
+
+    /// Accounts for a command posted at the head of a chain: a failed post
+    /// may have posted part of the chain, the command with it, so its slot
+    /// and send-queue entry stay taken either way (its completion gives
+    /// them back; after a failed post the connection ends).
+    pub(super) fn chained_cmd_posted(st: &mut State) {
+        st.sq_used += 1;
     }
 
     /// Sends a message: the peer's `recv` callback gets exactly these bytes,

@@ -270,48 +270,45 @@ impl Client {
         };
         let buf_len = usize::try_from(self.info.request_buf_len).unwrap_or(usize::MAX);
         let slots = (buf_len / slot).clamp(1, BATCH_WINDOW);
-        let mut answered = 0;
-        let staged = self.with_bounce(slots * slot, |b| {
-            let mut next_slot = 0;
-            self.pipelined(
-                pairs.len(),
-                slots,
-                |i| {
-                    let (key, value) = pairs[i];
-                    let mut req = start_request(key, value)?;
-                    if is_inline(key.len(), value.len()) {
-                        return Ok(Outgoing::new(req, key, value));
-                    }
-                    let offset = next_slot % slots * slot;
-                    next_slot += 1;
-                    req.source = Source::Staged {
-                        offset: offset as u64,
-                        checksum: value_checksum(value),
-                    };
-                    let remote = RemoteAddr {
-                        addr: self.info.request_buf + offset as u64,
-                        rkey: self.info.request_buf_rkey,
-                    };
-                    let staged = b.stage(offset, value, self.registered(value), remote);
-                    Ok(Outgoing {
-                        staged: Some(staged),
-                        ..Outgoing::new(req, key, &[])
-                    })
-                },
-                version,
-                |i, r| {
-                    answered += 1;
-                    each(i, r)
-                },
-            );
-            Ok(())
-        });
-        if let Err(e) = staged {
-            // The bounce buffer could not be had: nothing was sent.
-            for i in answered..pairs.len() {
-                each(i, Err(e.clone()));
+        let mut b = match self.lock_bounce(slots * slot) {
+            Ok(b) => b,
+            Err(e) => {
+                // The bounce buffer could not be had: nothing is sent.
+                for i in 0..pairs.len() {
+                    each(i, Err(e.clone()));
+                }
+                return;
             }
-        }
+        };
+        let mut next_slot = 0;
+        self.pipelined(
+            pairs.len(),
+            slots,
+            |i| {
+                let (key, value) = pairs[i];
+                let mut req = start_request(key, value)?;
+                if is_inline(key.len(), value.len()) {
+                    return Ok(Outgoing::new(req, key, value));
+                }
+                let offset = next_slot % slots * slot;
+                next_slot += 1;
+                req.source = Source::Staged {
+                    offset: offset as u64,
+                    checksum: value_checksum(value),
+                };
+                let remote = RemoteAddr {
+                    addr: self.info.request_buf + offset as u64,
+                    rkey: self.info.request_buf_rkey,
+                };
+                let staged = b.stage(offset, value, self.registered(value), remote);
+                Ok(Outgoing {
+                    staged: Some(staged),
+                    ..Outgoing::new(req, key, &[])
+                })
+            },
+            version,
+            each,
+        );
     }
 
     /// Sends `count` requests (`prepare(i)`: the i-th, ready to go),

@@ -55,18 +55,13 @@ impl Bounce {
             },
             None => {
                 crate::copy::copy(self.at(offset, value.len()), value);
-                self.staged(offset, remote, value.len())
+                WriteAhead {
+                    local_addr: self.addr + offset as u64,
+                    lkey: self.lkey,
+                    remote,
+                    len: value.len() as u32,
+                }
             }
-        }
-    }
-
-    /// The bytes from `offset` as the value to RDMA WRITE to `remote`.
-    pub(super) fn staged(&self, offset: usize, remote: RemoteAddr, len: usize) -> WriteAhead {
-        WriteAhead {
-            local_addr: self.addr + offset as u64,
-            lkey: self.lkey,
-            remote,
-            len: len as u32,
         }
     }
 }

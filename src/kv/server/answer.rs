@@ -80,9 +80,7 @@ impl Shared {
                 pieces.iter().map(|p| &p[..]).collect();
             let posted = match conn.send_batch(&msgs) {
                 Ok(n) => n,
-                // The connection failed: sending one more finds it and
-                // lets the client go.
-                Err(_) => return self.reply(conn, client, &chunk[0]),
+                Err(e) => return self.reply_failed(conn, client, &e),
             };
             for answer in &chunk[posted..] {
                 if client.gone.load(Ordering::Acquire) {

@@ -26,12 +26,7 @@ impl Shared {
         match reply.send(conn) {
             Ok(n) if n > 0 => return,
             Ok(_) => {}
-            Err(e) => {
-                // The connection ended (its end is reported on its own).
-                log::debug!("no reply to {:?}: {e}", conn.peer_addr());
-                self.forget(client);
-                return self.close_later(conn);
-            }
+            Err(e) => return self.reply_failed(conn, client, &e),
         }
         if client.gone.load(Ordering::Acquire) {
             return;
@@ -44,6 +39,19 @@ impl Shared {
                 conn.peer_addr()
             )
         });
+        self.forget(client);
+        self.close_later(conn);
+    }
+
+    /// A reply could not be sent: the connection ended (its end is
+    /// reported on its own), and its client goes.
+    pub(super) fn reply_failed(
+        &self,
+        conn: &Connection,
+        client: &ClientState,
+        e: &crate::runtime::Error,
+    ) {
+        log::debug!("no reply to {:?}: {e}", conn.peer_addr());
         self.forget(client);
         self.close_later(conn);
     }

@@ -110,11 +110,7 @@ impl Connection {
         // promise); staging ranges stay reserved until the peer returns
         // them, after the messages have landed; the command slot stays
         // untouched until its send completes.
-        let posted = unsafe { self.inner.qp.post_send(&chain) }.map_err(Into::into);
-        if credit.is_some() {
-            Self::chained_cmd_posted(st);
-        }
-        posted
+        unsafe { self.post_chain(st, &chain, credit.is_some()) }
     }
 
     /// Sends `msgs` in order, each as [`Connection::send_parts`] would, up

@@ -89,10 +89,11 @@ impl Connection {
     /// Sends the credit owed, alone, if an eighth or more is owed (a
     /// thread about to wait while the peer may be waiting for it).
     pub(super) fn send_owed_credit(&self, st: &mut State) {
-        if self.credit_owed(st) < Owed::Enough {
-            return;
-        }
-        if let Err(e) = self.post_credit(st) {
+        let sent = self.credit_to_carry(st).and_then(|credit| match credit {
+            Some((slot, sge)) => self.post_staged_cmd(st, slot, sge),
+            None => Ok(()),
+        });
+        if let Err(e) = sent {
             // Failing the connection needs the lock, which the caller
             // holds; the broken QP fails every later post too.
             log::warn!("connection to {:?}: returning credit: {e}", self.inner.peer);

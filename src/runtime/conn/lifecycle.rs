@@ -45,8 +45,7 @@ impl Connection {
             }
             log::warn!("connection to {:?} failed: {reason}", self.inner.peer);
             self.drop_queued(&mut st, "it failed");
-            st.state = ConnState::Error;
-            self.inner.ended.store(true, Ordering::Release);
+            self.end_state(&mut st, ConnState::Error);
             st.last_errno = libc::ECONNABORTED;
             for slot in st.sync_ops.values_mut() {
                 slot.get_or_insert_with(|| Err(reason.to_string()));
@@ -77,8 +76,7 @@ impl Connection {
             let mut st = self.lock();
             let was = st.state;
             if !matches!(was, ConnState::Closed | ConnState::Error) {
-                st.state = ConnState::Closed;
-                self.inner.ended.store(true, Ordering::Release);
+                self.end_state(&mut st, ConnState::Closed);
             }
             self.drop_queued(&mut st, "the peer left");
             for slot in st.sync_ops.values_mut() {
@@ -212,8 +210,7 @@ impl Connection {
         }
         {
             let mut st = self.lock();
-            st.state = ConnState::Closed;
-            self.inner.ended.store(true, Ordering::Release);
+            self.end_state(&mut st, ConnState::Closed);
             for slot in st.sync_ops.values_mut() {
                 slot.get_or_insert_with(|| Err("the connection was closed".into()));
             }

@@ -419,6 +419,13 @@ impl Connection {
         self.lock().state
     }
 
+    /// Moves to Closed or Error (which it never leaves), under the lock:
+    /// with the flag the completion thread reads without the lock.
+    fn end_state(&self, st: &mut State, state: ConnState) {
+        st.state = state;
+        self.inner.ended.store(true, Ordering::Release);
+    }
+
     /// Whether the connection is closed or failed, without the state lock.
     pub(crate) fn has_ended(&self) -> bool {
         self.inner.ended.load(Ordering::Acquire)
@@ -482,9 +489,9 @@ impl Connection {
     fn set_state(&self, state: ConnState) {
         {
             let mut st = self.lock();
-            st.state = state;
-            if matches!(state, ConnState::Closed | ConnState::Error) {
-                self.inner.ended.store(true, Ordering::Release);
+            match state {
+                ConnState::Closed | ConnState::Error => self.end_state(&mut st, state),
+                _ => st.state = state,
             }
         }
         self.wake();

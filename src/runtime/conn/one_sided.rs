@@ -229,10 +229,7 @@ impl Connection {
         // the C contract (and `read`/`write`'s docs) leave them to the device
         // until the completion; the command slot stays untouched until its
         // send completes.
-        let posted = unsafe { self.inner.qp.post_send(&reqs) };
-        if credit.is_some() {
-            Self::chained_cmd_posted(&mut st);
-        }
+        let posted = unsafe { self.post_chain(&mut st, &reqs, credit.is_some()) };
         if let Err(e) = posted {
             if !sync {
                 self.inner.async_pending.fetch_sub(1, Ordering::SeqCst);
@@ -246,7 +243,7 @@ impl Connection {
             } else if sync {
                 st.sync_ops.remove(&first);
             }
-            return Err(e.into());
+            return Err(e);
         }
         st.sq_used += n;
         Ok(first)

@@ -36,8 +36,7 @@ impl Connection {
         // Places a write's completion left while we held the lock: look
         // again at once (its wake is already counted in `seen`).
         if self.inner.sq_done.load(Ordering::SeqCst) != 0 {
-            drop(st);
-            return self.lock();
+            return self.settled(st);
         }
         // Credit owed goes now: the completion thread leaves it to the
         // holder of the lock when it finds it taken, and this holder is

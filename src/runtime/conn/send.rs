@@ -104,7 +104,12 @@ impl Connection {
     pub(super) fn post_staged_cmd(&self, st: &mut State, slot: u16, sge: Sge) -> Result<()> {
         // SAFETY: the slot stays untouched until the send completes.
         let posted = unsafe { self.inner.qp.post_send(&[cmd_request(slot, &[sge])]) };
-        self.cmd_posted(st, slot, posted.map_err(Into::into))
+        // Its send-queue entry, or its slot back when the post failed.
+        match posted {
+            Ok(()) => st.sq_used += 1,
+            Err(_) => st.cmd_free.push(slot),
+        }
+        posted.map_err(Into::into)
     }
 
     /// Writes a command into a free slot: the slot and its bytes, or `None`
@@ -123,22 +128,26 @@ impl Connection {
         Some((slot, self.inner.cmd_send.sge(off..off + CMD_LEN)))
     }
 
-    /// Accounts for a staged command's post (alone): its send-queue entry,
-    /// or its slot back when the post failed.
-    pub(super) fn cmd_posted(&self, st: &mut State, slot: u16, posted: Result<()>) -> Result<()> {
-        match posted {
-            Ok(()) => st.sq_used += 1,
-            Err(_) => st.cmd_free.push(slot),
+    /// Posts `chain`, a credit command at its head when `credit` (staged
+    /// by `credit_to_carry`). A failed post may have posted part of the
+    /// chain, the command with it, so the command's slot and send-queue
+    /// entry stay taken either way (its completion gives them back; after a
+    /// failed post the connection ends).
+    ///
+    /// # Safety
+    /// As [`QueuePair::post_send`](crate::verbs::QueuePair::post_send), for
+    /// every request of the chain.
+    pub(super) unsafe fn post_chain(
+        &self,
+        st: &mut State,
+        chain: &[SendRequest<'_>],
+        credit: bool,
+    ) -> Result<()> {
+        let posted = self.inner.qp.post_send(chain);
+        if credit {
+            st.sq_used += 1;
         }
-        posted
-    }
-
-    /// Accounts for a command posted at the head of a chain: a failed post
-    /// may have posted part of the chain, the command with it, so its slot
-    /// and send-queue entry stay taken either way (its completion gives
-    /// them back; after a failed post the connection ends).
-    pub(super) fn chained_cmd_posted(st: &mut State) {
-        st.sq_used += 1;
+        posted.map_err(Into::into)
     }
 
     /// Sends a message: the peer's `recv` callback gets exactly these bytes,

@@ -485,6 +485,11 @@ impl Source for HandshakeSource {
         }
     }
 
+    /// It lives only until its exchange ends, or its deadline.
+    fn wants_tick(&self) -> bool {
+        true
+    }
+
     fn tick(&self) {
         if Instant::now() < self.hs.deadline {
             return;
@@ -505,6 +510,14 @@ impl Source for SetupReaper {
     }
 
     fn ready(&self) {}
+
+    /// While setups are pending (added on this thread, which looks again
+    /// before it sleeps).
+    fn wants_tick(&self) -> bool {
+        self.0
+            .upgrade()
+            .is_some_and(|l| !l.pending.lock().expect("listener lock").is_empty())
+    }
 
     fn tick(&self) {
         if let Some(listener) = self.0.upgrade() {

@@ -40,6 +40,12 @@ pub trait Source: Send + Sync {
     }
     /// Called about once per tick, busy or not.
     fn tick(&self) {}
+    /// Whether `tick` may have work to do now. While no source's has, an
+    /// idle thread sleeps until an event (or the look at every source),
+    /// not a tick: each tick of a sleeping thread is a system call.
+    fn wants_tick(&self) -> bool {
+        false
+    }
     /// One of the calls above panicked (a defect of ours): end what the
     /// source serves, if a panic means it cannot go on.
     fn panicked(&self) {}
@@ -84,6 +90,10 @@ impl Source for Guarded {
     fn tick(&self) {
         self.call("tick", |s| s.tick())
     }
+    fn wants_tick(&self) -> bool {
+        // A source that cannot say is ticked.
+        std::panic::catch_unwind(AssertUnwindSafe(|| self.source.wants_tick())).unwrap_or(true)
+    }
 }
 
 /// The epoll key of the wake eventfd; sources' keys start at 1.
@@ -98,7 +108,8 @@ const EVENTS: usize = 64;
 /// more than a pass over a few busy connections on hardware).
 const FEW: usize = 16;
 const EVENT_LOOK_INTERVAL: Duration = Duration::from_micros(20);
-/// Idle ticks between looks at every source.
+/// Idle ticks between looks at every source; also the longest an idle
+/// thread sleeps when no source wants ticks.
 const LOOK_ALL_EVERY: u32 = 100;
 
 struct Shared {
@@ -289,7 +300,18 @@ fn run(shared: &Shared, tick: Duration, spin: Duration) {
     let spins = !spin.is_zero();
     while !shared.stop.load(Ordering::SeqCst) {
         let spinning = !hot.is_empty();
-        let n = shared.wait(&mut events, if spinning { 0 } else { tick_ms });
+        // Ticks waited for when this wait times out.
+        let ticks = if spinning || watched.values().any(|s| s.wants_tick()) {
+            1
+        } else {
+            LOOK_ALL_EVERY
+        };
+        let timeout = if spinning {
+            0
+        } else {
+            tick_ms.saturating_mul(ticks as i32)
+        };
+        let n = shared.wait(&mut events, timeout);
         shared.pending.store(false, Ordering::SeqCst);
         let now = Instant::now();
         let mut changed = false;
@@ -321,8 +343,9 @@ fn run(shared: &Shared, tick: Duration, spin: Duration) {
             }
         }
         if n == 0 && !spinning {
-            idle_ticks += 1;
-            if idle_ticks % LOOK_ALL_EVERY == 0 {
+            idle_ticks += ticks;
+            if idle_ticks >= LOOK_ALL_EVERY {
+                idle_ticks = 0;
                 // Every source gets a look now and then, which bounds the
                 // cost of any lost wakeup; not on every tick, as that
                 // costs a syscall or two per connection.
@@ -498,6 +521,8 @@ mod tests {
         busy: AtomicBool,
         readies: AtomicUsize,
         polls: AtomicUsize,
+        wants_tick: AtomicBool,
+        ticks: AtomicUsize,
     }
 
     impl Probe {
@@ -510,6 +535,8 @@ mod tests {
                 busy: AtomicBool::new(false),
                 readies: AtomicUsize::new(0),
                 polls: AtomicUsize::new(0),
+                wants_tick: AtomicBool::new(false),
+                ticks: AtomicUsize::new(0),
             })
         }
 
@@ -544,6 +571,12 @@ mod tests {
         fn woken(&self) -> bool {
             self.ready();
             true
+        }
+        fn wants_tick(&self) -> bool {
+            self.wants_tick.load(Ordering::SeqCst)
+        }
+        fn tick(&self) {
+            self.ticks.fetch_add(1, Ordering::SeqCst);
         }
     }
 
@@ -608,6 +641,33 @@ mod tests {
         poller.add(late.clone());
         until("the new source is served", || {
             late.readies.load(Ordering::SeqCst) > 0
+        });
+    }
+
+    #[test]
+    fn an_idle_thread_ticks_only_while_a_source_wants_ticks() {
+        let poller =
+            Poller::start("test-idle", Duration::from_millis(5), Duration::ZERO, || {}).unwrap();
+        let probe = Probe::new();
+        poller.add(probe.clone());
+        // Settled: the add's wake handled, the thread asleep.
+        std::thread::sleep(Duration::from_millis(50));
+        let before = probe.ticks.load(Ordering::SeqCst);
+        std::thread::sleep(Duration::from_millis(200));
+        // Forty ticks' time: at most the one after the wake.
+        assert!(probe.ticks.load(Ordering::SeqCst) <= before + 1);
+        probe.wants_tick.store(true, Ordering::SeqCst);
+        poller.wake();
+        until("ticks come while wanted", || {
+            probe.ticks.load(Ordering::SeqCst) >= before + 10
+        });
+        // An event still wakes the sleeping thread at once.
+        probe.wants_tick.store(false, Ordering::SeqCst);
+        let readies = probe.readies.load(Ordering::SeqCst);
+        std::thread::sleep(Duration::from_millis(20));
+        probe.signal();
+        until("the event is served", || {
+            probe.readies.load(Ordering::SeqCst) > readies
         });
     }
 

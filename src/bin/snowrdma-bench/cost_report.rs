@@ -37,6 +37,7 @@ const TARGETS: &[(&str, &str, f64)] = &[
     ("msg_rate", "allocs", 0.0),
     ("kv_get_bw", "allocs", 0.0),
     ("kv_put_bw", "allocs", 0.0),
+    ("kv_onesided_get_bw", "allocs", 0.0),
     ("broker_rate_b32", "allocs", 0.0),
     // In spinning mode (`SNOWRDMA_SPIN_ALWAYS`): as configured, the spin
     // policy stands down on a crowded machine and waiters sleep.
@@ -59,7 +60,8 @@ const TARGETS: &[(&str, &str, f64)] = &[
 /// Targets of the client's side alone (`caller`), per batch of 32 keys of
 /// 64 KiB: the requests, the READs of the leased values and the release
 /// of the leases each go with one doorbell (a PUT: the requests with their
-/// WRITEs), and no value is copied (GET: lent where it landed; PUT:
+/// WRITEs; a one-sided GET of remembered blocks: the READs alone), and no
+/// value is copied (GET: lent where it landed; PUT:
 /// written from the caller's registered memory), so fewer bytes are
 /// copied than one value has. The server answers each request with a
 /// doorbell of its own (one per request).
@@ -72,8 +74,13 @@ const CLIENT_TARGETS: &[(&str, &str, f64)] = &[
     ("kv_get_bw_2p", "copied_bytes", 65535.0),
     ("kv_put_bw", "copied_bytes", 65535.0),
     ("kv_put_bw_2p", "copied_bytes", 65535.0),
+    ("kv_onesided_get_bw", "send_doorbells", 1.0),
+    ("kv_onesided_get_bw_2p", "send_doorbells", 1.0),
+    ("kv_onesided_get_bw", "copied_bytes", 65535.0),
+    ("kv_onesided_get_bw_2p", "copied_bytes", 65535.0),
     ("kv_get_bw_2p", "allocs", 0.0),
     ("kv_put_bw_2p", "allocs", 0.0),
+    ("kv_onesided_get_bw_2p", "allocs", 0.0),
 ];
 
 /// (case, side, figure) -> the per-operation values of every run.

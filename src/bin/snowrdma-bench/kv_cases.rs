@@ -100,7 +100,8 @@ fn kv_bw_at(addr: SocketAddr, op: KvOp, iters: usize, size: usize) -> f64 {
     let key_refs: Vec<&[u8]> = keys.iter().map(|k| k.as_bytes()).collect();
     let batch = || {
         let ok = match op {
-            // Each value lent where it landed: nothing allocated or copied.
+            // Each value lent where it landed (here and one-sided): nothing
+            // allocated or copied.
             KvOp::Get => {
                 let mut ok = true;
                 client.batch_get_with(&key_refs, |_, r| {
@@ -108,10 +109,13 @@ fn kv_bw_at(addr: SocketAddr, op: KvOp, iters: usize, size: usize) -> f64 {
                 });
                 ok
             }
-            KvOp::GetOneSided => client
-                .batch_get_one_sided(&key_refs)
-                .iter()
-                .all(Result::is_ok),
+            KvOp::GetOneSided => {
+                let mut ok = true;
+                client.batch_get_one_sided_with(&key_refs, |_, r| {
+                    ok &= r.is_ok_and(|(v, _)| v.len() == size)
+                });
+                ok
+            }
             KvOp::Put => {
                 let mut ok = true;
                 client.batch_put_with(&pairs, |_, r| ok &= r.is_ok());

@@ -6,6 +6,8 @@
 
 use std::collections::HashMap;
 
+use smallvec::SmallVec;
+
 use crate::copy;
 use crate::kv::pool::SLAB_PAGE;
 use crate::kv::proto::{
@@ -36,6 +38,13 @@ pub(super) struct Location {
 }
 
 pub(super) type Locations = HashMap<Vec<u8>, Location>;
+
+/// Indexes of a window of keys, on the stack (a batch allocates nothing in
+/// its steady state).
+type Chunk = SmallVec<[usize; BATCH_WINDOW]>;
+
+/// The blocks a window will READ: key index, where, remembered or not.
+type Reads = SmallVec<[(usize, Location, bool); BATCH_WINDOW]>;
 
 /// What a key's index bucket says about it.
 #[derive(Debug, PartialEq, Eq)]
@@ -133,27 +142,38 @@ impl Client {
         keys: &[&[u8]],
         mut each: impl FnMut(usize, Result<(&[u8], u64)>),
     ) {
-        let mut valid = Vec::with_capacity(keys.len());
-        for (i, key) in keys.iter().enumerate() {
-            match check_key(key) {
-                Ok(()) => valid.push(i),
-                Err(e) => each(i, Err(e)),
-            }
-        }
-        let mut answered = vec![false; keys.len()];
+        // Allocated only for keys the index cannot answer.
         let mut ask_server = Vec::new();
-        for chunk in valid.chunks(BATCH_WINDOW) {
+        let mut next = 0;
+        while next < keys.len() {
+            // The valid keys' indexes, up to a window of them, on the stack.
+            let mut chunk = Chunk::new();
+            while next < keys.len() && chunk.len() < BATCH_WINDOW {
+                match check_key(keys[next]) {
+                    Ok(()) => chunk.push(next),
+                    Err(e) => each(next, Err(e)),
+                }
+                next += 1;
+            }
+            if chunk.is_empty() {
+                break;
+            }
             let asked = ask_server.len();
+            let mut answered = [false; BATCH_WINDOW];
             let mut answer = |i: usize, r: Result<(&[u8], u64)>| {
-                answered[i] = true;
+                if let Ok(n) = chunk.binary_search(&i) {
+                    answered[n] = true;
+                }
                 each(i, r);
             };
-            if let Err(e) = self.one_sided_chunk(keys, chunk, &mut answer, &mut ask_server) {
+            if let Err(e) = self.one_sided_chunk(keys, &chunk, &mut answer, &mut ask_server) {
                 // The connection failed: what this chunk has not answered
                 // yet gets the error (the server would not answer it either).
                 ask_server.truncate(asked);
-                for &i in chunk.iter().filter(|&&i| !answered[i]) {
-                    each(i, Err(e.clone()));
+                for (n, &i) in chunk.iter().enumerate() {
+                    if !answered[n] {
+                        each(i, Err(e.clone()));
+                    }
                 }
             }
         }
@@ -175,8 +195,8 @@ impl Client {
         ask_server: &mut Vec<usize>,
     ) -> Result<()> {
         let mut bounce = self.lock_bounce(GROUP_BYTES)?;
-        let mut reads: Vec<(usize, Location, bool)> = Vec::with_capacity(chunk.len());
-        let mut unknown = Vec::new();
+        let mut reads = Reads::new();
+        let mut unknown = Chunk::new();
         {
             let known = self.locations.lock().expect("location lock");
             for &i in chunk {
@@ -187,7 +207,7 @@ impl Client {
             }
         }
         self.find_blocks(&mut bounce, keys, &unknown, &mut reads, each, ask_server)?;
-        let mut moved = Vec::new();
+        let mut moved = Chunk::new();
         for (i, remembered) in self.read_blocks(&mut bounce, keys, &reads, each)? {
             if remembered {
                 self.forget(keys[i]);
@@ -214,15 +234,16 @@ impl Client {
         bounce: &mut BounceGuard<'_>,
         keys: &[&[u8]],
         unknown: &[usize],
-        reads: &mut Vec<(usize, Location, bool)>,
+        reads: &mut Reads,
         each: &mut Each<'_>,
         ask_server: &mut Vec<usize>,
     ) -> Result<()> {
         if unknown.is_empty() {
             return Ok(());
         }
-        let hashes: Vec<u64> = unknown.iter().map(|&i| key_hash(keys[i])).collect();
-        let ops: Vec<_> = hashes
+        let hashes: SmallVec<[u64; BATCH_WINDOW]> =
+            unknown.iter().map(|&i| key_hash(keys[i])).collect();
+        let ops: SmallVec<[_; BATCH_WINDOW]> = hashes
             .iter()
             .enumerate()
             .map(|(n, &hash)| {
@@ -254,8 +275,8 @@ impl Client {
         keys: &[&[u8]],
         reads: &[(usize, Location, bool)],
         each: &mut Each<'_>,
-    ) -> Result<Vec<(usize, bool)>> {
-        let mut moved = Vec::new();
+    ) -> Result<SmallVec<[(usize, bool); BATCH_WINDOW]>> {
+        let mut moved = SmallVec::new();
         let mut rest = reads;
         while !rest.is_empty() {
             // Every block is at most a slab page, so at least one fits.
@@ -271,7 +292,7 @@ impl Client {
             let (now, later) = rest.split_at(group);
             rest = later;
             let mut offset = 0;
-            let ops: Vec<_> = now
+            let ops: SmallVec<[_; BATCH_WINDOW]> = now
                 .iter()
                 .map(|&(_, at, _)| {
                     let local = bounce.addr + offset as u64;

@@ -36,6 +36,14 @@ impl crate::runtime::poller::Source for CqSource {
         true
     }
 
+    /// Always: credit owed to the peer goes out on a tick once nothing
+    /// carried it, and the thread that read the messages it is owed for
+    /// may be any (a blocking call that polls), not this one; and nobody
+    /// may be waiting on a caller-polled connection.
+    fn wants_tick(&self) -> bool {
+        true
+    }
+
     fn tick(&self) {
         if self.0.inner.opts.caller_polls {
             // Nobody may be waiting on it: what came meanwhile is handled now.

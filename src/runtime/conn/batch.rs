@@ -3,6 +3,8 @@
 //! `ibv_post_send`, not one per message), each after its write if it has
 //! one, with the credit owed to the peer in front.
 
+use std::sync::MutexGuard;
+
 use smallvec::SmallVec;
 
 use crate::runtime::Result;
@@ -87,9 +89,16 @@ impl Connection {
 
     /// Posts staged messages, in order, each after its write, with the
     /// credit owed to the peer in front (no doorbell of its own), all with
-    /// one doorbell. The caller fails the connection if this fails.
-    pub(super) fn post_ready(&self, st: &mut State, ready: &[Ready]) -> Result<()> {
-        let credit = self.credit_to_carry(st)?;
+    /// one doorbell, letting go of the state lock for the post. The caller
+    /// fails the connection if this fails.
+    pub(super) fn post_ready(&self, mut st: MutexGuard<'_, State>, ready: &[Ready]) -> Result<()> {
+        let credit = self.credit_to_carry(&mut st)?;
+        if credit.is_some() {
+            // The command's send-queue place (its slot is taken): both stay
+            // taken whatever the post returns, as a failed post may have
+            // posted part of the chain, the command with it.
+            st.sq_used += 1;
+        }
         let credit_sge = credit.map(|(_, sge)| [sge]);
         let mut chain: SmallVec<[SendRequest<'_>; CHAIN]> = SmallVec::new();
         if let (Some((slot, _)), Some(sge)) = (credit, &credit_sge) {
@@ -109,8 +118,9 @@ impl Connection {
         // unchanged until the peer has their messages (the callers'
         // promise); staging ranges stay reserved until the peer returns
         // them, after the messages have landed; the command slot stays
-        // untouched until its send completes.
-        unsafe { self.post_chain(st, &chain, credit.is_some()) }
+        // untouched until its send completes. The chain points at none of
+        // the state.
+        unsafe { self.post_unlocked(st, &chain) }
     }
 
     /// Sends `msgs` in order, each as [`Connection::send_parts`] would, up
@@ -163,8 +173,8 @@ impl Connection {
         }
         let count = writes.len();
         let mut posted = 0;
-        let mut st = self.lock();
         while posted < count {
+            let mut st = self.lock();
             let mut staged: SmallVec<[Ready; MESSAGES_PER_DOORBELL]> = SmallVec::new();
             // The credit command's place is kept.
             let mut wrs = 1;
@@ -194,8 +204,7 @@ impl Connection {
             if staged.is_empty() {
                 break;
             }
-            if let Err(e) = self.post_ready(&mut st, &staged) {
-                drop(st);
+            if let Err(e) = self.post_ready(st, &staged) {
                 self.fail(&format!("posting a batch of messages: {e}"));
                 return Err(e);
             }

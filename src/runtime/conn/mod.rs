@@ -231,6 +231,12 @@ pub(crate) struct ConnInner {
     rt: Arc<Runtime>,
     link: Link,
     qp: QueuePair,
+    /// Every post to the send queue holds it, and takes it under the state
+    /// lock: posts reach the QP in the order their places were taken,
+    /// while a sender may let go of the state lock for the provider's post
+    /// (a system call on Soft-RoCE, which runs the transmit path), and the
+    /// completion thread need not wait for it.
+    post_order: Mutex<()>,
     send_cq: CompletionQueue,
     recv_cq: CompletionQueue,
     /// Serialises polling of the send CQ, which a thread waiting for its
@@ -280,8 +286,7 @@ pub(crate) struct ConnInner {
     /// Another thread queued callbacks for the completion thread.
     owed: AtomicBool,
     /// Hints the completion thread reads instead of taking the state lock
-    /// in every round (a sender holds it across `ibv_post_send`, a system
-    /// call on Soft-RoCE, and waiting for it costs two futex calls). Each is
+    /// in every round (waiting for a holder costs two futex calls). Each is
     /// set under the lock when its state changes and cleared under the lock
     /// when that state is found empty, so a stale `true` only costs the
     /// lock, and a `false` is never stale past the lock hold that set it.

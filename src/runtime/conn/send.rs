@@ -3,7 +3,7 @@
 //! room, and the credit this side returns.
 
 use std::sync::atomic::Ordering;
-use std::sync::MutexGuard;
+use std::sync::{MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use crate::runtime::options::CommMode;
@@ -103,13 +103,13 @@ impl Connection {
     /// Posts a command staged in `slot`, alone.
     pub(super) fn post_staged_cmd(&self, st: &mut State, slot: u16, sge: Sge) -> Result<()> {
         // SAFETY: the slot stays untouched until the send completes.
-        let posted = unsafe { self.inner.qp.post_send(&[cmd_request(slot, &[sge])]) };
+        let posted = unsafe { self.post_in_order(st, &[cmd_request(slot, &[sge])]) };
         // Its send-queue entry, or its slot back when the post failed.
         match posted {
             Ok(()) => st.sq_used += 1,
             Err(_) => st.cmd_free.push(slot),
         }
-        posted.map_err(Into::into)
+        posted
     }
 
     /// Writes a command into a free slot: the slot and its bytes, or `None`
@@ -143,11 +143,49 @@ impl Connection {
         chain: &[SendRequest<'_>],
         credit: bool,
     ) -> Result<()> {
-        let posted = self.inner.qp.post_send(chain);
         if credit {
             st.sq_used += 1;
         }
-        posted.map_err(Into::into)
+        self.post_in_order(st, chain)
+    }
+
+    /// Posts `chain` to the send queue, after any post whose place was
+    /// taken before; `_st`: the caller holds the state lock.
+    ///
+    /// # Safety
+    /// As [`QueuePair::post_send`](crate::verbs::QueuePair::post_send).
+    pub(super) unsafe fn post_in_order(
+        &self,
+        _st: &mut State,
+        chain: &[SendRequest<'_>],
+    ) -> Result<()> {
+        let _order = self.post_order();
+        self.inner.qp.post_send(chain).map_err(Into::into)
+    }
+
+    /// The turn to post to the send queue: taken under the state lock, it
+    /// waits for a post whose place was taken before.
+    pub(super) fn post_order(&self) -> MutexGuard<'_, ()> {
+        self.inner
+            .post_order
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Lets go of the state lock for the post of `chain` (staged and
+    /// accounted for under it), still in the order its places were taken.
+    ///
+    /// # Safety
+    /// As [`QueuePair::post_send`](crate::verbs::QueuePair::post_send); and
+    /// nothing the chain points at may be in the state.
+    pub(super) unsafe fn post_unlocked(
+        &self,
+        st: MutexGuard<'_, State>,
+        chain: &[SendRequest<'_>],
+    ) -> Result<()> {
+        let _order = self.post_order();
+        drop(st);
+        self.inner.qp.post_send(chain).map_err(Into::into)
     }
 
     /// Sends a message: the peer's `recv` callback gets exactly these bytes,
@@ -237,16 +275,15 @@ impl Connection {
             self.check_sendable(&st, data.len(), ext)?;
             // Queued messages go first, so order holds.
             if st.queue.is_empty() {
-                match self.try_post_message(&mut st, data, ext, before) {
-                    Ok(true) => return Ok(data.len()),
-                    Ok(false) => {}
+                match self.try_post_message(st, data, ext, before) {
+                    Ok(None) => return Ok(data.len()),
+                    Ok(Some(no_room)) => st = no_room,
                     Err(e) => {
                         // Its place in the peer's ring was taken and will
                         // never be filled, a write ahead of it may have
                         // gone alone, and a credit it carried is reported
                         // here but never reached the peer: the connection
                         // cannot go on.
-                        drop(st);
                         self.fail(&format!("posting a message: {e}"));
                         return Err(e);
                     }
@@ -358,21 +395,24 @@ impl Connection {
     }
 
     /// Posts the message (after the write `before`) if the peer's ring, its
-    /// receive queue and our send queue all have room; false when one of
-    /// them is full.
-    pub(super) fn try_post_message(
-        &self,
-        st: &mut State,
+    /// receive queue and our send queue all have room, letting go of the
+    /// state lock for the post; the lock back when one of them is full.
+    /// The caller fails the connection if this fails.
+    pub(super) fn try_post_message<'a>(
+        &'a self,
+        mut st: MutexGuard<'a, State>,
         data: Parts<'_>,
         ext: Option<ExtKind>,
         before: Option<(Sge, RemoteAddr)>,
-    ) -> Result<bool> {
-        match Self::reserve(st, data.len(), ext, before.is_some()) {
-            Some(offset) => self
-                .post_message(st, offset, data, ext, before)
-                .map(|()| true),
-            None => Ok(false),
-        }
+    ) -> Result<Option<MutexGuard<'a, State>>> {
+        let Some(offset) = Self::reserve(&mut st, data.len(), ext, before.is_some()) else {
+            return Ok(Some(st));
+        };
+        // Inline, the header is read at the post, from here.
+        let ext_header = ext.map(ExtKind::encode);
+        let ready = self.stage_ready(&mut st, offset, data, ext_header.as_ref(), before)?;
+        self.post_ready(st, std::slice::from_ref(&ready))
+            .map(|()| None)
     }
 
     /// Reserves room for a message in the peer's ring if its receive queue
@@ -411,7 +451,7 @@ impl Connection {
 
     /// Posts staged messages (at most [`QUEUED_PER_DOORBELL`]), in order,
     /// with one doorbell.
-    fn post_staged(&self, staged: &[StagedMessage]) -> Result<()> {
+    fn post_staged(&self, st: &mut State, staged: &[StagedMessage]) -> Result<()> {
         if staged.is_empty() {
             return Ok(());
         }
@@ -425,7 +465,7 @@ impl Connection {
         });
         // SAFETY: each staging range stays reserved until the peer returns
         // it, which is after its write has landed.
-        unsafe { self.inner.qp.post_send(&reqs[..staged.len()]) }.map_err(Into::into)
+        unsafe { self.post_in_order(st, &reqs[..staged.len()]) }
     }
 
     /// Sends queued messages while there is room.
@@ -474,7 +514,7 @@ impl Connection {
                     staged[n] = m;
                     n += 1;
                     if n == QUEUED_PER_DOORBELL {
-                        self.post_staged(&staged[..n])?;
+                        self.post_staged(st, &staged[..n])?;
                         n = 0;
                     }
                 }
@@ -489,23 +529,8 @@ impl Connection {
                 }
             }
         }
-        self.post_staged(&staged[..n])?;
+        self.post_staged(st, &staged[..n])?;
         outcome
-    }
-
-    pub(super) fn post_message(
-        &self,
-        st: &mut State,
-        offset: usize,
-        data: Parts<'_>,
-        ext: Option<ExtKind>,
-        before: Option<(Sge, RemoteAddr)>,
-    ) -> Result<()> {
-        // Inline, the header is read at the post, from here.
-        let ext_header = ext.map(ExtKind::encode);
-        let ready = self.stage_ready(st, offset, data, ext_header.as_ref(), before)?;
-        // A failed post fails the connection (`send_message`).
-        self.post_ready(st, std::slice::from_ref(&ready))
     }
 
     /// Copies a message into the staging buffer at `offset` (reserved in the

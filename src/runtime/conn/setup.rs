@@ -119,6 +119,7 @@ impl Connection {
                 peer,
                 link,
                 qp,
+                post_order: Mutex::new(()),
                 send_cq,
                 recv_cq,
                 send_poll: Mutex::new(()),
@@ -378,6 +379,7 @@ impl Connection {
                 // send queue, so the peer can use the rkey it is about to
                 // learn.
                 st.sq_used += 1;
+                let _order = self.post_order();
                 // SAFETY: window and ring live as long as the connection,
                 // the window is dropped first (field order), and the QP
                 // outlives its completions.

@@ -47,6 +47,7 @@ impl Connection {
                 "the send queue is full".into(),
             ));
         }
+        let _order = self.post_order();
         // SAFETY: the window and region live in the returned Window, which
         // drops the window first; the QP outlives the bind's completion
         // (the connection owns it).

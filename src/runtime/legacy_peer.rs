@@ -47,6 +47,8 @@ pub struct LegacyPeer {
     version: u8,
     /// Signaled sends completed so far.
     sends_done: u64,
+    /// Polls its CQ while it waits instead of sleeping on the channel.
+    spins: bool,
 }
 
 impl LegacyPeer {
@@ -127,6 +129,7 @@ impl LegacyPeer {
             unsignaled: 0,
             version: 0,
             sends_done: 0,
+            spins: false,
         };
         for slot in 0..RECV_DEPTH as u64 {
             peer.post_recv(slot)?;
@@ -299,20 +302,38 @@ impl LegacyPeer {
         }
     }
 
+    /// Makes the peer poll its CQ while it waits, as our runtime's spinning
+    /// completion thread does, instead of sleeping on the channel as the
+    /// legacy library does: a benchmark then compares the protocols, not a
+    /// sleeping peer with a spinning one.
+    pub fn spin_while_waiting(&mut self) {
+        self.spins = true;
+    }
+
     /// Takes one completion, sleeping on the completion channel while there
-    /// is none (the legacy library never spins); a data message goes to
-    /// `got`. `None` when nothing came by `deadline`.
+    /// is none (the legacy library never spins; see
+    /// [`LegacyPeer::spin_while_waiting`]); a data message goes to `got`.
+    /// `None` when nothing came by `deadline`.
     fn poll(
         &mut self,
         deadline: Instant,
         got: &mut dyn FnMut(&[u8]) -> Result<()>,
     ) -> Result<Option<()>> {
         let mut wc = [Completion::default()];
-        let left = deadline.saturating_duration_since(Instant::now());
-        match self.cq.wait(&mut wc, left) {
-            Ok(_) => {}
-            Err(e) if e.is_timeout() => return Ok(None),
-            Err(e) => return Err(e.into()),
+        if self.spins {
+            while self.cq.poll(&mut wc)? == 0 {
+                if Instant::now() >= deadline {
+                    return Ok(None);
+                }
+                std::hint::spin_loop();
+            }
+        } else {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.cq.wait(&mut wc, left) {
+                Ok(_) => {}
+                Err(e) if e.is_timeout() => return Ok(None),
+                Err(e) => return Err(e.into()),
+            }
         }
         let wc = &wc[0];
         if !wc.is_ok() {

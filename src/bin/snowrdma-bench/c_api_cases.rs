@@ -4,6 +4,7 @@
 use std::ffi::{c_void, CString};
 use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Condvar, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use snowrdma::ffi::rdma::*;
@@ -32,7 +33,11 @@ struct CPair {
 }
 
 impl CPair {
-    fn new(port: u16, server_recv: RdmaRecvCallbackFunc) -> CPair {
+    fn new(
+        port: u16,
+        server_recv: RdmaRecvCallbackFunc,
+        client_recv: RdmaRecvCallbackFunc,
+    ) -> CPair {
         let ip = CString::new(device_ip().to_string()).unwrap();
         // SAFETY: zeroed options are the C programs' `{0}`.
         unsafe {
@@ -49,7 +54,7 @@ impl CPair {
                 rdmaServerStart(l as *mut RdmaListener);
             });
             let mut copt: RdmaConnOptions = std::mem::zeroed();
-            copt.recv_callback = Some(count);
+            copt.recv_callback = client_recv;
             let conn = rdmaConn(&copt);
             std::thread::sleep(Duration::from_millis(50));
             assert_eq!(
@@ -85,7 +90,7 @@ pub(crate) fn sync_lat(read: bool, iters: usize, size: usize, port: u16) -> f64 
     // SAFETY: the connection is live until closed below.
     let conn = unsafe {
         rdmaCommMode = RdmaCommMode::RDMA_BLOCKING;
-        connect_remote(port)
+        connect_remote(port, Some(count))
     };
     // SAFETY: the connection is live; the MR is ours.
     unsafe {
@@ -118,51 +123,103 @@ pub(crate) fn sync_lat(read: bool, iters: usize, size: usize, port: u16) -> f64 
 }
 
 pub(crate) fn echo_lat(iters: usize, size: usize, port: u16) -> f64 {
-    let p = CPair::new(port, Some(echo_back));
+    let p = CPair::new(port, Some(echo_back), Some(echo_returned));
     // SAFETY: the pair keeps the connection live.
     unsafe { ping_pong(p.conn, iters, size) }
 }
 
+/// A ping-pong driven from the client's receive callback: each echo that
+/// returns sends the next message, as perftest's single thread does, so
+/// each end has one busy thread (its completion thread), not also a caller
+/// spinning beside it for a flag.
+struct PingPong {
+    conn: usize,
+    msg: Vec<u8>,
+    /// Round trips before the window opens, then in it.
+    warm_up: usize,
+    left: usize,
+    sent_at: Instant,
+    /// Half round trips, in microseconds (room reserved: nothing is
+    /// allocated in the window).
+    lat: Vec<f64>,
+    window: Option<Window>,
+    done: bool,
+}
+
+static PING_PONG: Mutex<Option<PingPong>> = Mutex::new(None);
+static PING_PONG_DONE: Condvar = Condvar::new();
+
+/// The client's receive callback of a ping-pong (completion thread): takes
+/// the time of the echo and sends the next message, opening the cost
+/// window after the warm-up and closing it after the last echo.
+unsafe extern "C" fn echo_returned(_conn: *mut RdmaConnFwd, _data: *mut c_void, _len: usize) {
+    let mut guard = PING_PONG.lock().unwrap_or_else(PoisonError::into_inner);
+    let Some(pp) = guard.as_mut() else { return };
+    if pp.warm_up > 0 {
+        pp.warm_up -= 1;
+        if pp.warm_up == 0 {
+            pp.window = Some(Window::open());
+        }
+    } else {
+        pp.lat.push(us(pp.sent_at.elapsed()) / 2.0);
+        pp.left -= 1;
+        if pp.left == 0 {
+            if let Some(window) = pp.window.take() {
+                window.close(pp.lat.len());
+            }
+            pp.done = true;
+            PING_PONG_DONE.notify_all();
+            return;
+        }
+    }
+    let (conn, msg, len) = (pp.conn as *mut RdmaConn, pp.msg.as_ptr(), pp.msg.len());
+    pp.sent_at = Instant::now();
+    drop(guard);
+    // SAFETY: the connection is live until the ping-pong is done; the
+    // message is not freed before then (nor moved: it is a Vec's buffer).
+    assert_eq!(rdmaConnSend(conn, msg as *mut _, len), len);
+}
+
 /// Median half round trip of `iters` messages of `size` bytes that a
-/// server echoes back to `conn` (whose receive callback is `count`).
+/// server echoes back to `conn` (whose receive callback is
+/// `echo_returned`), after `iters / 10` to warm up.
 ///
 /// # Safety
 /// `conn` must be a live connection.
 unsafe fn ping_pong(conn: *mut RdmaConn, iters: usize, size: usize) -> f64 {
     let msg = vec![7u8; size];
-    let mut lat = Vec::with_capacity(iters);
-    let round_trip = || {
-        let before = RECEIVED.load(Ordering::Acquire);
-        let t = Instant::now();
-        assert_eq!(rdmaConnSend(conn, msg.as_ptr() as *mut _, size), size);
-        let deadline = t + Duration::from_secs(10);
-        while RECEIVED.load(Ordering::Acquire) == before {
-            assert!(Instant::now() < deadline, "the echo was lost");
-            std::hint::spin_loop();
-        }
-        us(t.elapsed()) / 2.0
-    };
-    for _ in 0..iters / 10 {
-        round_trip();
-    }
-    let window = Window::open();
-    for _ in 0..iters {
-        lat.push(round_trip());
-    }
-    window.close(iters);
+    let first = msg.as_ptr();
+    *PING_PONG.lock().unwrap_or_else(PoisonError::into_inner) = Some(PingPong {
+        conn: conn as usize,
+        msg,
+        warm_up: (iters / 10).max(1),
+        left: iters,
+        sent_at: Instant::now(),
+        lat: Vec::with_capacity(iters),
+        window: None,
+        done: false,
+    });
+    assert_eq!(rdmaConnSend(conn, first as *mut _, size), size);
+    let deadline = Duration::from_secs(60);
+    let guard = PING_PONG.lock().unwrap_or_else(PoisonError::into_inner);
+    let (mut guard, waited) = PING_PONG_DONE
+        .wait_timeout_while(guard, deadline, |pp| !pp.as_ref().is_some_and(|p| p.done))
+        .unwrap_or_else(PoisonError::into_inner);
+    assert!(!waited.timed_out(), "an echo was lost");
+    let mut lat = guard.take().map(|pp| pp.lat).unwrap_or_default();
     median(&mut lat)
 }
 
-/// A client connection, whose receive callback counts, to a server another
-/// process runs on the device at `port`.
+/// A client connection, whose receive callback is `recv`, to a server
+/// another process runs on the device at `port`.
 ///
 /// # Safety
 /// The caller closes the connection.
-unsafe fn connect_remote(port: u16) -> *mut RdmaConn {
+unsafe fn connect_remote(port: u16, recv: RdmaRecvCallbackFunc) -> *mut RdmaConn {
     let ip = CString::new(device_ip().to_string()).unwrap();
     // SAFETY: zeroed options are the C programs' `{0}`.
     let mut copt: RdmaConnOptions = std::mem::zeroed();
-    copt.recv_callback = Some(count);
+    copt.recv_callback = recv;
     let conn = rdmaConn(&copt);
     assert_eq!(
         rdmaConnect(conn, ip.as_ptr() as *mut _, port as i32),
@@ -176,7 +233,7 @@ unsafe fn connect_remote(port: u16) -> *mut RdmaConn {
 pub(crate) fn echo_remote_lat(iters: usize, size: usize, port: u16) -> f64 {
     // SAFETY: the connection is live until closed below.
     unsafe {
-        let conn = connect_remote(port);
+        let conn = connect_remote(port, Some(echo_returned));
         let half_rtt = ping_pong(conn, iters, size);
         rdmaConnClose(conn);
         half_rtt
@@ -184,12 +241,14 @@ pub(crate) fn echo_remote_lat(iters: usize, size: usize, port: u16) -> f64 {
 }
 
 /// Accepts one client on `port` as a legacy-protocol peer and echoes what
-/// it sends until it leaves (or two minutes pass).
+/// it sends until it leaves (or two minutes pass), polling while it waits,
+/// as the echo_server it is compared with does.
 pub(crate) fn serve_legacy_peer(port: u16) -> snowrdma::runtime::Result<()> {
     let addr = SocketAddr::new(device_ip(), port);
     let mut peer = LegacyPeer::accept(addr, Duration::from_secs(30), |a| {
         println!("listening on {a}")
     })?;
+    peer.spin_while_waiting();
     peer.echo(Instant::now() + Duration::from_secs(120))?;
     Ok(())
 }
@@ -205,7 +264,7 @@ pub(crate) fn stream(iters: usize, size: usize, port: u16) -> (f64, f64) {
         RECEIVED.fetch_add(1, Ordering::Release);
         RECEIVED_BYTES.fetch_add(len as u64, Ordering::Release);
     }
-    let p = CPair::new(port, Some(sink));
+    let p = CPair::new(port, Some(sink), Some(count));
     let msg = vec![1u8; size];
     let send_all = |n: usize| {
         RECEIVED.store(0, Ordering::Release);
@@ -264,7 +323,7 @@ pub(crate) fn stream_remote(iters: usize, size: usize, port: u16) -> (f64, f64) 
     // SAFETY: the connection is live until closed below.
     unsafe {
         rdmaCommMode = RdmaCommMode::RDMA_BLOCKING;
-        let conn = connect_remote(port);
+        let conn = connect_remote(port, Some(count));
         let msg = vec![1u8; size];
         let end = [END_OF_STREAM];
         let send_all = |n: usize| {

@@ -222,7 +222,7 @@ perf_syscalls() {
 
 syscalls() {
     local case=$1 dir counted calls names line c side kind args run who=both
-    local spin_before=${SNOWRDMA_SPIN_ALWAYS-unset}
+    local spin_before=${SNOWRDMA_SPIN_ALWAYS-unset} budget_before=${SNOWRDMA_SPIN_US-unset}
     dir=$(mktemp -d)
     for line in "${cases[@]}"; do
         read -r _ c side kind args <<<"$line"
@@ -230,18 +230,28 @@ syscalls() {
     done
     [ "$kind" = server ] && who=caller
     # As configured (the spin policy stands down on a crowded machine), in
-    # spinning mode (SNOWRDMA_SPIN_ALWAYS), which the target is for, then
-    # under strace; each on a fresh port, against a fresh server where the
-    # case has one (a server serves one client).
+    # spinning mode, which the target is for, then under strace; each on a
+    # fresh port, against a fresh server where the case has one (a server
+    # serves one client). Spinning mode spins until the work comes, as
+    # perftest does: whatever the load (SNOWRDMA_SPIN_ALWAYS) and for up to
+    # 100 ms (SNOWRDMA_SPIN_US), longer than any wait of a case but the
+    # emulator's stalls.
     for run in syscalls syscalls_spin strace; do
         port=$((port + 1))
         # The spinning run's server spins too.
         if [ "$run" = syscalls_spin ]; then
-            export SNOWRDMA_SPIN_ALWAYS=1
-        elif [ "$spin_before" = unset ]; then
-            unset SNOWRDMA_SPIN_ALWAYS
+            export SNOWRDMA_SPIN_ALWAYS=1 SNOWRDMA_SPIN_US=100000
         else
-            export SNOWRDMA_SPIN_ALWAYS=$spin_before
+            if [ "$spin_before" = unset ]; then
+                unset SNOWRDMA_SPIN_ALWAYS
+            else
+                export SNOWRDMA_SPIN_ALWAYS=$spin_before
+            fi
+            if [ "$budget_before" = unset ]; then
+                unset SNOWRDMA_SPIN_US
+            else
+                export SNOWRDMA_SPIN_US=$budget_before
+            fi
         fi
         if [ "$kind" = server ]; then
             # shellcheck disable=SC2086
@@ -326,7 +336,7 @@ for rep in $(seq 1 "$reps"); do
 done
 echo "--- system calls per operation (perf; strace names them)"
 window_marks
-for case in kv_get_lat kv_put_lat echo_lat msg_rate kv_get_bw safe_send_lat broker_rate_b32 broker_lat; do
+for case in kv_get_lat kv_put_lat echo_lat msg_rate kv_get_bw kv_put_bw safe_send_lat broker_rate_b32 broker_lat; do
     [[ "$case" =~ ${SNOWRDMA_BENCH_CASES:-.} ]] && syscalls "$case"
 done
 echo "--- user-space instructions per operation (callgrind, waiting on events)"

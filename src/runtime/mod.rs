@@ -17,7 +17,7 @@ pub mod proto;
 pub mod ring;
 pub mod send_queue;
 mod socket;
-mod spin;
+pub(crate) mod spin;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};

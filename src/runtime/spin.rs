@@ -155,6 +155,24 @@ impl Spin {
     }
 }
 
+/// Polls `take` for up to `budget` while the policy lets this thread spin:
+/// what `take` found, or `None` (the budget ran out, or the thread may not
+/// spin now) for the caller to wait its own way.
+pub(crate) fn poll_for<T>(budget: Duration, mut take: impl FnMut() -> Option<T>) -> Option<T> {
+    let start = Instant::now();
+    let mut spin = Spin::start(start)?;
+    loop {
+        if let Some(found) = take() {
+            return Some(found);
+        }
+        let now = Instant::now();
+        if now.duration_since(start) >= budget || !spin.pass(now) {
+            return None;
+        }
+        std::hint::spin_loop();
+    }
+}
+
 impl Drop for Spin {
     fn drop(&mut self) {
         SPINNING.fetch_sub(1, Ordering::Relaxed);
@@ -192,6 +210,26 @@ mod tests {
         SPINNING.fetch_add(1, Ordering::Relaxed); // As start() would.
         assert!(s.pass(t0 + LOST_CPU * 10));
         assert!(!backing_off(t0 + LOST_CPU * 11));
+    }
+
+    #[test]
+    fn poll_for_takes_what_comes_within_its_budget_and_no_longer() {
+        std::thread::Builder::new()
+            .name(ALWAYS_SPINNING_TEST_THREAD.into())
+            .spawn(|| {
+                let mut polls = 0;
+                let third = poll_for(Duration::from_secs(5), || {
+                    polls += 1;
+                    (polls == 3).then_some(7)
+                });
+                assert_eq!((third, polls), (Some(7), 3));
+                let t = Instant::now();
+                assert_eq!(poll_for(Duration::from_millis(20), || None::<u8>), None);
+                assert!(t.elapsed() >= Duration::from_millis(20));
+            })
+            .unwrap()
+            .join()
+            .unwrap();
     }
 
     #[test]

@@ -45,6 +45,9 @@ const TARGETS: &[(&str, &str, f64)] = &[
     ("kv_put_lat", "syscalls_spin", 0.0),
     ("echo_lat", "syscalls_spin", 0.0),
     ("msg_rate", "syscalls_spin", 0.0),
+    // Per batch of 32, both sides (the server's workers included).
+    ("kv_get_bw", "syscalls_spin", 0.0),
+    ("kv_put_bw", "syscalls_spin", 0.0),
     // One request and its reply: a doorbell each.
     ("kv_get_lat", "send_doorbells", 2.0),
     ("kv_put_lat", "send_doorbells", 2.0),

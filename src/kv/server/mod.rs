@@ -372,13 +372,21 @@ impl Server {
         let mut jobs = self.shared.jobs.lock().expect("jobs lock");
         let mut handles = self.workers.lock().expect("workers lock");
         let depth = self.limits().worker_queue;
+        // A worker polls for its next job as the runtime's waiters poll for
+        // completions (`SNOWRDMA_SPIN_US`, under the same policy), before
+        // it sleeps on its queue: a wakeup costs two system calls.
+        let spin = Options::default().spin;
         for n in 0..self.shared.cfg.workers.max(1) {
             let (tx, rx) = bounded::<Job>(depth);
             let shared = self.shared.clone();
             let handle = std::thread::Builder::new()
                 .name(format!("kv-worker-{n}"))
                 .spawn(move || {
-                    for job in rx {
+                    let next = || {
+                        runtime::spin::poll_for(spin, || rx.try_recv().ok())
+                            .or_else(|| rx.recv().ok())
+                    };
+                    while let Some(job) = next() {
                         // A defect met serving one request ends that
                         // client, not the worker its neighbours share.
                         let served = std::panic::catch_unwind(AssertUnwindSafe(|| {
@@ -405,7 +413,9 @@ impl Server {
         let housekeeper = std::thread::Builder::new()
             .name("kv-housekeeping".into())
             .spawn(move || {
-                let mut swept = Vec::new();
+                // Room for the clients of a busy server from the start, so
+                // a sweep allocates only when there are more.
+                let mut swept = Vec::with_capacity(64);
                 loop {
                     // A lease outlives its time by at most a quarter of it.
                     let every = (shared.limit(|l| l.lease_time) / 4)

@@ -144,6 +144,9 @@ struct PingPong {
     lat: Vec<f64>,
     window: Option<Window>,
     done: bool,
+    /// What `rdmaConnSend` returned when it did not take a message (a
+    /// panic cannot leave a C callback: it would abort the process).
+    failed: Option<usize>,
 }
 
 static PING_PONG: Mutex<Option<PingPong>> = Mutex::new(None);
@@ -177,7 +180,15 @@ unsafe extern "C" fn echo_returned(_conn: *mut RdmaConnFwd, _data: *mut c_void, 
     drop(guard);
     // SAFETY: the connection is live until the ping-pong is done; the
     // message is not freed before then (nor moved: it is a Vec's buffer).
-    assert_eq!(rdmaConnSend(conn, msg as *mut _, len), len);
+    let sent = rdmaConnSend(conn, msg as *mut _, len);
+    if sent != len {
+        let mut guard = PING_PONG.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(pp) = guard.as_mut() {
+            pp.failed = Some(sent);
+            pp.done = true;
+        }
+        PING_PONG_DONE.notify_all();
+    }
 }
 
 /// Median half round trip of `iters` messages of `size` bytes that a
@@ -187,6 +198,7 @@ unsafe extern "C" fn echo_returned(_conn: *mut RdmaConnFwd, _data: *mut c_void, 
 /// # Safety
 /// `conn` must be a live connection.
 unsafe fn ping_pong(conn: *mut RdmaConn, iters: usize, size: usize) -> f64 {
+    let iters = iters.max(1);
     let msg = vec![7u8; size];
     let first = msg.as_ptr();
     *PING_PONG.lock().unwrap_or_else(PoisonError::into_inner) = Some(PingPong {
@@ -198,15 +210,29 @@ unsafe fn ping_pong(conn: *mut RdmaConn, iters: usize, size: usize) -> f64 {
         lat: Vec::with_capacity(iters),
         window: None,
         done: false,
+        failed: None,
     });
     assert_eq!(rdmaConnSend(conn, first as *mut _, size), size);
-    let deadline = Duration::from_secs(60);
-    let guard = PING_PONG.lock().unwrap_or_else(PoisonError::into_inner);
-    let (mut guard, waited) = PING_PONG_DONE
-        .wait_timeout_while(guard, deadline, |pp| !pp.as_ref().is_some_and(|p| p.done))
-        .unwrap_or_else(PoisonError::into_inner);
-    assert!(!waited.timed_out(), "an echo was lost");
-    let mut lat = guard.take().map(|pp| pp.lat).unwrap_or_default();
+    // An echo is lost when none comes for 10 s, however long the run.
+    let progress = |pp: &PingPong| (pp.warm_up, pp.left);
+    let mut guard = PING_PONG.lock().unwrap_or_else(PoisonError::into_inner);
+    loop {
+        let before = guard.as_ref().map(progress);
+        let (g, waited) = PING_PONG_DONE
+            .wait_timeout_while(guard, Duration::from_secs(10), |pp| {
+                pp.as_ref()
+                    .is_some_and(|p| !p.done && Some(progress(p)) == before)
+            })
+            .unwrap_or_else(PoisonError::into_inner);
+        guard = g;
+        assert!(!waited.timed_out(), "an echo was lost");
+        if guard.as_ref().is_none_or(|p| p.done) {
+            break;
+        }
+    }
+    let pp = guard.take().expect("the ping-pong's state");
+    assert_eq!(pp.failed, None, "rdmaConnSend did not take a message");
+    let mut lat = pp.lat;
     median(&mut lat)
 }
 

@@ -21,7 +21,7 @@ use std::sync::{Arc, Mutex, OnceLock, RwLock, Weak};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use crossbeam_channel::{bounded, Receiver, RecvTimeoutError, Sender};
+use crossbeam_channel::{bounded, Receiver, RecvTimeoutError, Sender, TryRecvError};
 
 use crate::runtime::{
     self, AcceptHook, CommMode, ConnHandler, Connection, Listener, Options, PdProvider, Window,
@@ -382,9 +382,14 @@ impl Server {
             let handle = std::thread::Builder::new()
                 .name(format!("kv-worker-{n}"))
                 .spawn(move || {
+                    // `None`: the queue closed (the server stops).
                     let next = || {
-                        runtime::spin::poll_for(spin, || rx.try_recv().ok())
-                            .or_else(|| rx.recv().ok())
+                        let polled = runtime::spin::poll_for(spin, || match rx.try_recv() {
+                            Ok(job) => Some(Some(job)),
+                            Err(TryRecvError::Disconnected) => Some(None),
+                            Err(TryRecvError::Empty) => None,
+                        });
+                        polled.unwrap_or_else(|| rx.recv().ok())
                     };
                     while let Some(job) = next() {
                         // A defect met serving one request ends that

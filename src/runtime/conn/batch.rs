@@ -129,7 +129,8 @@ impl Connection {
     /// no room (or messages queued before it, or is empty or too large),
     /// and the caller sends it and those after it one by one with
     /// `send_parts`, which waits, queues or reports the error as it does
-    /// for any message. An error means the connection failed.
+    /// for any message. An error means the connection failed. Another
+    /// thread's messages may go between two doorbells of one batch.
     pub fn send_batch(&self, msgs: &[&[&[u8]]]) -> Result<usize> {
         // SAFETY: no writes.
         unsafe { self.post_batch(msgs.len(), |i| (msgs[i], None)) }

@@ -1,0 +1,212 @@
+//! The poller thread's own tests: sources over eventfds, no RDMA.
+
+use super::*;
+use std::sync::atomic::AtomicUsize;
+
+/// A source over an eventfd: readable once `signal`led; `busy` makes
+/// every poll find work.
+struct Probe {
+    fd: RawFd,
+    busy: AtomicBool,
+    readies: AtomicUsize,
+    polls: AtomicUsize,
+    wants_tick: AtomicBool,
+    ticks: AtomicUsize,
+}
+
+impl Probe {
+    fn new() -> Arc<Probe> {
+        // SAFETY: plain syscall.
+        let fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
+        assert!(fd >= 0);
+        Arc::new(Probe {
+            fd,
+            busy: AtomicBool::new(false),
+            readies: AtomicUsize::new(0),
+            polls: AtomicUsize::new(0),
+            wants_tick: AtomicBool::new(false),
+            ticks: AtomicUsize::new(0),
+        })
+    }
+
+    fn signal(&self) {
+        let one = 1u64;
+        // SAFETY: 8 bytes to our eventfd.
+        unsafe { libc::write(self.fd, (&one as *const u64).cast(), 8) };
+    }
+}
+
+impl Drop for Probe {
+    fn drop(&mut self) {
+        // SAFETY: ours, closed once.
+        unsafe { libc::close(self.fd) };
+    }
+}
+
+impl Source for Probe {
+    fn fd(&self) -> RawFd {
+        self.fd
+    }
+    fn ready(&self) {
+        let mut buf = 0u64;
+        // SAFETY: 8 bytes from our eventfd (EAGAIN when unsignalled).
+        unsafe { libc::read(self.fd, (&mut buf as *mut u64).cast(), 8) };
+        self.readies.fetch_add(1, Ordering::SeqCst);
+    }
+    fn poll_once(&self) -> bool {
+        self.polls.fetch_add(1, Ordering::SeqCst);
+        self.busy.load(Ordering::SeqCst)
+    }
+    fn woken(&self) -> bool {
+        self.ready();
+        true
+    }
+    fn wants_tick(&self) -> bool {
+        self.wants_tick.load(Ordering::SeqCst)
+    }
+    fn tick(&self) {
+        self.ticks.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+fn until(what: &str, done: impl Fn() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !done() {
+        assert!(Instant::now() < deadline, "timed out waiting: {what}");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+/// A poller that spins for good once work came, with `probes` added
+/// and the first of them busy and being polled.
+fn spinning_for(probes: &[Arc<Probe>]) -> Poller {
+    let poller = Poller::start(
+        crate::runtime::spin::ALWAYS_SPINNING_TEST_THREAD,
+        Duration::from_millis(10),
+        Duration::from_secs(60),
+        || {},
+    )
+    .unwrap();
+    for p in probes {
+        poller.add(p.clone());
+    }
+    let busy = &probes[0];
+    busy.busy.store(true, Ordering::SeqCst);
+    busy.signal();
+    until("the busy source is polled", || {
+        busy.polls.load(Ordering::SeqCst) > 10_000
+    });
+    poller
+}
+
+#[test]
+fn a_spinning_thread_polls_the_busy_source_and_hears_the_quiet_ones() {
+    let probes: Vec<Arc<Probe>> = (0..2 * FEW).map(|_| Probe::new()).collect();
+    let _poller = spinning_for(&probes);
+    // A quiet source's event is heard while the thread spins.
+    let quiet = &probes[7];
+    let before = quiet.readies.load(Ordering::SeqCst);
+    quiet.signal();
+    until("the quiet source's event is handled", || {
+        quiet.readies.load(Ordering::SeqCst) > before
+    });
+    // And the quiet ones are not polled on every pass.
+    let idle_polls = probes[3].polls.load(Ordering::SeqCst);
+    let busy_polls = probes[0].polls.load(Ordering::SeqCst);
+    assert!(
+        idle_polls * 100 < busy_polls,
+        "an idle source was polled {idle_polls} times, the busy one {busy_polls}"
+    );
+}
+
+#[test]
+fn a_source_added_while_the_thread_spins_is_served() {
+    let busy = Probe::new();
+    let poller = spinning_for(std::slice::from_ref(&busy));
+    // Before, a spinning thread kept to the sources it started with for
+    // as long as any of them was busy.
+    let late = Probe::new();
+    late.signal();
+    poller.add(late.clone());
+    until("the new source is served", || {
+        late.readies.load(Ordering::SeqCst) > 0
+    });
+}
+
+#[test]
+fn an_idle_thread_ticks_only_while_a_source_wants_ticks() {
+    let poller =
+        Poller::start("test-idle", Duration::from_millis(5), Duration::ZERO, || {}).unwrap();
+    let probe = Probe::new();
+    poller.add(probe.clone());
+    // Settled: the add's wake handled, the thread asleep.
+    std::thread::sleep(Duration::from_millis(50));
+    let before = probe.ticks.load(Ordering::SeqCst);
+    std::thread::sleep(Duration::from_millis(200));
+    // Forty ticks' time: at most the one after the wake.
+    assert!(probe.ticks.load(Ordering::SeqCst) <= before + 1);
+    probe.wants_tick.store(true, Ordering::SeqCst);
+    poller.wake();
+    until("ticks come while wanted", || {
+        probe.ticks.load(Ordering::SeqCst) >= before + 10
+    });
+    // An event still wakes the sleeping thread at once.
+    probe.wants_tick.store(false, Ordering::SeqCst);
+    let readies = probe.readies.load(Ordering::SeqCst);
+    std::thread::sleep(Duration::from_millis(20));
+    probe.signal();
+    until("the event is served", || {
+        probe.readies.load(Ordering::SeqCst) > readies
+    });
+}
+
+/// Panics whenever it is told its fd is readable.
+struct Faulty {
+    probe: Arc<Probe>,
+    panics: AtomicUsize,
+}
+
+impl Source for Faulty {
+    fn fd(&self) -> RawFd {
+        self.probe.fd
+    }
+    fn ready(&self) {
+        self.probe.ready();
+        panic!("a defect in a source");
+    }
+    fn panicked(&self) {
+        self.panics.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+#[test]
+fn a_panicking_source_does_not_end_the_thread() {
+    let poller = Poller::start(
+        "test-poller",
+        Duration::from_millis(10),
+        Duration::ZERO,
+        || {},
+    )
+    .unwrap();
+    let faulty = Arc::new(Faulty {
+        probe: Probe::new(),
+        panics: AtomicUsize::new(0),
+    });
+    let good = Probe::new();
+    poller.add(faulty.clone());
+    poller.add(good.clone());
+    faulty.probe.signal();
+    until("the panic is reported", || {
+        faulty.panics.load(Ordering::SeqCst) > 0
+    });
+    // The thread still serves the other source, and the faulty one too.
+    let before = good.readies.load(Ordering::SeqCst);
+    good.signal();
+    faulty.probe.signal();
+    until("the good source is still served", || {
+        good.readies.load(Ordering::SeqCst) > before
+    });
+    until("the faulty one too", || {
+        faulty.panics.load(Ordering::SeqCst) > 1
+    });
+}

@@ -163,6 +163,12 @@ impl Leases {
         ended
     }
 
+    /// When the oldest lease (the one `expire` looks at first) reaches
+    /// `ttl`; `None` while none is held.
+    pub fn first_end(&self, ttl: Duration) -> Option<Instant> {
+        self.queue.front().and_then(|l| l.since.checked_add(ttl))
+    }
+
     pub fn clear(&mut self) {
         self.queue.clear();
         self.bytes = 0;

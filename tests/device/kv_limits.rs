@@ -231,10 +231,11 @@ fn kv_limit_large_value_quota_and_leases_capped_and_expired() {
     let limits = Limits {
         large_value_quota: 8 * MIB,
         lease_bytes: 4 * MIB,
-        lease_time: Duration::from_secs(2),
+        // Shortened below, while the lease is out.
+        lease_time: Duration::from_secs(3600),
         ..Limits::default()
     };
-    let (server, addr) = server(ConnMode::Cm, limits, 2);
+    let (server, addr) = server(ConnMode::Cm, limits.clone(), 2);
     let c = client(addr, ConnMode::Cm).unwrap();
     // 3 MiB values live outside the (2 MiB-class) pool.
     let big = |seed: u8| vec![seed; 3 << 20];
@@ -262,7 +263,21 @@ fn kv_limit_large_value_quota_and_leases_capped_and_expired() {
     c.delete(b"big-2").unwrap();
     let leased = server.stats().large_bytes;
     assert!(leased >= 3 * MIB, "the leased value is held: {leased}");
+    // The housekeeping thread sleeps until the lease's end an hour away;
+    // a shorter lease time wakes it to look again.
+    let shortened = Instant::now();
+    server
+        .set_limits(Limits {
+            lease_time: Duration::from_secs(2),
+            ..limits
+        })
+        .unwrap();
     let stats = until(&server, "the lease expires", |s| s.leases_expired == 1);
+    assert!(
+        shortened.elapsed() < Duration::from_secs(4),
+        "it ended {:?} after the lease time was shortened to 2 s",
+        shortened.elapsed()
+    );
     assert_eq!(stats.large_bytes, 0, "and its memory is freed");
     // The quota has room again.
     c.put(b"big-3", &big(3)).unwrap();

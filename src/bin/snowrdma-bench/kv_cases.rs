@@ -1,9 +1,10 @@
 //! The key-value cases: latency, throughput in batches, and the GET/PUT mix.
 
 use std::net::SocketAddr;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use snowrdma::kv;
+use snowrdma::runtime::Options;
 
 use super::cost::Window;
 use super::{device_addr, median, us};
@@ -137,12 +138,17 @@ fn kv_bw_at(addr: SocketAddr, op: KvOp, iters: usize, size: usize) -> f64 {
     // Rewritten values' old blocks rest in the server's quarantine before
     // their memory is reused: the steady state of a stream of PUTs starts
     // once the first ones come back (until then, the pool's free lists
-    // grow as fresh pages are carved).
-    if matches!(op, KvOp::Put) {
-        let warm = Instant::now();
-        while warm.elapsed() < kv::QUARANTINE + kv::QUARANTINE / 2 {
-            batch();
-        }
+    // grow as fresh pages are carved). A thread that served only the PUTs
+    // above (a kv worker, for GETs) polls for more work for up to the spin
+    // budget before it sleeps on its queue: it settles before the window.
+    let settle = match op {
+        KvOp::Put => kv::QUARANTINE + kv::QUARANTINE / 2,
+        KvOp::Get | KvOp::GetOneSided => Duration::ZERO,
+    }
+    .max(Options::default().spin * 2);
+    let warm = Instant::now();
+    while warm.elapsed() < settle {
+        batch();
     }
     let batches = iters.div_ceil(BW_BATCH);
     let window = Window::open();

@@ -59,7 +59,7 @@ impl Answer {
 
 /// Replies sent with one doorbell: as many as one round of completions
 /// delivers requests.
-const REPLIES_PER_DOORBELL: usize = 32;
+pub(super) const REPLIES_PER_DOORBELL: usize = 32;
 
 impl Shared {
     /// Sends `answers` on `conn`, up to [`REPLIES_PER_DOORBELL`] with one

@@ -3,6 +3,7 @@
 
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Weak};
+use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Sender, TrySendError};
 
@@ -13,6 +14,11 @@ use crate::runtime::Connection;
 
 use super::answer::Answer;
 use super::{bump, Chore, ClientState, Job, Shared, SPARE_MSG_BYTES};
+
+/// The longest the housekeeping thread sleeps between two lease sweeps.
+const SWEEP_AT_LEAST_EVERY: Duration = Duration::from_secs(3600);
+/// The shortest it sleeps.
+const SWEEP_AT_MOST_EVERY: Duration = Duration::from_millis(1);
 
 impl Shared {
     /// One of the current limits.
@@ -131,11 +137,16 @@ impl Shared {
         }
     }
 
-    /// Ends the leases held past their time (lease sweeper thread);
-    /// `clients` is the sweeper's own list, kept between sweeps so that a
-    /// sweep allocates nothing.
-    pub(super) fn expire_leases(&self, clients: &mut Vec<Arc<ClientState>>) {
+    /// Ends the leases held past their time (housekeeping thread), and
+    /// says when the next one will be: the oldest lease's end, or a lease
+    /// time from now while none is held (no lease taken later ends
+    /// sooner). `clients` is the sweeper's own list, kept between sweeps
+    /// so that a sweep allocates nothing.
+    pub(super) fn expire_leases(&self, clients: &mut Vec<Arc<ClientState>>) -> Instant {
         let ttl = self.limit(|l| l.lease_time);
+        // Any lease time is allowed: a sweep at least every hour keeps the
+        // sums far from the clock's end.
+        let mut next = Instant::now() + ttl.min(SWEEP_AT_LEAST_EVERY);
         clients.extend(
             self.clients
                 .lock()
@@ -145,7 +156,11 @@ impl Shared {
         );
         let mut ended = 0;
         for client in clients.drain(..) {
-            ended += client.leases.lock().expect("lease lock").expire(ttl);
+            let mut leases = client.leases.lock().expect("lease lock");
+            ended += leases.expire(ttl);
+            if let Some(end) = leases.first_end(ttl) {
+                next = next.min(end);
+            }
         }
         if ended > 0 {
             self.counters
@@ -155,6 +170,8 @@ impl Shared {
                 .leases
                 .hit(|| format!("{ended} leases not released within {ttl:?} ended"));
         }
+        // However short the lease time, the thread does not spin on it.
+        next.max(Instant::now() + SWEEP_AT_MOST_EVERY)
     }
 }
 

@@ -15,13 +15,11 @@
 use std::collections::HashMap;
 use std::fmt;
 use std::net::SocketAddr;
-use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, RwLock, Weak};
 use std::thread::JoinHandle;
-use std::time::Duration;
 
-use crossbeam_channel::{bounded, Receiver, RecvTimeoutError, Sender, TryRecvError};
+use crossbeam_channel::{bounded, Receiver, Sender};
 
 use crate::runtime::{
     self, AcceptHook, CommMode, ConnHandler, Connection, Listener, Options, PdProvider, Window,
@@ -37,7 +35,9 @@ use super::{ConnMode, KvError, Result, DEFAULT_MAX_VALUE, MAX_KEY_LEN, MAX_VALUE
 mod answer;
 mod conn;
 mod limits;
+mod threads;
 
+use answer::Answer;
 use conn::ServerConn;
 use limits::check_limits;
 
@@ -238,6 +238,8 @@ enum Chore {
     /// Closing waits (bounded) for queued replies to go: not on the
     /// completion thread, which serves everyone.
     Close(Connection),
+    /// The lease time changed: when the next lease ends is found again.
+    Sweep,
     Stop,
 }
 
@@ -318,6 +320,10 @@ impl Server {
             .large_quota
             .store(limits.large_value_quota, Ordering::Relaxed);
         *self.shared.limits.write().expect("limits lock") = limits;
+        if let Some(chores) = self.shared.chores.lock().expect("chores lock").as_ref() {
+            // Full: it is busy, and sweeps again once its deadline passed.
+            let _ = chores.try_send(Chore::Sweep);
+        }
         Ok(())
     }
 
@@ -372,43 +378,15 @@ impl Server {
         let mut jobs = self.shared.jobs.lock().expect("jobs lock");
         let mut handles = self.workers.lock().expect("workers lock");
         let depth = self.limits().worker_queue;
-        // A worker polls for its next job as the runtime's waiters poll for
-        // completions (`SNOWRDMA_SPIN_US`, under the same policy), before
-        // it sleeps on its queue: a wakeup costs two system calls.
+        // A worker polls for its next job under the runtime's spin policy
+        // and budget before it sleeps on its queue (`threads::worker`).
         let spin = Options::default().spin;
         for n in 0..self.shared.cfg.workers.max(1) {
             let (tx, rx) = bounded::<Job>(depth);
             let shared = self.shared.clone();
             let handle = std::thread::Builder::new()
                 .name(format!("kv-worker-{n}"))
-                .spawn(move || {
-                    // `None`: the queue closed (the server stops).
-                    let next = || {
-                        let polled = runtime::spin::poll_for(spin, || match rx.try_recv() {
-                            Ok(job) => Some(Some(job)),
-                            Err(TryRecvError::Disconnected) => Some(None),
-                            Err(TryRecvError::Empty) => None,
-                        });
-                        polled.unwrap_or_else(|| rx.recv().ok())
-                    };
-                    while let Some(job) = next() {
-                        // A defect met serving one request ends that
-                        // client, not the worker its neighbours share.
-                        let served = std::panic::catch_unwind(AssertUnwindSafe(|| {
-                            shared.serve(&job.conn, &job.client, &job.msg)
-                        }));
-                        job.client.queued.fetch_sub(1, Ordering::AcqRel);
-                        shared.recycle(job.msg);
-                        if served.is_err() {
-                            log::error!(
-                                "closing {:?}: serving its request panicked",
-                                job.conn.peer_addr()
-                            );
-                            job.conn.close();
-                            shared.forget(&job.client);
-                        }
-                    }
-                })
+                .spawn(move || threads::worker(shared, rx, spin))
                 .map_err(|e| KvError::Internal(format!("starting a worker: {e}")))?;
             jobs.push(tx);
             handles.push(handle);
@@ -417,21 +395,7 @@ impl Server {
         let shared = self.shared.clone();
         let housekeeper = std::thread::Builder::new()
             .name("kv-housekeeping".into())
-            .spawn(move || {
-                // Room for the clients of a busy server from the start, so
-                // a sweep allocates only when there are more.
-                let mut swept = Vec::with_capacity(64);
-                loop {
-                    // A lease outlives its time by at most a quarter of it.
-                    let every = (shared.limit(|l| l.lease_time) / 4)
-                        .clamp(Duration::from_millis(10), Duration::from_secs(1));
-                    match rx.recv_timeout(every) {
-                        Err(RecvTimeoutError::Timeout) => shared.expire_leases(&mut swept),
-                        Ok(Chore::Close(conn)) => conn.close(),
-                        Ok(Chore::Stop) | Err(RecvTimeoutError::Disconnected) => return,
-                    }
-                }
-            })
+            .spawn(move || threads::housekeeping(shared, rx))
             .map_err(|e| KvError::Internal(format!("starting the housekeeping thread: {e}")))?;
         handles.push(housekeeper);
         *self.shared.chores.lock().expect("chores lock") = Some(tx);
@@ -551,16 +515,27 @@ impl Shared {
         client.targets.lock().expect("target lock").clear();
     }
 
-    /// Answers one request message (a worker's job).
-    fn serve(&self, conn: &Connection, client: &ClientState, msg: &[u8]) {
+    /// The answer to one request message (a worker's job), if it takes
+    /// one.
+    fn serve(&self, conn: &Connection, client: &ClientState, msg: &[u8]) -> Option<Answer> {
         match Request::decode(msg) {
-            Ok((req, key, inline)) => {
-                if let Some(answer) = self.answer(conn, client, &req, key, inline) {
-                    self.reply(conn, client, &answer);
-                }
+            Ok((req, key, inline)) => self.answer(conn, client, &req, key, inline),
+            Err(why) => {
+                self.drop_malformed(conn, client, why);
+                None
             }
-            Err(why) => self.drop_malformed(conn, client, why),
         }
+    }
+
+    /// Serving a request of this client, or sending its answers, panicked:
+    /// the client goes (and nobody else).
+    fn serving_panicked(&self, conn: &Connection, client: &ClientState) {
+        log::error!(
+            "closing {:?}: serving its request panicked",
+            conn.peer_addr()
+        );
+        conn.close();
+        self.forget(client);
     }
 
     /// A malformed request ends its client's connection (and nothing else).

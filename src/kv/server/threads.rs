@@ -1,0 +1,141 @@
+//! The server's own threads: the workers, which serve the requests that
+//! copy or register large values, and the housekeeping thread, which
+//! closes connections off the completion thread and ends leases held past
+//! their time.
+
+use std::panic::AssertUnwindSafe;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::{Receiver, RecvTimeoutError, TryRecvError};
+
+use crate::runtime::{self, Connection};
+
+use super::answer::{Answer, REPLIES_PER_DOORBELL};
+use super::{Chore, ClientState, Job, Shared};
+
+/// A worker: serves its queue's jobs in order. The answers to a run of one
+/// client's jobs that were queued together go with one doorbell, sent
+/// when the queue holds nothing more of that client's (or a doorbell's
+/// worth is held); the client's `queued` count keeps them until then, so
+/// its later requests still follow them here and are answered after them.
+pub(super) fn worker(shared: Arc<Shared>, jobs: Receiver<Job>, spin: Duration) {
+    let mut held = Held::default();
+    loop {
+        let job = match jobs.try_recv() {
+            Ok(job) => job,
+            Err(TryRecvError::Disconnected) => return held.send(&shared),
+            Err(TryRecvError::Empty) => {
+                held.send(&shared);
+                match next_job(&jobs, spin) {
+                    Some(job) => job,
+                    None => return, // The server stops.
+                }
+            }
+        };
+        if !held.is_for(&job.client) {
+            held.send(&shared);
+        }
+        // A defect met serving one request ends that client, not the
+        // worker its neighbours share.
+        let served = std::panic::catch_unwind(AssertUnwindSafe(|| {
+            shared.serve(&job.conn, &job.client, &job.msg)
+        }));
+        let Job { conn, client, msg } = job;
+        shared.recycle(msg);
+        match served {
+            Ok(answer) => {
+                held.add(conn, client, answer);
+                if held.answers.len() >= REPLIES_PER_DOORBELL {
+                    held.send(&shared);
+                }
+            }
+            Err(_) => {
+                held.send(&shared);
+                client.queued.fetch_sub(1, Ordering::AcqRel);
+                shared.serving_panicked(&conn, &client);
+            }
+        }
+    }
+}
+
+/// The next job, polled for under the runtime's spin policy and budget
+/// (`SNOWRDMA_SPIN_US`) before the worker sleeps on its queue, as the
+/// runtime's waiters poll for completions: a wakeup costs a system call
+/// each way. `None`: the queue closed (the server stops).
+fn next_job(jobs: &Receiver<Job>, spin: Duration) -> Option<Job> {
+    let polled = runtime::spin::poll_for(spin, || match jobs.try_recv() {
+        Ok(job) => Some(Some(job)),
+        Err(TryRecvError::Disconnected) => Some(None),
+        Err(TryRecvError::Empty) => None,
+    });
+    polled.unwrap_or_else(|| jobs.recv().ok())
+}
+
+/// Answers of one client's jobs served but not yet sent, and how many jobs
+/// they answer (a RELEASE takes no answer).
+#[derive(Default)]
+struct Held {
+    owner: Option<(Connection, Arc<ClientState>)>,
+    answers: Vec<Answer>,
+    jobs: usize,
+}
+
+impl Held {
+    fn is_for(&self, client: &Arc<ClientState>) -> bool {
+        self.owner
+            .as_ref()
+            .is_none_or(|(_, owner)| Arc::ptr_eq(owner, client))
+    }
+
+    fn add(&mut self, conn: Connection, client: Arc<ClientState>, answer: Option<Answer>) {
+        if self.owner.is_none() {
+            self.owner = Some((conn, client));
+            // Room for a doorbell's worth from the first client on.
+            self.answers.reserve(REPLIES_PER_DOORBELL);
+        }
+        self.answers.extend(answer);
+        self.jobs += 1;
+    }
+
+    /// Sends what is held, with one doorbell, and lets the client's next
+    /// requests be answered wherever they arrive.
+    fn send(&mut self, shared: &Shared) {
+        let Some((conn, client)) = self.owner.take() else {
+            return;
+        };
+        let sent = std::panic::catch_unwind(AssertUnwindSafe(|| {
+            shared.reply_all(&conn, &client, &self.answers)
+        }));
+        self.answers.clear();
+        client.queued.fetch_sub(self.jobs, Ordering::AcqRel);
+        self.jobs = 0;
+        if sent.is_err() {
+            shared.serving_panicked(&conn, &client);
+        }
+    }
+}
+
+/// The housekeeping thread: closes what it is handed, and ends leases at
+/// their time (it sleeps until the oldest one's end, not on a fixed tick:
+/// a server whose clients release their leases is not woken for them).
+pub(super) fn housekeeping(shared: Arc<Shared>, chores: Receiver<Chore>) {
+    // Room for the clients of a busy server from the start, so a sweep
+    // allocates only when there are more.
+    let mut swept = Vec::with_capacity(64);
+    let mut next_sweep = shared.expire_leases(&mut swept);
+    loop {
+        match chores.recv_deadline(next_sweep) {
+            Ok(Chore::Close(conn)) => conn.close(),
+            // The lease time changed: the next end is computed again.
+            Ok(Chore::Sweep) => next_sweep = Instant::now(),
+            Err(RecvTimeoutError::Timeout) => {}
+            Ok(Chore::Stop) | Err(RecvTimeoutError::Disconnected) => return,
+        }
+        // Also between closes that keep coming.
+        if Instant::now() >= next_sweep {
+            next_sweep = shared.expire_leases(&mut swept);
+        }
+    }
+}

@@ -490,6 +490,11 @@ impl Source for HandshakeSource {
         true
     }
 
+    /// A socket: readable while it has something.
+    fn needs_looks(&self) -> bool {
+        false
+    }
+
     fn tick(&self) {
         if Instant::now() < self.hs.deadline {
             return;
@@ -523,5 +528,10 @@ impl Source for SetupReaper {
         if let Some(listener) = self.0.upgrade() {
             listener.reap();
         }
+    }
+
+    /// It has no fd, only ticks.
+    fn needs_looks(&self) -> bool {
+        false
     }
 }

@@ -100,6 +100,11 @@ impl crate::runtime::poller::Source for CmSource {
         }
     }
 
+    /// Its fd stays readable while an event waits (`ready` reads them all).
+    fn needs_looks(&self) -> bool {
+        false
+    }
+
     fn panicked(&self) {
         // A listener goes on accepting; the event that hit the defect is gone.
         if let CmSource::Client(c) = self {

@@ -22,8 +22,9 @@ pub trait Source: Send + Sync {
     /// Stays the same while the source is watched (-1: nothing to watch).
     fn fd(&self) -> RawFd;
     /// Called on the poller's thread when `fd` is readable (and, when the
-    /// thread has been idle a while, now and then regardless, so a missed
-    /// wakeup costs at most about a second). Re-arms what raises events.
+    /// thread has been idle a while, now and then regardless if the source
+    /// `needs_looks`, so a missed wakeup costs at most about a second).
+    /// Re-arms what raises events.
     fn ready(&self);
     /// Handles what is pending without waiting or re-arming; true when there
     /// was something. Called in a loop while the thread spins.
@@ -45,6 +46,14 @@ pub trait Source: Send + Sync {
     /// not a tick: each tick of a sleeping thread is a system call.
     fn wants_tick(&self) -> bool {
         false
+    }
+    /// Whether a wakeup of the source can be missed (a completion channel:
+    /// an event raised before it was armed), so an idle thread looks at it
+    /// now and then. Not for one whose fd stays readable while it has work
+    /// (an RDMA CM channel, a socket): while no source needs looks or
+    /// ticks, an idle thread sleeps until an event.
+    fn needs_looks(&self) -> bool {
+        true
     }
     /// One of the calls above panicked (a defect of ours): end what the
     /// source serves, if a panic means it cannot go on.
@@ -94,6 +103,9 @@ impl Source for Guarded {
         // A source that cannot say is ticked.
         std::panic::catch_unwind(AssertUnwindSafe(|| self.source.wants_tick())).unwrap_or(true)
     }
+    fn needs_looks(&self) -> bool {
+        std::panic::catch_unwind(AssertUnwindSafe(|| self.source.needs_looks())).unwrap_or(true)
+    }
 }
 
 /// The epoll key of the wake eventfd; sources' keys start at 1.
@@ -109,7 +121,7 @@ const EVENTS: usize = 64;
 const FEW: usize = 16;
 const EVENT_LOOK_INTERVAL: Duration = Duration::from_micros(20);
 /// Idle ticks between looks at every source; also the longest an idle
-/// thread sleeps when no source wants ticks.
+/// thread sleeps when no source wants ticks but some need looks.
 const LOOK_ALL_EVERY: u32 = 100;
 
 struct Shared {
@@ -308,6 +320,8 @@ fn run(shared: &Shared, tick: Duration, spin: Duration) {
         };
         let timeout = if spinning {
             0
+        } else if ticks == LOOK_ALL_EVERY && !watched.values().any(|s| s.needs_looks()) {
+            -1 // Until an event, or a wake (a change to the set, a stop).
         } else {
             tick_ms.saturating_mul(ticks as i32)
         };

@@ -12,6 +12,7 @@ struct Probe {
     polls: AtomicUsize,
     wants_tick: AtomicBool,
     ticks: AtomicUsize,
+    needs_looks: AtomicBool,
 }
 
 impl Probe {
@@ -26,6 +27,7 @@ impl Probe {
             polls: AtomicUsize::new(0),
             wants_tick: AtomicBool::new(false),
             ticks: AtomicUsize::new(0),
+            needs_looks: AtomicBool::new(true),
         })
     }
 
@@ -66,6 +68,9 @@ impl Source for Probe {
     }
     fn tick(&self) {
         self.ticks.fetch_add(1, Ordering::SeqCst);
+    }
+    fn needs_looks(&self) -> bool {
+        self.needs_looks.load(Ordering::SeqCst)
     }
 }
 
@@ -157,6 +162,42 @@ fn an_idle_thread_ticks_only_while_a_source_wants_ticks() {
     probe.signal();
     until("the event is served", || {
         probe.readies.load(Ordering::SeqCst) > readies
+    });
+}
+
+#[test]
+fn an_idle_thread_looks_at_its_sources_only_if_one_needs_looks() {
+    // A look every 100 ticks of 1 ms.
+    let poller = Poller::start(
+        "test-looks",
+        Duration::from_millis(1),
+        Duration::ZERO,
+        || {},
+    )
+    .unwrap();
+    let probe = Probe::new();
+    probe.needs_looks.store(false, Ordering::SeqCst);
+    poller.add(probe.clone());
+    // Settled: the add's wake handled (a `ready` then), the thread asleep.
+    std::thread::sleep(Duration::from_millis(50));
+    let before = probe.readies.load(Ordering::SeqCst);
+    std::thread::sleep(Duration::from_millis(350));
+    assert_eq!(
+        probe.readies.load(Ordering::SeqCst),
+        before,
+        "three looks' time, and none"
+    );
+    // An event still wakes the thread at once.
+    probe.signal();
+    until("the event is served", || {
+        probe.readies.load(Ordering::SeqCst) > before
+    });
+    // Once a source needs looks, they come without events.
+    probe.needs_looks.store(true, Ordering::SeqCst);
+    poller.wake();
+    let woken = probe.readies.load(Ordering::SeqCst);
+    until("looks come", || {
+        probe.readies.load(Ordering::SeqCst) >= woken + 3
     });
 }
 

@@ -63,16 +63,21 @@ impl Collect {
     }
 }
 
-fn echo_server(opts: &Options) -> (Listener, SocketAddr) {
+/// A started listener on the device whose connections share `handler`.
+fn serve(opts: &Options, handler: Arc<dyn ConnHandler>) -> (Listener, SocketAddr) {
     let l = Listener::bind(
         SocketAddr::new(IpAddr::V4(device_ip()), 0),
         opts,
-        Box::new(|_| Some(Arc::new(Echo) as Arc<dyn ConnHandler>)),
+        Box::new(move |_| Some(handler.clone())),
     )
     .unwrap();
     l.start();
     let addr = l.local_addr().unwrap();
     (l, addr)
+}
+
+fn echo_server(opts: &Options) -> (Listener, SocketAddr) {
+    serve(opts, Arc::new(Echo))
 }
 
 fn blocking() -> Options {
@@ -266,17 +271,9 @@ impl ConnHandler for RoundEcho {
 #[ignore = "needs an RDMA device: run `make test`"]
 fn a_handler_that_answers_at_the_end_of_each_round_answers_everything() {
     let echo = Arc::new(RoundEcho::default());
-    let handler = echo.clone();
-    let server = Listener::bind(
-        SocketAddr::new(IpAddr::V4(device_ip()), 0),
-        &blocking(),
-        Box::new(move |_| Some(handler.clone() as Arc<dyn ConnHandler>)),
-    )
-    .unwrap();
-    server.start();
+    let (server, addr) = serve(&blocking(), echo.clone());
     let sink = Arc::new(Collect::default());
-    let conn =
-        Connection::connect(server.local_addr().unwrap(), &blocking(), sink.clone()).unwrap();
+    let conn = Connection::connect(addr, &blocking(), sink.clone()).unwrap();
     let msgs: Vec<[u8; 8]> = (0..600u64).map(u64::to_le_bytes).collect();
     let mut expected = Vec::new();
     for (i, group) in msgs.chunks(40).enumerate() {
@@ -568,19 +565,12 @@ fn a_legacy_peer_gets_the_legacy_protocol_and_no_extension() {
         }
     }
     let seen = Arc::new(EchoAndTryImm(Mutex::new(None)));
-    let s2 = seen.clone();
-    let server = Listener::bind(
-        SocketAddr::new(IpAddr::V4(device_ip()), 0),
-        &blocking(),
-        Box::new(move |_| Some(s2.clone() as Arc<dyn ConnHandler>)),
-    )
-    .unwrap();
-    server.start();
+    let (server, addr) = serve(&blocking(), seen.clone());
 
     // Advertises its ring with version 0, reads each message where its
     // immediate (the offset, no extension bit) says, and fails on any
     // command the legacy library did not know, CREDIT among them.
-    let mut peer = LegacyPeer::connect(server.local_addr().unwrap(), TIMEOUT).unwrap();
+    let mut peer = LegacyPeer::connect(addr, TIMEOUT).unwrap();
     assert_eq!(peer.send(b"hello legacy").unwrap(), 12);
     let mut echoed = Vec::new();
     let came = peer

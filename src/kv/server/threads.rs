@@ -15,11 +15,18 @@ use crate::runtime::{self, Connection};
 use super::answer::{Answer, REPLIES_PER_DOORBELL};
 use super::{Chore, ClientState, Job, Shared};
 
+/// How long an answer may wait for others to share its doorbell: a
+/// client whose requests are answered late sends its next ones late (its
+/// window of requests in flight moves with the answers).
+const HOLD_AT_MOST: Duration = Duration::from_micros(100);
+
 /// A worker: serves its queue's jobs in order. The answers to a run of one
 /// client's jobs that were queued together go with one doorbell, sent
-/// when the queue holds nothing more of that client's (or a doorbell's
-/// worth is held); the client's `queued` count keeps them until then, so
-/// its later requests still follow them here and are answered after them.
+/// when the queue holds nothing more of that client's, a doorbell's worth
+/// is held, or the next job (if it takes as long as the last) would keep
+/// the first answer past [`HOLD_AT_MOST`]. The client's `queued` count
+/// keeps them until then, so its later requests still follow them here
+/// and are answered after them.
 pub(super) fn worker(shared: Arc<Shared>, jobs: Receiver<Job>, spin: Duration) {
     let mut held = Held::default();
     loop {
@@ -39,15 +46,17 @@ pub(super) fn worker(shared: Arc<Shared>, jobs: Receiver<Job>, spin: Duration) {
         }
         // A defect met serving one request ends that client, not the
         // worker its neighbours share.
+        let start = Instant::now();
         let served = std::panic::catch_unwind(AssertUnwindSafe(|| {
             shared.serve(&job.conn, &job.client, &job.msg)
         }));
+        let took = start.elapsed();
         let Job { conn, client, msg } = job;
         shared.recycle(msg);
         match served {
             Ok(answer) => {
                 held.add(conn, client, answer);
-                if held.answers.len() >= REPLIES_PER_DOORBELL {
+                if held.answers.len() >= REPLIES_PER_DOORBELL || held.age() + took >= HOLD_AT_MOST {
                     held.send(&shared);
                 }
             }
@@ -80,6 +89,8 @@ struct Held {
     owner: Option<(Connection, Arc<ClientState>)>,
     answers: Vec<Answer>,
     jobs: usize,
+    /// When the first answer held was ready.
+    since: Option<Instant>,
 }
 
 impl Held {
@@ -92,11 +103,17 @@ impl Held {
     fn add(&mut self, conn: Connection, client: Arc<ClientState>, answer: Option<Answer>) {
         if self.owner.is_none() {
             self.owner = Some((conn, client));
+            self.since = Some(Instant::now());
             // Room for a doorbell's worth from the first client on.
             self.answers.reserve(REPLIES_PER_DOORBELL);
         }
         self.answers.extend(answer);
         self.jobs += 1;
+    }
+
+    /// How long the first answer held has waited.
+    fn age(&self) -> Duration {
+        self.since.map_or(Duration::ZERO, |t| t.elapsed())
     }
 
     /// Sends what is held, with one doorbell, and lets the client's next
@@ -105,6 +122,7 @@ impl Held {
         let Some((conn, client)) = self.owner.take() else {
             return;
         };
+        self.since = None;
         let sent = std::panic::catch_unwind(AssertUnwindSafe(|| {
             shared.reply_all(&conn, &client, &self.answers)
         }));

@@ -28,7 +28,8 @@ pub struct Limits {
     /// thread waits for room (back-pressure: everyone slows, nobody is
     /// dropped).
     pub worker_queue: usize,
-    /// Requests of one client waiting for its worker; beyond, its requests
+    /// Requests of one client waiting for its worker (or served, their
+    /// answers held a moment to share a doorbell); beyond, its requests
     /// are answered `KV_ERR_NO_MEMORY` until its queue drains (releases of
     /// leases are always taken).
     pub client_jobs: usize,

@@ -78,6 +78,11 @@ impl super::poller::Source for SocketWatch {
             }
         }
     }
+
+    /// A socket, read until it would block: readable while it has something.
+    fn needs_looks(&self) -> bool {
+        false
+    }
 }
 
 /// What an accepted socket-mode connection still waits for.

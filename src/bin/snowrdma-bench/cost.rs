@@ -131,15 +131,16 @@ pub(crate) struct Window {
 impl Window {
     /// Opens the window; call it after the warm-up, just before the loop.
     pub(crate) fn open() -> Window {
+        // Read before the counts are taken: reading it allocates.
+        let trace: Option<u64> = std::env::var("SNOWRDMA_BENCH_TRACE_ALLOCS")
+            .ok()
+            .and_then(|v| v.parse().ok());
         let w = Window {
             mine: mine(),
             all: all(),
         };
         snowrdma_cost_window_open();
-        if let Some(n) = std::env::var("SNOWRDMA_BENCH_TRACE_ALLOCS")
-            .ok()
-            .and_then(|v| v.parse().ok())
-        {
+        if let Some(n) = trace {
             TRACE_LEFT.store(n, Ordering::Relaxed);
         }
         w

@@ -2,7 +2,7 @@
 //! requests, leases past their time, and checking a new set of limits.
 
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Weak};
+use std::sync::{Arc, PoisonError, Weak};
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Sender, TrySendError};
@@ -156,7 +156,9 @@ impl Shared {
         );
         let mut ended = 0;
         for client in clients.drain(..) {
-            let mut leases = client.leases.lock().expect("lease lock");
+            // Poisoned: a request of this client panicked, and it is being
+            // forgotten; the sweep goes on for everyone else.
+            let mut leases = client.leases.lock().unwrap_or_else(PoisonError::into_inner);
             ended += leases.expire(ttl);
             if let Some(end) = leases.first_end(ttl) {
                 next = next.min(end);

@@ -16,7 +16,7 @@ use std::collections::HashMap;
 use std::fmt;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, OnceLock, RwLock, Weak};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError, RwLock, Weak};
 use std::thread::JoinHandle;
 
 use crossbeam_channel::{bounded, Receiver, Sender};
@@ -206,7 +206,9 @@ struct ClientState {
     targets: Mutex<HashMap<u64, Target>>,
     next_token: AtomicU64,
     worker: usize,
-    /// Requests of this client waiting at or running on its worker.
+    /// Requests of this client waiting at or running on its worker, or
+    /// served there with their answers not yet sent (at most 32 of them,
+    /// for about 100 us: `threads::worker`).
     queued: AtomicUsize,
     gone: AtomicBool,
 }
@@ -229,6 +231,9 @@ struct Shared {
     clients: Mutex<Vec<Weak<ClientState>>>,
     /// To the housekeeping thread, while running.
     chores: Mutex<Option<Sender<Chore>>>,
+    /// Set by `set_limits`: the housekeeping thread finds the next lease
+    /// end again.
+    lease_time_changed: AtomicBool,
     /// Jobs' message buffers, handed back by the workers for the next job.
     spare_msgs: (Sender<Vec<u8>>, Receiver<Vec<u8>>),
 }
@@ -238,7 +243,8 @@ enum Chore {
     /// Closing waits (bounded) for queued replies to go: not on the
     /// completion thread, which serves everyone.
     Close(Connection),
-    /// The lease time changed: when the next lease ends is found again.
+    /// The lease time changed (`Shared::lease_time_changed`): wakes the
+    /// thread.
     Sweep,
     Stop,
 }
@@ -293,6 +299,7 @@ impl Server {
                 next_client: AtomicUsize::new(0),
                 clients: Mutex::new(Vec::new()),
                 chores: Mutex::new(None),
+                lease_time_changed: AtomicBool::new(false),
                 spare_msgs: bounded(SPARE_MSGS),
             }),
             listener: Mutex::new(None),
@@ -320,8 +327,11 @@ impl Server {
             .large_quota
             .store(limits.large_value_quota, Ordering::Relaxed);
         *self.shared.limits.write().expect("limits lock") = limits;
+        // The housekeeping thread may sleep until a lease's end under the
+        // old lease time: it looks again at its next wakeup, and this
+        // wakes it (a full queue of chores wakes it anyway).
+        self.shared.lease_time_changed.store(true, Ordering::SeqCst);
         if let Some(chores) = self.shared.chores.lock().expect("chores lock").as_ref() {
-            // Full: it is busy, and sweeps again once its deadline passed.
             let _ = chores.try_send(Chore::Sweep);
         }
         Ok(())
@@ -392,13 +402,18 @@ impl Server {
             handles.push(handle);
         }
         let (tx, rx) = bounded::<Chore>(CHORES);
+        // In place before the thread starts, so that no `set_limits` in
+        // between goes unheard.
+        *self.shared.chores.lock().expect("chores lock") = Some(tx);
         let shared = self.shared.clone();
         let housekeeper = std::thread::Builder::new()
             .name("kv-housekeeping".into())
             .spawn(move || threads::housekeeping(shared, rx))
-            .map_err(|e| KvError::Internal(format!("starting the housekeeping thread: {e}")))?;
+            .map_err(|e| {
+                *self.shared.chores.lock().expect("chores lock") = None;
+                KvError::Internal(format!("starting the housekeeping thread: {e}"))
+            })?;
         handles.push(housekeeper);
-        *self.shared.chores.lock().expect("chores lock") = Some(tx);
         Ok(())
     }
 
@@ -511,8 +526,18 @@ impl Shared {
             return;
         }
         self.counters.clients.fetch_sub(1, Ordering::Relaxed);
-        client.leases.lock().expect("lease lock").clear();
-        client.targets.lock().expect("target lock").clear();
+        // A request that panicked holding one of these (the reason it is
+        // forgotten, perhaps) left it poisoned; it is emptied all the same.
+        client
+            .leases
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clear();
+        client
+            .targets
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clear();
     }
 
     /// The answer to one request message (a worker's job), if it takes

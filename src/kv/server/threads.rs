@@ -142,17 +142,17 @@ pub(super) fn housekeeping(shared: Arc<Shared>, chores: Receiver<Chore>) {
     // Room for the clients of a busy server from the start, so a sweep
     // allocates only when there are more.
     let mut swept = Vec::with_capacity(64);
+    shared.lease_time_changed.store(false, Ordering::SeqCst);
     let mut next_sweep = shared.expire_leases(&mut swept);
     loop {
         match chores.recv_deadline(next_sweep) {
             Ok(Chore::Close(conn)) => conn.close(),
-            // The lease time changed: the next end is computed again.
-            Ok(Chore::Sweep) => next_sweep = Instant::now(),
-            Err(RecvTimeoutError::Timeout) => {}
+            Ok(Chore::Sweep) | Err(RecvTimeoutError::Timeout) => {}
             Ok(Chore::Stop) | Err(RecvTimeoutError::Disconnected) => return,
         }
-        // Also between closes that keep coming.
-        if Instant::now() >= next_sweep {
+        // Also between closes that keep coming; at once when the lease
+        // time changed.
+        if shared.lease_time_changed.swap(false, Ordering::SeqCst) || Instant::now() >= next_sweep {
             next_sweep = shared.expire_leases(&mut swept);
         }
     }

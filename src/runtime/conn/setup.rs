@@ -152,7 +152,7 @@ impl Connection {
                     rx_msgs: 0,
                     sq_used: 0,
                     cmd_free: (0..CMD_SLOTS).collect(),
-                    sync_ops: HashMap::new(),
+                    sync_ops: HashMap::with_capacity(2 * SYNC_OPS_UNGROWN),
                     next_op: 1,
                     deferred: VecDeque::new(),
                     queue: SendQueue::new(opts.send_queue_bytes),
@@ -432,6 +432,13 @@ impl Connection {
         }
     }
 }
+
+/// One-sided operations a connection has in flight without its table of
+/// them ever growing (the key-value client's batch READs up to 64 values
+/// at once): the table has room for twice as many, as a table at most half
+/// full is rehashed in place when its deleted entries use up its room,
+/// where a fuller one is grown (a new table allocated, the old freed).
+const SYNC_OPS_UNGROWN: usize = 64;
 
 /// The largest receive ring: message offsets are 31-bit.
 const MAX_RING_LEN: usize = 1 << 31;

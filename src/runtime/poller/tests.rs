@@ -178,9 +178,11 @@ fn an_idle_thread_looks_at_its_sources_only_if_one_needs_looks() {
     let probe = Probe::new();
     probe.needs_looks.store(false, Ordering::SeqCst);
     poller.add(probe.clone());
-    // Settled: the add's wake handled (a `ready` then), the thread asleep.
-    std::thread::sleep(Duration::from_millis(50));
-    let before = probe.readies.load(Ordering::SeqCst);
+    // The add's wake handled (one `ready`), the thread asleep.
+    until("the add is handled", || {
+        probe.readies.load(Ordering::SeqCst) == 1
+    });
+    let before = 1;
     std::thread::sleep(Duration::from_millis(350));
     assert_eq!(
         probe.readies.load(Ordering::SeqCst),

@@ -169,10 +169,18 @@ measure() {
 
 # The system calls perf names one by one.
 named_syscalls=$(printf 'syscalls:sys_enter_%s,' futex read write ioctl epoll_wait epoll_pwait \
-    poll ppoll pread64 sched_yield nanosleep clock_nanosleep openat close | sed 's/,$//')
+    poll ppoll pread64 sched_yield nanosleep clock_nanosleep openat close mprotect mmap munmap madvise brk | sed 's/,$//')
+
+# The descriptors the bench keeps perf's FIFOs at (src/bin/snowrdma-bench/
+# cost.rs): the window's own writes and reads on them (perf applies an
+# enable or disable when it reads it, so how many of them fall inside
+# varies from run to run) are counted apart, and taken off.
+perf_ctl_fd=1000
+perf_ack_fd=1001
 
 # under_perf <dir> <bench args...>: runs the bench under perf stat, counting
-# system calls from its cost window's open to its close.
+# system calls from its cost window's open to its close. The lines of the
+# write and read events come twice: all of them, then the window's own.
 under_perf() {
     local dir=$1
     shift
@@ -180,22 +188,10 @@ under_perf() {
     mkfifo "$dir/ctl" "$dir/ack"
     SNOWRDMA_BENCH_COSTS="$dir/costs" SNOWRDMA_BENCH_PERF_CTL="$dir/ctl" SNOWRDMA_BENCH_PERF_ACK="$dir/ack" \
         timeout 600 perf stat -x, -o "$dir/perf" -e "raw_syscalls:sys_enter,$named_syscalls" \
+        -e syscalls:sys_enter_write --filter "fd == $perf_ctl_fd" \
+        -e syscalls:sys_enter_read --filter "fd == $perf_ack_fd" \
         --control "fifo:$dir/ctl,$dir/ack" --delay=-1 \
         $bench "$@" >/dev/null 2>&1
-}
-
-# The system calls of the window's own marks (the handshake with perf
-# through its FIFOs: an open, a read or write and a close on each side of
-# the window), counted around an empty window, and taken off each count.
-marks=
-window_marks() {
-    local dir
-    dir=$(mktemp -d)
-    under_perf "$dir" window
-    marks=$(awk -F, '/raw_syscalls:sys_enter/ { print $1 }' "$dir/perf")
-    rm -rf "$dir"
-    [[ "$marks" =~ ^[0-9]+$ ]] || marks=0
-    echo "    the window's own marks: $marks system calls, taken off each count"
 }
 
 # perf_syscalls <case> <side> <dir> <figure>: one run of the case under
@@ -204,17 +200,25 @@ window_marks() {
 perf_syscalls() {
     local case=$1 who=$2 dir=$3 figure=$4 calls bells ops
     under_perf "$dir" run "$case" snowrdma --port "$port"
-    calls=$(awk -F, -v m="${marks:-0}" '/raw_syscalls:sys_enter/ { print ($1 > m ? $1 - m : 0) }' "$dir/perf")
+    calls=$(awk -F, '
+        $3 == "raw_syscalls:sys_enter" { raw = $1 }
+        $3 == "syscalls:sys_enter_write" && w++ { marks += $1 }
+        $3 == "syscalls:sys_enter_read" && r++ { marks += $1 }
+        raw != "" { done = 1 }
+        END { if (done && raw ~ /^[0-9]+$/) print (raw > marks ? raw - marks : 0) }' "$dir/perf")
     # Soft-RoCE's doorbell is a write to the uverbs device per post_send.
     bells=$(awk '$3 == "send_doorbells" { s += $4 } END { print s + 0 }' "$dir/costs")
     ops=$(awk '$3 == "window_ops" { print $4 }' "$dir/costs")
     if [[ "$calls" =~ ^[0-9]+$ ]] && [ -n "$ops" ]; then
         echo "$case $who $figure $(awk -v c="$calls" -v o="$ops" -v b="$bells" \
             'BEGIN { v = c / o - b; printf "%.3f", v < 0 ? 0 : v }')" | tee -a "$costs"
-        # The calls named, per operation (write: with the doorbells).
-        awk -F, -v o="$ops" '$3 ~ /^syscalls:sys_enter_/ && $1 > 0 {
-                n = $3; sub(/^syscalls:sys_enter_/, "", n); printf " %s=%.3f", n, $1 / o }
-            END { printf "\n" }' "$dir/perf" | sed "s/^/    $case $figure under perf:/"
+        # The calls named, per operation (write: with the doorbells; the
+        # window's own marks taken off).
+        awk -F, -v o="$ops" '$3 ~ /^syscalls:sys_enter_/ {
+                n = $3; sub(/^syscalls:sys_enter_/, "", n)
+                if (n in count) { count[n] -= $1 } else { count[n] = $1; order[++k] = n } }
+            END { for (i = 1; i <= k; i++) if (count[order[i]] > 0) printf " %s=%.3f", order[i], count[order[i]] / o
+                printf "\n" }' "$dir/perf" | sed "s/^/    $case $figure under perf:/"
     else
         echo "bench: $case under perf produced no count ($(head -c 300 "$dir/perf" 2>/dev/null))" >&2
     fi
@@ -335,7 +339,6 @@ for rep in $(seq 1 "$reps"); do
     measure each
 done
 echo "--- system calls per operation (perf; strace names them)"
-window_marks
 for case in kv_get_lat kv_put_lat echo_lat msg_rate kv_get_bw kv_put_bw safe_send_lat broker_rate_b32 broker_lat; do
     [[ "$case" =~ ${SNOWRDMA_BENCH_CASES:-.} ]] && syscalls "$case"
 done

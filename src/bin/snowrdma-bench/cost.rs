@@ -13,7 +13,9 @@
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
+use std::fs::File;
 use std::io::Write;
+use std::os::fd::{AsRawFd, FromRawFd};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
 
@@ -185,8 +187,10 @@ impl Window {
 
 // Under `perf stat --control` (SNOWRDMA_BENCH_PERF_CTL and _ACK name its
 // FIFOs) the window enables and disables perf's counters, waiting for each
-// acknowledgement: perf counts only what the window holds, plus the few
-// system calls of the handshake itself.
+// acknowledgement: perf counts only what the window holds, plus some of
+// the handshake's own writes and reads (perf applies a command when it
+// reads it, so how many fall inside varies), which it counts apart by
+// their descriptors (`PERF_CTL_FD`, `PERF_ACK_FD`) to take them off.
 
 #[no_mangle]
 #[inline(never)]
@@ -202,22 +206,54 @@ extern "C" fn snowrdma_cost_window_close(ops: usize) {
     let _ = std::fs::metadata(format!("/snowrdma-cost-window/close/{ops}"));
 }
 
+/// The descriptors perf's control and acknowledgement FIFOs are kept at
+/// (`scripts/bench.sh` filters on them).
+const PERF_CTL_FD: i32 = 1000;
+const PERF_ACK_FD: i32 = 1001;
+
+/// perf's FIFOs, opened once, before the first window (their opening is
+/// never counted), at [`PERF_CTL_FD`] and [`PERF_ACK_FD`].
+fn perf_fifos() -> Option<&'static (File, File)> {
+    static FIFOS: OnceLock<Option<(File, File)>> = OnceLock::new();
+    FIFOS
+        .get_or_init(|| {
+            let ctl = std::env::var_os("SNOWRDMA_BENCH_PERF_CTL")?;
+            let ack = std::env::var_os("SNOWRDMA_BENCH_PERF_ACK")?;
+            // perf holds both open for reading and writing: neither open
+            // waits for the other end.
+            let at = |file: File, fd: i32| -> std::io::Result<File> {
+                // SAFETY: duplicates a descriptor we own onto one nobody
+                // else uses in the bench; the copy is owned by the result.
+                if unsafe { libc::dup2(file.as_raw_fd(), fd) } < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                // SAFETY: `fd` was just made a copy of an open FIFO.
+                Ok(unsafe { File::from_raw_fd(fd) })
+            };
+            let opened = std::fs::OpenOptions::new()
+                .write(true)
+                .open(ctl)
+                .and_then(|f| at(f, PERF_CTL_FD))
+                .and_then(|c| Ok((c, at(File::open(ack)?, PERF_ACK_FD)?)));
+            opened
+                .map_err(|e| eprintln!("bench: cannot open perf's FIFOs: {e}"))
+                .ok()
+        })
+        .as_ref()
+}
+
 /// Sends `command` to perf's control FIFO and waits for its "ack".
 fn perf_control(command: &str) {
-    let (Some(ctl), Some(ack)) = (
-        std::env::var_os("SNOWRDMA_BENCH_PERF_CTL"),
-        std::env::var_os("SNOWRDMA_BENCH_PERF_ACK"),
-    ) else {
+    let Some((ctl, ack)) = perf_fifos() else {
         return;
     };
-    let sent = std::fs::OpenOptions::new()
-        .write(true)
-        .open(ctl)
-        .and_then(|mut f| f.write_all(format!("{command}\n").as_bytes()));
-    let acked = sent.and_then(|()| {
-        let mut f = std::fs::File::open(ack)?;
+    let mut line = [0u8; 16];
+    let len = command.len() + 1;
+    line[..command.len()].copy_from_slice(command.as_bytes());
+    line[command.len()] = b'\n';
+    let acked = (&*ctl).write_all(&line[..len]).and_then(|()| {
         let mut buf = [0u8; 4];
-        std::io::Read::read_exact(&mut f, &mut buf)
+        std::io::Read::read_exact(&mut &*ack, &mut buf)
     });
     if let Err(e) = acked {
         eprintln!("bench: perf did not take {command:?}: {e}");

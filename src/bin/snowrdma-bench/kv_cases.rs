@@ -56,6 +56,7 @@ fn kv_lat_at(addr: SocketAddr, op: KvOp, iters: usize, size: usize) -> f64 {
     // Into the caller's buffer, as a program that cares for its allocations
     // would (`get` returns a new Vec each time).
     let mut out = vec![0u8; size];
+    let puts = matches!(op, KvOp::Put);
     let mut op = |c: &kv::Client| match op {
         KvOp::Get => c.get_into(key, &mut out).map(drop),
         KvOp::Put => c.put(key, &value).map(drop),
@@ -63,6 +64,16 @@ fn kv_lat_at(addr: SocketAddr, op: KvOp, iters: usize, size: usize) -> f64 {
     };
     for _ in 0..iters / 10 {
         op(&client).expect("warm-up");
+    }
+    // A replaced value's block rests in the store's quarantine before it
+    // is reused: a stream of PUTs is steady once the first come back
+    // (until then the quarantine's queue grows, traced as kv_put_lat's
+    // allocations and `mprotect`s in the window), as in `kv_bw_at`.
+    if puts {
+        let warm = Instant::now();
+        while warm.elapsed() < kv::QUARANTINE + kv::QUARANTINE / 2 {
+            op(&client).expect("warm-up");
+        }
     }
     let mut lat = Vec::with_capacity(iters);
     let window = Window::open();

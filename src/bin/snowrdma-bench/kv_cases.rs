@@ -65,15 +65,9 @@ fn kv_lat_at(addr: SocketAddr, op: KvOp, iters: usize, size: usize) -> f64 {
     for _ in 0..iters / 10 {
         op(&client).expect("warm-up");
     }
-    // A replaced value's block rests in the store's quarantine before it
-    // is reused: a stream of PUTs is steady once the first come back
-    // (until then the quarantine's queue grows, traced as kv_put_lat's
-    // allocations and `mprotect`s in the window), as in `kv_bw_at`.
-    if puts {
-        let warm = Instant::now();
-        while warm.elapsed() < kv::QUARANTINE + kv::QUARANTINE / 2 {
-            op(&client).expect("warm-up");
-        }
+    let warm = Instant::now();
+    while warm.elapsed() < steady_after(puts) {
+        op(&client).expect("warm-up");
     }
     let mut lat = Vec::with_capacity(iters);
     let window = Window::open();
@@ -146,17 +140,10 @@ fn kv_bw_at(addr: SocketAddr, op: KvOp, iters: usize, size: usize) -> f64 {
         "the values were not stored"
     );
     batch();
-    // Rewritten values' old blocks rest in the server's quarantine before
-    // their memory is reused: the steady state of a stream of PUTs starts
-    // once the first ones come back (until then, the pool's free lists
-    // grow as fresh pages are carved). A thread that served only the PUTs
-    // above (a kv worker, for GETs) polls for more work for up to the spin
-    // budget before it sleeps on its queue: it settles before the window.
-    let settle = match op {
-        KvOp::Put => kv::QUARANTINE + kv::QUARANTINE / 2,
-        KvOp::Get | KvOp::GetOneSided => Duration::ZERO,
-    }
-    .max(Options::default().spin * 2);
+    // A thread that served only the PUTs above (a kv worker, for GETs)
+    // polls for more work for up to the spin budget before it sleeps on
+    // its queue: it settles before the window.
+    let settle = steady_after(matches!(op, KvOp::Put)).max(Options::default().spin * 2);
     let warm = Instant::now();
     while warm.elapsed() < settle {
         batch();
@@ -170,6 +157,17 @@ fn kv_bw_at(addr: SocketAddr, op: KvOp, iters: usize, size: usize) -> f64 {
     let secs = start.elapsed().as_secs_f64();
     window.close(batches);
     (batches * BW_BATCH * size) as f64 / secs / 1048576.0
+}
+
+/// How long a case warms up before its steady state: a stream of PUTs
+/// once the first replaced values' blocks come back from the store's
+/// quarantine (until then its queue and the pool's free lists grow, seen
+/// as allocations and `mprotect`s in the window).
+fn steady_after(puts: bool) -> Duration {
+    match puts {
+        true => kv::QUARANTINE + kv::QUARANTINE / 2,
+        false => Duration::ZERO,
+    }
 }
 
 /// Clients connected besides the measuring one in kv_get_lat_crowd.

@@ -137,13 +137,16 @@ impl Shared {
         }
     }
 
-    /// Ends the leases held past their time (housekeeping thread), and
+    /// Ends the leases held past `ttl` (housekeeping thread), and
     /// says when the next one will be: the oldest lease's end, or a lease
     /// time from now while none is held (no lease taken later ends
     /// sooner). `clients` is the sweeper's own list, kept between sweeps
     /// so that a sweep allocates nothing.
-    pub(super) fn expire_leases(&self, clients: &mut Vec<Arc<ClientState>>) -> Instant {
-        let ttl = self.limit(|l| l.lease_time);
+    pub(super) fn expire_leases(
+        &self,
+        ttl: Duration,
+        clients: &mut Vec<Arc<ClientState>>,
+    ) -> Instant {
         // Any lease time is allowed: a sweep at least every hour keeps the
         // sums far from the clock's end.
         let mut next = Instant::now() + ttl.min(SWEEP_AT_LEAST_EVERY);

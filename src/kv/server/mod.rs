@@ -231,9 +231,6 @@ struct Shared {
     clients: Mutex<Vec<Weak<ClientState>>>,
     /// To the housekeeping thread, while running.
     chores: Mutex<Option<Sender<Chore>>>,
-    /// Set by `set_limits`: the housekeeping thread finds the next lease
-    /// end again.
-    lease_time_changed: AtomicBool,
     /// Jobs' message buffers, handed back by the workers for the next job.
     spare_msgs: (Sender<Vec<u8>>, Receiver<Vec<u8>>),
 }
@@ -243,8 +240,7 @@ enum Chore {
     /// Closing waits (bounded) for queued replies to go: not on the
     /// completion thread, which serves everyone.
     Close(Connection),
-    /// The lease time changed (`Shared::lease_time_changed`): wakes the
-    /// thread.
+    /// The lease time may have changed: wakes the thread to look.
     Sweep,
     Stop,
 }
@@ -299,7 +295,6 @@ impl Server {
                 next_client: AtomicUsize::new(0),
                 clients: Mutex::new(Vec::new()),
                 chores: Mutex::new(None),
-                lease_time_changed: AtomicBool::new(false),
                 spare_msgs: bounded(SPARE_MSGS),
             }),
             listener: Mutex::new(None),
@@ -328,9 +323,8 @@ impl Server {
             .store(limits.large_value_quota, Ordering::Relaxed);
         *self.shared.limits.write().expect("limits lock") = limits;
         // The housekeeping thread may sleep until a lease's end under the
-        // old lease time: it looks again at its next wakeup, and this
-        // wakes it (a full queue of chores wakes it anyway).
-        self.shared.lease_time_changed.store(true, Ordering::SeqCst);
+        // old lease time: it compares the lease time at every wakeup, and
+        // this wakes it (a full queue of chores wakes it anyway).
         if let Some(chores) = self.shared.chores.lock().expect("chores lock").as_ref() {
             let _ = chores.try_send(Chore::Sweep);
         }

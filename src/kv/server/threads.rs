@@ -86,24 +86,22 @@ fn next_job(jobs: &Receiver<Job>, spin: Duration) -> Option<Job> {
 /// they answer (a RELEASE takes no answer).
 #[derive(Default)]
 struct Held {
-    owner: Option<(Connection, Arc<ClientState>)>,
+    /// Whose they are, and when the first was ready.
+    owner: Option<(Connection, Arc<ClientState>, Instant)>,
     answers: Vec<Answer>,
     jobs: usize,
-    /// When the first answer held was ready.
-    since: Option<Instant>,
 }
 
 impl Held {
     fn is_for(&self, client: &Arc<ClientState>) -> bool {
         self.owner
             .as_ref()
-            .is_none_or(|(_, owner)| Arc::ptr_eq(owner, client))
+            .is_none_or(|(_, owner, _)| Arc::ptr_eq(owner, client))
     }
 
     fn add(&mut self, conn: Connection, client: Arc<ClientState>, answer: Option<Answer>) {
         if self.owner.is_none() {
-            self.owner = Some((conn, client));
-            self.since = Some(Instant::now());
+            self.owner = Some((conn, client, Instant::now()));
             // Room for a doorbell's worth from the first client on.
             self.answers.reserve(REPLIES_PER_DOORBELL);
         }
@@ -113,16 +111,17 @@ impl Held {
 
     /// How long the first answer held has waited.
     fn age(&self) -> Duration {
-        self.since.map_or(Duration::ZERO, |t| t.elapsed())
+        self.owner
+            .as_ref()
+            .map_or(Duration::ZERO, |(_, _, since)| since.elapsed())
     }
 
     /// Sends what is held, with one doorbell, and lets the client's next
     /// requests be answered wherever they arrive.
     fn send(&mut self, shared: &Shared) {
-        let Some((conn, client)) = self.owner.take() else {
+        let Some((conn, client, _)) = self.owner.take() else {
             return;
         };
-        self.since = None;
         let sent = std::panic::catch_unwind(AssertUnwindSafe(|| {
             shared.reply_all(&conn, &client, &self.answers)
         }));
@@ -142,8 +141,9 @@ pub(super) fn housekeeping(shared: Arc<Shared>, chores: Receiver<Chore>) {
     // Room for the clients of a busy server from the start, so a sweep
     // allocates only when there are more.
     let mut swept = Vec::with_capacity(64);
-    shared.lease_time_changed.store(false, Ordering::SeqCst);
-    let mut next_sweep = shared.expire_leases(&mut swept);
+    let lease_time = || shared.limit(|l| l.lease_time);
+    let mut swept_with = lease_time();
+    let mut next_sweep = shared.expire_leases(swept_with, &mut swept);
     loop {
         match chores.recv_deadline(next_sweep) {
             Ok(Chore::Close(conn)) => conn.close(),
@@ -152,8 +152,10 @@ pub(super) fn housekeeping(shared: Arc<Shared>, chores: Receiver<Chore>) {
         }
         // Also between closes that keep coming; at once when the lease
         // time changed.
-        if shared.lease_time_changed.swap(false, Ordering::SeqCst) || Instant::now() >= next_sweep {
-            next_sweep = shared.expire_leases(&mut swept);
+        let ttl = lease_time();
+        if ttl != swept_with || Instant::now() >= next_sweep {
+            swept_with = ttl;
+            next_sweep = shared.expire_leases(ttl, &mut swept);
         }
     }
 }

@@ -82,6 +82,11 @@ fn until(what: &str, done: impl Fn() -> bool) {
     }
 }
 
+/// A poller that never spins, ticking every `tick`.
+fn sleeping_poller(name: &str, tick: Duration) -> Poller {
+    Poller::start(name, tick, Duration::ZERO, || {}).unwrap()
+}
+
 /// A poller that spins for good once work came, with `probes` added
 /// and the first of them busy and being polled.
 fn spinning_for(probes: &[Arc<Probe>]) -> Poller {
@@ -140,8 +145,7 @@ fn a_source_added_while_the_thread_spins_is_served() {
 
 #[test]
 fn an_idle_thread_ticks_only_while_a_source_wants_ticks() {
-    let poller =
-        Poller::start("test-idle", Duration::from_millis(5), Duration::ZERO, || {}).unwrap();
+    let poller = sleeping_poller("test-idle", Duration::from_millis(5));
     let probe = Probe::new();
     poller.add(probe.clone());
     // Settled: the add's wake handled, the thread asleep.
@@ -168,13 +172,7 @@ fn an_idle_thread_ticks_only_while_a_source_wants_ticks() {
 #[test]
 fn an_idle_thread_looks_at_its_sources_only_if_one_needs_looks() {
     // A look every 100 ticks of 1 ms.
-    let poller = Poller::start(
-        "test-looks",
-        Duration::from_millis(1),
-        Duration::ZERO,
-        || {},
-    )
-    .unwrap();
+    let poller = sleeping_poller("test-looks", Duration::from_millis(1));
     let probe = Probe::new();
     probe.needs_looks.store(false, Ordering::SeqCst);
     poller.add(probe.clone());
@@ -224,13 +222,7 @@ impl Source for Faulty {
 
 #[test]
 fn a_panicking_source_does_not_end_the_thread() {
-    let poller = Poller::start(
-        "test-poller",
-        Duration::from_millis(10),
-        Duration::ZERO,
-        || {},
-    )
-    .unwrap();
+    let poller = sleeping_poller("test-poller", Duration::from_millis(10));
     let faulty = Arc::new(Faulty {
         probe: Probe::new(),
         panics: AtomicUsize::new(0),

@@ -84,11 +84,15 @@ fn connection_states_and_kinds() {
 #[test]
 fn wire_opcodes_and_magic() {
     let op = |o: Opcode| match o {
-        Opcode::RegLocalAddr | Opcode::RegPhysAddr | Opcode::ConnGoodbye | Opcode::Credit => {
-            o as i64
-        }
+        Opcode::RegLocalAddr
+        | Opcode::RegPhysAddr
+        | Opcode::ConnGoodbye
+        | Opcode::Credit
+        | Opcode::CreditSlot
+        | Opcode::CreditWanted => o as i64,
     };
-    // CREDIT is ours (version 1); the legacy header does not name it.
+    // CREDIT (version 1), CREDIT_SLOT and CREDIT_WANTED (version 2) are
+    // ours; the legacy header does not name them.
     check(&[
         ("REG_LOCAL_ADDR", op(Opcode::RegLocalAddr)),
         ("REG_PHYS_ADDR", op(Opcode::RegPhysAddr)),

@@ -360,6 +360,10 @@ impl LegacyPeer {
                     }
                     // The peer is leaving: nothing follows.
                     Opcode::ConnGoodbye => return Err(Error::Disconnected),
+                    // Told to a peer claiming version 2, which may ignore
+                    // it: the other side then returns credit as commands
+                    // when asked (it never is here) or runs short.
+                    Opcode::CreditSlot if self.version >= 2 => {}
                     // The legacy library treats any other command as fatal.
                     other => {
                         return Err(Error::OperationFailed(format!(

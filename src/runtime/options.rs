@@ -63,6 +63,11 @@ pub struct Options {
     /// ring advertisement); a peer still not ready then is dropped, so
     /// clients that connect and go silent hold nothing for long.
     pub setup_deadline: Duration,
+    /// The newest protocol version this side speaks
+    /// ([`proto::VERSION`](crate::runtime::proto::VERSION) unless lowered),
+    /// so a program can talk to a peer on an older snowrdma as that one
+    /// would, and the tests can be such a peer.
+    pub protocol_version: u8,
 }
 
 /// Default [`Options::setup_deadline`]: far beyond a setup's few round
@@ -121,6 +126,7 @@ impl Default for Options {
             caller_polls: false,
             send_queue_bytes: default_send_queue_bytes(),
             setup_deadline: DEFAULT_SETUP_DEADLINE,
+            protocol_version: crate::runtime::proto::VERSION,
         }
     }
 }

@@ -8,12 +8,20 @@
 //! CREDIT (the receiver returns consumed ring space) and extended data
 //! messages (immediate bit 31 set: an 8-byte header precedes the payload in
 //! the ring). Nothing of version 1 is ever sent to a version-0 peer.
+//!
+//! Version 2 lets a receiver return credit without posting anything: it
+//! publishes what it has consumed in a 16-byte slot ([`CreditWords`]) the
+//! sender RDMA READs, with a READ chained to its messages (no doorbell of
+//! its own). CREDIT_SLOT tells the peer where the slot is; a sender that
+//! finds no room says what it needs with CREDIT_WANTED, and the receiver
+//! answers with a CREDIT once it has consumed that much. Nothing of version
+//! 2 is sent to an older peer.
 
 /// First byte of every command message ('R'); the C header's
 /// `RDMA_CMD_MAGIC` is generated from this constant.
 pub const RDMA_CMD_MAGIC: u8 = b'R';
 /// The protocol version this library speaks.
-pub const VERSION: u8 = 1;
+pub const VERSION: u8 = 2;
 /// Size of a command on the wire.
 pub const CMD_LEN: usize = 32;
 
@@ -33,6 +41,13 @@ pub enum Opcode {
     /// Version 1: `addr` = bytes of the ring consumed so far (cumulative),
     /// `length` = messages consumed so far (cumulative, wrapping).
     Credit = 3,
+    /// Version 2: `addr`, `length`, `key`: the receiver's credit slot, which
+    /// the sender may READ ([`CreditWords`]); once per connection.
+    CreditSlot = 4,
+    /// Version 2: the sender found no room: `addr` = the ring bytes and
+    /// `length` = the messages (cumulative, wrapping) the receiver must have
+    /// consumed before its next message fits.
+    CreditWanted = 5,
 }
 
 /// One command, as `RdmaCmd`: magic, version, opcode, 13 reserved bytes,
@@ -101,6 +116,8 @@ impl Cmd {
             1 => Opcode::RegPhysAddr,
             2 => Opcode::ConnGoodbye,
             3 => Opcode::Credit,
+            4 => Opcode::CreditSlot,
+            5 => Opcode::CreditWanted,
             other => return Err(CmdError::Opcode(other)),
         };
         let u32_be =
@@ -115,6 +132,36 @@ impl Cmd {
             length: u32_be(24..28),
             key: u32_be(28..32),
         })
+    }
+}
+
+/// What a version-2 receiver has consumed, as published in its credit
+/// slot: ring bytes and messages, both cumulative. Each is an aligned
+/// little-endian u64, so a READ racing the receiver's update sees each
+/// count whole, old or new; the sender checks each on its own.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct CreditWords {
+    pub bytes: u64,
+    pub msgs: u64,
+}
+
+impl CreditWords {
+    /// Size of the slot on the wire.
+    pub const LEN: usize = 16;
+
+    pub fn encode(self) -> [u8; Self::LEN] {
+        let mut b = [0u8; Self::LEN];
+        b[..8].copy_from_slice(&self.bytes.to_le_bytes());
+        b[8..].copy_from_slice(&self.msgs.to_le_bytes());
+        b
+    }
+
+    pub fn decode(b: &[u8; Self::LEN]) -> CreditWords {
+        let word = |r: std::ops::Range<usize>| u64::from_le_bytes(b[r].try_into().expect("8 bytes"));
+        CreditWords {
+            bytes: word(0..8),
+            msgs: word(8..16),
+        }
     }
 }
 
@@ -162,7 +209,7 @@ mod tests {
         let b = c.encode();
         assert_eq!(&b[3..11], &[0, 0, 4, 0, 0, 1, 0, 0]);
         assert_eq!(b[0], b'R');
-        assert_eq!(b[1], 1);
+        assert_eq!(b[1], VERSION);
         assert_eq!(b[2], 0);
         assert_eq!(&b[16..24], &0x1122_3344_5566_7788u64.to_ne_bytes());
         assert_eq!(&b[24..28], &(1u32 << 20).to_be_bytes());
@@ -189,8 +236,22 @@ mod tests {
         assert_eq!(Cmd::decode(&b[..31]), Err(CmdError::Length(31)));
         b[2] = 9;
         assert_eq!(Cmd::decode(&b), Err(CmdError::Opcode(9)));
+        b[2] = 4;
+        assert_eq!(Cmd::decode(&b).unwrap().opcode, Opcode::CreditSlot);
         b[0] = b'X';
         assert_eq!(Cmd::decode(&b), Err(CmdError::Magic(b'X')));
+    }
+
+    #[test]
+    fn credit_words_round_trip_little_endian() {
+        let w = CreditWords {
+            bytes: 0x0102_0304_0506_0708,
+            msgs: 9,
+        };
+        let b = w.encode();
+        assert_eq!(b[0], 0x08);
+        assert_eq!(b[8], 9);
+        assert_eq!(CreditWords::decode(&b), w);
     }
 
     #[test]

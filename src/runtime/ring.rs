@@ -78,6 +78,41 @@ impl SendRing {
         true
     }
 
+    /// A report that may be stale: a version-2 receiver's credit comes by
+    /// two paths (its slot, READ, and commands), which may cross. One at or
+    /// below what is known changes nothing (`Some(false)`); one beyond what
+    /// was sent is refused (`None`), as no honest receiver makes it.
+    pub fn ack_at_least(&mut self, consumed: u64) -> Option<bool> {
+        if consumed > self.head {
+            return None;
+        }
+        Some(self.ack(consumed))
+    }
+
+    /// Bytes used so far, skipped tails included.
+    pub fn head(&self) -> u64 {
+        self.head
+    }
+
+    /// Bytes the receiver has returned so far.
+    pub fn acked(&self) -> u64 {
+        self.acked
+    }
+
+    /// How many bytes the receiver must have returned in all before a
+    /// message of `len` bytes fits ([`SendRing::reserve`]).
+    pub fn needed_for(&self, len: usize) -> u64 {
+        let len = (len as u64).min(self.cap);
+        let pos = self.head % self.cap.max(1);
+        if len <= self.cap - pos {
+            (self.head + len).saturating_sub(self.cap)
+        } else {
+            // It wraps to 0 and must not reach the oldest unreturned byte:
+            // at most `pos - len` may be in flight, nothing when `len > pos`.
+            (self.head + len).saturating_sub(pos).min(self.head)
+        }
+    }
+
     /// Forgets everything: the peer advertised its buffer afresh.
     pub fn reset(&mut self, cap: usize) {
         *self = SendRing::new(cap);
@@ -157,6 +192,11 @@ impl RecvRing {
         }
     }
 
+    /// Bytes consumed so far, skipped tails and gaps included.
+    pub fn consumed(&self) -> u64 {
+        self.consumed
+    }
+
     /// Bytes consumed that the sender has not been told about.
     pub fn unreported(&self) -> u64 {
         self.consumed - self.reported
@@ -221,6 +261,49 @@ mod tests {
         assert!(!tx.ack(5), "nor repeat");
         assert!(!tx.ack(u64::MAX));
         assert_eq!(tx.in_flight(), 5);
+    }
+
+    #[test]
+    fn stale_reports_are_ignored_and_reports_beyond_what_was_sent_refused() {
+        let mut tx = SendRing::new(64);
+        tx.reserve(10);
+        assert_eq!(tx.ack_at_least(5), Some(true));
+        assert_eq!(tx.ack_at_least(5), Some(false), "a repeat");
+        assert_eq!(tx.ack_at_least(3), Some(false), "an older one");
+        assert_eq!(tx.ack_at_least(11), None);
+        assert_eq!(tx.acked(), 5);
+    }
+
+    #[test]
+    fn needed_for_is_exactly_what_makes_a_message_fit() {
+        // Every head, ack and length of a small ring: the message fits once
+        // the ack reaches `needed_for`, and not one byte before.
+        for start in 0..40u64 {
+            for len in 1..=16usize {
+                let mut tx = SendRing::new(16);
+                // Walk the head to `start` in steps that always fit.
+                while tx.head() < start {
+                    let step = (start - tx.head()).min(16 - tx.in_flight()).min(1) as usize;
+                    tx.reserve(step).unwrap();
+                    tx.ack(tx.head());
+                }
+                for inflight in 0..=16u64.min(tx.head()) {
+                    let mut t = tx.clone();
+                    t.acked = t.head - inflight;
+                    let need = t.needed_for(len);
+                    assert!(need <= t.head);
+                    let fits = |acked: u64| {
+                        let mut c = t.clone();
+                        c.acked = acked;
+                        c.reserve(len).is_some()
+                    };
+                    assert!(fits(need.max(t.acked)), "head {} len {len} need {need}", t.head);
+                    if need > t.acked {
+                        assert!(!fits(need - 1), "head {} len {len} need {need}", t.head);
+                    }
+                }
+            }
+        }
     }
 
     #[test]

@@ -64,7 +64,7 @@ impl Collect {
 }
 
 /// A started listener on the device whose connections share `handler`.
-fn serve(opts: &Options, handler: Arc<dyn ConnHandler>) -> (Listener, SocketAddr) {
+pub fn serve(opts: &Options, handler: Arc<dyn ConnHandler>) -> (Listener, SocketAddr) {
     let l = Listener::bind(
         SocketAddr::new(IpAddr::V4(device_ip()), 0),
         opts,

@@ -174,5 +174,6 @@ pub(super) unsafe fn resolve_options(opt: *const RdmaOptions) -> Options {
         caller_polls: false,
         send_queue_bytes: defaults.send_queue_bytes,
         setup_deadline: defaults.setup_deadline,
+        protocol_version: defaults.protocol_version,
     }
 }

@@ -17,11 +17,11 @@ use super::{wr_id, Connection, State, K_DATA};
 
 /// Work requests one doorbell chains at most: what the verbs layer chains
 /// on the stack (a kv batch's 64 requests, or 32 PUTs with their writes).
-/// A credit command may take one of them.
-const CHAIN: usize = 128;
+/// A credit command and a READ of the peer's credit may take two of them.
+const CHAIN: usize = 129;
 
 /// Messages one doorbell posts at most (each with no write ahead of it).
-pub const MESSAGES_PER_DOORBELL: usize = CHAIN - 1;
+pub const MESSAGES_PER_DOORBELL: usize = CHAIN - 2;
 
 /// An RDMA WRITE from a buffer registered on the connection that goes
 /// ahead of a message, as [`Connection::write_then_send`] makes it.
@@ -100,6 +100,8 @@ impl Connection {
             st.sq_used += 1;
         }
         let credit_sge = credit.map(|(_, sge)| [sge]);
+        // Behind the messages, a READ of what the peer consumed, when due.
+        let read = self.credit_read(&mut st).map(|(op, sge)| (op, [sge]));
         let mut chain: SmallVec<[SendRequest<'_>; CHAIN]> = SmallVec::new();
         if let (Some((slot, _)), Some(sge)) = (credit, &credit_sge) {
             chain.push(cmd_request(slot, sge));
@@ -113,6 +115,9 @@ impl Connection {
             // Inline, the provider copies the parts into the work request
             // at the post, so they may change as soon as it returns.
             chain.push(r.msg.request(&r.sges[..r.n]));
+        }
+        if let Some((op, sge)) = &read {
+            chain.push(Self::credit_read_request(*op, sge));
         }
         // SAFETY: inline parts are read at the post; written ranges stay
         // unchanged until the peer has their messages (the callers'
@@ -177,8 +182,8 @@ impl Connection {
         while posted < count {
             let mut st = self.lock();
             let mut staged: SmallVec<[Ready; MESSAGES_PER_DOORBELL]> = SmallVec::new();
-            // The credit command's place is kept.
-            let mut wrs = 1;
+            // The places of a credit command and a credit READ are kept.
+            let mut wrs = 2;
             for (i, &write) in writes.iter().enumerate().skip(posted) {
                 let data = Parts(msg(i).0);
                 wrs += 1 + usize::from(write.is_some());

@@ -1,16 +1,33 @@
 //! Credit: telling the peer how much of our receive ring it may use again.
-//! A credit command covers every message consumed before it; it rides with
-//! an outgoing message when one comes (no doorbell of its own), and goes
-//! alone only when the peer could run short, or a tick passes with nothing
-//! sent to carry it.
+//!
+//! With a version-1 peer, a credit command covers every message consumed
+//! before it; it rides with an outgoing message when one comes (no doorbell
+//! of its own), and goes alone only when the peer could run short, or a
+//! tick passes with nothing sent to carry it.
+//!
+//! With a version-2 peer, we also publish what we consumed in our credit
+//! slot, which the peer READs with a READ chained behind its messages, so a
+//! receiver that only receives (a stream's sink) posts nothing. A sender
+//! that finds no room says what it needs (CREDIT_WANTED); the receiver
+//! answers with a credit command, alone, once it has consumed that much.
 
 use std::sync::atomic::Ordering;
 
-use crate::runtime::proto::{Cmd, Opcode};
+use crate::runtime::proto::{Cmd, CreditWords, Opcode};
 use crate::runtime::Result;
-use crate::verbs::Sge;
+use crate::verbs::{AccessFlags, RemoteRegion, SendOp, SendRequest, Sge};
 
-use super::{ConnState, Connection, State};
+use super::{
+    wr_id, ConnState, Connection, State, CMD_RESERVE, K_BIND, K_CREDIT, MAX_SEND_WR,
+    PEER_CMD_RESERVE,
+};
+
+/// Where our published credit sits in the connection's credit region, and
+/// where the peer's lands when we READ it.
+const PUBLISHED_AT: usize = 0;
+const READ_INTO: usize = CreditWords::LEN;
+/// Size of the connection's credit region.
+pub(super) const CREDIT_REGION_LEN: usize = 2 * CreditWords::LEN;
 
 /// Consumed receive space not yet reported, by how pressing it is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -23,6 +40,37 @@ pub(super) enum Owed {
     Enough,
     /// Half of either: reported now, alone if need be.
     Urgent,
+}
+
+/// Version 2's credit by READ, in both roles.
+#[derive(Debug, Default)]
+pub(super) struct ReadCredit {
+    /// Receiver: our slot as the peer may READ it, once our ring is
+    /// advertised (and, in a shared PD, the slot's window bound).
+    own_slot: Option<RemoteRegion>,
+    /// Receiver: the peer was told where our slot is; it READs our credit,
+    /// which we then send alone only when it asks.
+    offered: bool,
+    /// Receiver: what a peer that found no room needs consumed (ring
+    /// bytes, messages wrapping at 32 bits); answered once met.
+    wanted: Option<(u64, u32)>,
+    /// Sender: the peer's slot.
+    peer_slot: Option<RemoteRegion>,
+    /// Sender: a READ of the peer's slot is in flight.
+    read_out: bool,
+    /// Sender: how much we had sent (ring bytes, messages) at the last READ.
+    read_at: (u64, u64),
+    /// Sender: we asked for credit and none came since.
+    want_out: bool,
+    /// Our ring's advertisement is posted: the slot may follow it.
+    ring_advertised: bool,
+}
+
+impl ReadCredit {
+    /// Our ring's advertisement is posted.
+    pub(super) fn ring_advertised(&mut self) {
+        self.ring_advertised = true;
+    }
 }
 
 impl Connection {
@@ -46,16 +94,16 @@ impl Connection {
         }
     }
 
-    /// Stages the credit command reporting everything consumed so far, the
-    /// receives of the messages it reports reposted first; `None` when no
-    /// command slot or send-queue room is free (a command completion frees
-    /// one, and a later round reports it, still unreported until then).
-    fn stage_credit(&self, st: &mut State) -> Result<Option<(u16, Sge)>> {
-        if st.cmd_free.is_empty() || st.sq_used >= super::MAX_SEND_WR {
-            return Ok(None);
-        }
+    /// Reports everything consumed so far: the receives of the messages it
+    /// covers reposted first, the counts published in our slot (the peer
+    /// may READ it at any time, so it never shows more than a command
+    /// reported). Returns the counts for a credit command.
+    fn take_report(&self, st: &mut State) -> Result<CreditWords> {
         self.flush_reposts(st)?;
-        let consumed = st.rx.take_report();
+        let words = CreditWords {
+            bytes: st.rx.take_report(),
+            msgs: st.rx_msgs,
+        };
         // Until something more is received and read; a message read while
         // this holder had the lock is not in this report yet.
         self.inner.rx_owed.store(false, Ordering::SeqCst);
@@ -63,8 +111,31 @@ impl Connection {
             self.inner.rx_owed.store(true, Ordering::SeqCst);
         }
         st.rx_msgs_reported = st.rx_msgs;
+        let slot = (self.inner.credit.addr() as usize + PUBLISHED_AT) as *mut u64;
+        // SAFETY: the credit region is ours, 8-byte aligned and lives as
+        // long as the connection; only the state lock's holder writes it.
+        // Each count is one aligned store, so a READ sees it whole.
+        unsafe {
+            slot.write_volatile(words.bytes.to_le());
+            slot.add(1).write_volatile(words.msgs.to_le());
+        }
+        Ok(words)
+    }
+
+    /// Stages the credit command reporting everything consumed so far;
+    /// `None` when no command slot or send-queue room is free (a command
+    /// completion frees one, and a later round reports it, still
+    /// unreported until then).
+    fn stage_credit(&self, st: &mut State) -> Result<Option<(u16, Sge)>> {
+        if st.cmd_free.is_empty() || st.sq_used >= MAX_SEND_WR {
+            return Ok(None);
+        }
+        let words = self.take_report(st)?;
         st.tx_msgs_at_credit = st.tx_msgs;
-        let cmd = Cmd::new(Opcode::Credit, consumed, st.rx_msgs as u32, 0);
+        // It reports everything: whatever the peer wanted, it now knows all
+        // there is (and asks again if that is not enough).
+        st.rc.wanted = None;
+        let cmd = Cmd::new(Opcode::Credit, words.bytes, words.msgs as u32, 0);
         Ok(self.stage_cmd(st, cmd))
     }
 
@@ -87,12 +158,17 @@ impl Connection {
     }
 
     /// Sends the credit owed, alone, if an eighth or more is owed (a
-    /// thread about to wait while the peer may be waiting for it).
+    /// thread about to wait while the peer may be waiting for it); to a
+    /// peer that READs our credit, only what it asked for.
     pub(super) fn send_owed_credit(&self, st: &mut State) {
-        let sent = self.credit_to_carry(st).and_then(|credit| match credit {
-            Some((slot, sge)) => self.post_staged_cmd(st, slot, sge),
-            None => Ok(()),
-        });
+        let sent = if st.rc.offered {
+            self.answer_or_publish(st)
+        } else {
+            self.credit_to_carry(st).and_then(|credit| match credit {
+                Some((slot, sge)) => self.post_staged_cmd(st, slot, sge),
+                None => Ok(()),
+            })
+        };
         if let Err(e) = sent {
             // Failing the connection needs the lock, which the caller
             // holds; the broken QP fails every later post too.
@@ -101,11 +177,13 @@ impl Connection {
     }
 
     /// Sends the credit owed alone when it cannot wait for a message to
-    /// carry it: half the ring or receive queue is owed, or an eighth while
-    /// this side has sent nothing since its last report; at a `tick` (of
-    /// the completion thread), whatever is owed if nothing was sent since
-    /// the last tick. A sender so waits at most about a tick, and one
-    /// credit covers many messages.
+    /// carry it. To a version-1 peer: half the ring or receive queue is
+    /// owed, or an eighth while this side has sent nothing since its last
+    /// report; at a `tick` (of the completion thread), whatever is owed if
+    /// nothing was sent since the last tick. A sender so waits at most
+    /// about a tick, and one credit covers many messages. To a peer that
+    /// READs our credit: only what it asked for, once consumed; an eighth
+    /// owed is published in the slot instead.
     pub(super) fn maybe_send_credit(&self, tick: bool) {
         // Between ticks, only what was received since the last report can
         // be owed, and a sender holding the lock carries it when enough is
@@ -125,6 +203,13 @@ impl Connection {
                 }
             },
         };
+        if st.rc.offered {
+            if let Err(e) = self.answer_or_publish(&mut st) {
+                drop(st);
+                self.fail(&format!("returning credit: {e}"));
+            }
+            return;
+        }
         let owed = self.credit_owed(&st);
         let sent_since_tick = st.tx_msgs != st.tx_msgs_at_tick;
         if tick {
@@ -142,6 +227,220 @@ impl Connection {
         if let Err(e) = self.post_credit(&mut st) {
             drop(st);
             self.fail(&format!("returning credit: {e}"));
+        }
+    }
+
+    /// To a peer that READs our credit: answers its request once we have
+    /// consumed what it needs, else publishes an eighth or more owed.
+    fn answer_or_publish(&self, st: &mut State) -> Result<()> {
+        let met = st.rc.wanted.is_some_and(|(bytes, msgs)| {
+            st.rx.consumed() >= bytes && (st.rx_msgs as u32).wrapping_sub(msgs) < 1 << 31
+        });
+        if met {
+            return self.post_credit(st);
+        }
+        if self.credit_owed(st) >= Owed::Enough {
+            self.take_report(st)?;
+        }
+        Ok(())
+    }
+
+    /// Our ring is advertised: tells a version-2 peer where our credit
+    /// slot is (once), the slot's window bound first in a shared PD.
+    pub(super) fn offer_credit_slot(&self, st: &mut State) -> Result<()> {
+        if st.rc.offered || st.peer_version < 2 || !st.rc.ring_advertised {
+            return Ok(());
+        }
+        let slot = match (&self.inner.credit_window, st.rc.own_slot) {
+            (_, Some(slot)) => slot,
+            (None, None) => RemoteRegion {
+                addr: self.inner.credit.addr() + PUBLISHED_AT as u64,
+                len: CreditWords::LEN as u64,
+                rkey: self.inner.credit.rkey(),
+            },
+            (Some(window), None) => {
+                st.sq_used += 1;
+                let _order = self.post_order();
+                // SAFETY: as the ring's window (`send_reg_local_addr`):
+                // window and region live as long as the connection, the
+                // window is dropped first.
+                let bound = unsafe {
+                    self.inner.qp.post_bind(
+                        wr_id(K_BIND, 0),
+                        window,
+                        &self.inner.credit,
+                        PUBLISHED_AT,
+                        CreditWords::LEN,
+                        AccessFlags::REMOTE_READ,
+                    )
+                };
+                match bound {
+                    Ok(region) => region,
+                    Err(e) => {
+                        st.sq_used -= 1;
+                        return Err(e.into());
+                    }
+                }
+            }
+        };
+        st.rc.own_slot = Some(slot);
+        let cmd = Cmd::new(Opcode::CreditSlot, slot.addr, slot.len as u32, slot.rkey);
+        // Without a free command slot the peer never learns of ours, and we
+        // go on returning credit as to a version-1 peer.
+        st.rc.offered = self.post_cmd(st, cmd)?;
+        Ok(())
+    }
+
+    /// The peer told us where its credit slot is.
+    pub(super) fn learn_peer_slot(st: &mut State, cmd: &Cmd) -> std::result::Result<(), String> {
+        if st.peer_ring.is_none() || st.peer_version < 2 {
+            return Err("a credit slot from a peer that cannot have one".into());
+        }
+        if st.rc.peer_slot.is_some() {
+            return Err("it told us its credit slot twice".into());
+        }
+        if cmd.length as usize != CreditWords::LEN {
+            return Err(format!("a credit slot of {} bytes", cmd.length));
+        }
+        st.rc.peer_slot = Some(RemoteRegion {
+            addr: cmd.addr,
+            len: CreditWords::LEN as u64,
+            rkey: cmd.key,
+        });
+        Ok(())
+    }
+
+    /// The peer found no room and says what it needs; answered now if we
+    /// have consumed that much, else once we have.
+    pub(super) fn credit_wanted(&self, cmd: &Cmd) -> std::result::Result<(), String> {
+        let mut st = self.lock();
+        if !st.rc.offered {
+            return Err("it asked for credit without being able to read ours".into());
+        }
+        st.rc.wanted = Some((cmd.addr, cmd.length));
+        if let Err(e) = self.answer_or_publish(&mut st) {
+            log::warn!("connection to {:?}: returning credit: {e}", self.inner.peer);
+        }
+        Ok(())
+    }
+
+    /// Takes a report of what the peer consumed: `msgs` wrap at 32 bits.
+    /// From a version-2 peer, a report may be older than one we already
+    /// have (the slot and commands cross) and is then ignored; any report
+    /// beyond what was sent is refused, and nothing changes then.
+    pub(super) fn take_credit(
+        &self,
+        st: &mut State,
+        bytes: u64,
+        msgs: u32,
+    ) -> std::result::Result<(), String> {
+        let may_be_stale = st.peer_version >= 2;
+        let acked = st.tx_msgs_acked;
+        let outstanding = st.tx_msgs - acked;
+        let mut newly = u64::from(msgs.wrapping_sub(acked as u32));
+        if newly > outstanding {
+            if !(may_be_stale && (acked as u32).wrapping_sub(msgs) < 1 << 31) {
+                return Err(format!(
+                    "it returned credit for {newly} messages, {outstanding} were outstanding"
+                ));
+            }
+            newly = 0;
+        }
+        let ring = if may_be_stale {
+            st.tx.ack_at_least(bytes)
+        } else {
+            Some(st.tx.ack(bytes)).filter(|&advanced| advanced)
+        };
+        let Some(ring_advanced) = ring else {
+            return Err(format!(
+                "it returned credit for ring byte {bytes} it was never given"
+            ));
+        };
+        st.tx_msgs_acked = acked + newly;
+        if ring_advanced || newly > 0 {
+            // What we asked for may have come: we may ask again.
+            st.rc.want_out = false;
+        }
+        Ok(())
+    }
+
+    /// The READ of the peer's credit slot to chain behind messages being
+    /// posted, accounted for: when the peer publishes its credit, none is in
+    /// flight, a quarter of its ring or receive queue is unacknowledged and
+    /// an eighth more was sent since the last READ.
+    pub(super) fn credit_read(&self, st: &mut State) -> Option<(SendOp, Sge)> {
+        let slot = st.rc.peer_slot?;
+        if st.rc.read_out || st.sq_used >= MAX_SEND_WR - CMD_RESERVE {
+            return None;
+        }
+        let ring = st.tx.capacity() as u64;
+        let depth = u64::from(st.peer_recv_depth).saturating_sub(PEER_CMD_RESERVE);
+        let (head, msgs) = (st.tx.head(), st.tx_msgs);
+        let unacked = head - st.tx.acked() >= ring / 4 || msgs - st.tx_msgs_acked >= depth / 4;
+        let (read_head, read_msgs) = st.rc.read_at;
+        let moved = head - read_head >= ring / 8 || msgs - read_msgs >= depth / 8;
+        if !(unacked && moved) {
+            return None;
+        }
+        st.rc.read_out = true;
+        st.rc.read_at = (head, msgs);
+        st.sq_used += 1;
+        // Its completion is on the send CQ, which is armed while async
+        // operations are out.
+        self.inner.async_pending.fetch_add(1, Ordering::SeqCst);
+        Some((
+            SendOp::Read(slot.at(0)),
+            self.inner.credit.sge(READ_INTO..READ_INTO + CreditWords::LEN),
+        ))
+    }
+
+    /// The READ `credit_read` chained.
+    pub(super) fn credit_read_request<'a>(op: SendOp, sge: &'a [Sge; 1]) -> SendRequest<'a> {
+        SendRequest::new(wr_id(K_CREDIT, 0), op, sge)
+    }
+
+    /// The READ of the peer's credit slot completed: its counts, read once,
+    /// are taken as a credit command's.
+    pub(super) fn credit_read_done(&self) {
+        self.inner.async_pending.fetch_sub(1, Ordering::SeqCst);
+        let mut st = self.lock();
+        st.sq_used -= 1;
+        st.rc.read_out = false;
+        let at = (self.inner.credit.addr() as usize + READ_INTO) as *const u64;
+        // SAFETY: the READ that wrote these bytes completed, and none is in
+        // flight; the region lives as long as the connection.
+        let words = unsafe {
+            CreditWords {
+                bytes: u64::from_le(at.read_volatile()),
+                msgs: u64::from_le(at.add(1).read_volatile()),
+            }
+        };
+        let taken = self.take_credit(&mut st, words.bytes, words.msgs as u32);
+        drop(st);
+        match taken {
+            Ok(()) => self.wake(),
+            Err(why) => self.fail(&format!("the peer broke the protocol: {why}")),
+        }
+    }
+
+    /// A message of `len` bytes (headers included) found no room: asks a
+    /// peer that publishes its credit for what it needs, unless asked
+    /// already or a READ of its slot is in flight (which may bring it).
+    pub(super) fn want_credit(&self, st: &mut State, len: usize) {
+        if st.rc.peer_slot.is_none() || st.rc.want_out || st.rc.read_out {
+            return;
+        }
+        let bytes = st.tx.needed_for(len);
+        let depth = u64::from(st.peer_recv_depth).saturating_sub(PEER_CMD_RESERVE);
+        let msgs = (st.tx_msgs + 1).saturating_sub(depth);
+        if bytes <= st.tx.acked() && msgs <= st.tx_msgs_acked {
+            // Our own send queue is full, not the peer's ring.
+            return;
+        }
+        let cmd = Cmd::new(Opcode::CreditWanted, bytes, msgs as u32, 0);
+        match self.post_cmd(st, cmd) {
+            Ok(posted) => st.rc.want_out = posted,
+            Err(e) => log::warn!("connection to {:?}: asking for credit: {e}", self.inner.peer),
         }
     }
 }

@@ -11,7 +11,7 @@ use crate::verbs::{Completion, RemoteRegion, WcOpcode, WcStatus};
 
 use super::InRing;
 use super::{
-    ConnState, Connection, Deferred, Delivery, KIND_SHIFT, K_BIND, K_CMD, K_DATA, K_READ, K_RECV,
+    ConnState, Connection, Deferred, Delivery, KIND_SHIFT, K_BIND, K_CMD, K_CREDIT, K_DATA, K_READ, K_RECV,
     K_SYNC, K_WRITE, LOW_MASK, MAX_POLL_BATCH, PEER_CMD_RESERVE,
 };
 
@@ -236,6 +236,7 @@ impl Connection {
                 self.callback(done, inline);
             }
             K_BIND => self.lock().sq_used -= 1,
+            K_CREDIT => self.credit_read_done(),
             K_SYNC => {
                 let mut st = self.lock();
                 st.sq_used -= 1;
@@ -272,7 +273,7 @@ impl Connection {
                     rkey: cmd.key,
                 };
                 // A newer peer speaks our version with us.
-                let version = cmd.version.min(VERSION);
+                let version = cmd.version.min(VERSION).min(self.inner.opts.protocol_version);
                 if ring.len == 0 {
                     return Err("it advertised an empty receive buffer".into());
                 }
@@ -300,6 +301,9 @@ impl Connection {
                     // On the accepting side the peer's advertisement can be
                     // handled before the CM thread has seen ESTABLISHED.
                     let first = matches!(st.state, ConnState::Connected | ConnState::Accepting);
+                    if let Err(e) = self.offer_credit_slot(&mut st) {
+                        log::warn!("connection to {:?}: offering the credit slot: {e}", self.inner.peer);
+                    }
                     if first {
                         st.state = ConnState::MrReady;
                         // The peer wraps where its staging buffer ends, when
@@ -326,26 +330,12 @@ impl Connection {
                 if st.peer_ring.is_none() || st.peer_version < 1 {
                     return Err("credit from a peer that cannot give it".into());
                 }
-                // Counts are cumulative and wrap at 32 bits: what is new is
-                // the difference, which cannot exceed what is unacknowledged.
-                let acked = st.tx_msgs_acked;
-                let newly = u64::from(cmd.length.wrapping_sub(acked as u32));
-                if newly > st.tx_msgs - acked {
-                    return Err(format!(
-                        "it returned credit for {newly} messages, {} were outstanding",
-                        st.tx_msgs - acked
-                    ));
-                }
-                if !st.tx.ack(cmd.addr) {
-                    return Err(format!(
-                        "it returned credit for ring byte {} it was never given",
-                        cmd.addr
-                    ));
-                }
-                st.tx_msgs_acked = acked + newly;
+                self.take_credit(&mut st, cmd.addr, cmd.length)?;
                 drop(st);
                 self.wake();
             }
+            Opcode::CreditSlot => Self::learn_peer_slot(&mut self.lock(), cmd)?,
+            Opcode::CreditWanted => self.credit_wanted(cmd)?,
         }
         Ok(())
     }

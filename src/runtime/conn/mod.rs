@@ -67,8 +67,10 @@ const K_CMD: u64 = 3;
 const K_WRITE: u64 = 4;
 const K_READ: u64 = 5;
 const K_SYNC: u64 = 6;
-/// The bind of the receive ring's memory window.
+/// The bind of a memory window (the receive ring's, the credit slot's).
 const K_BIND: u64 = 7;
+/// The READ of the peer's credit slot.
+const K_CREDIT: u64 = 8;
 const KIND_SHIFT: u32 = 56;
 const LOW_MASK: u64 = (1 << KIND_SHIFT) - 1;
 
@@ -209,6 +211,8 @@ struct State {
     /// [`REPOST_BATCH`] to a doorbell, and all before a credit reports
     /// their messages (the peer sends only into receives it was told of).
     reposts: Vec<u32>,
+    /// Credit by READ (protocol version 2), both roles.
+    rc: credit::ReadCredit,
 }
 
 /// Message receives reposted with one doorbell.
@@ -228,6 +232,9 @@ pub(crate) struct ConnInner {
     /// to this QP only). First, so it is dropped first: rxe holds a bound
     /// window's QP, and destroying the QP before it stalls for seconds.
     ring_window: Option<MemoryWindow>,
+    /// In a shared PD, the window the peer READs our credit slot through,
+    /// likewise bound to this QP alone.
+    credit_window: Option<MemoryWindow>,
     rt: Arc<Runtime>,
     link: Link,
     qp: QueuePair,
@@ -265,6 +272,9 @@ pub(crate) struct ConnInner {
     pd: ProtectionDomain,
     recv_ring: MemoryRegion,
     staging: MemoryRegion,
+    /// Our published credit (the peer may READ it) and where the peer's
+    /// lands when we READ it (`credit::CREDIT_REGION_LEN`).
+    credit: MemoryRegion,
     /// Where a received message is copied before anyone looks at it.
     rx_copy: Mutex<Vec<u8>>,
     cmd_recv: MemoryRegion,

@@ -406,6 +406,7 @@ impl Connection {
         before: Option<(Sge, RemoteAddr)>,
     ) -> Result<Option<MutexGuard<'a, State>>> {
         let Some(offset) = Self::reserve(&mut st, data.len(), ext, before.is_some()) else {
+            self.want_credit(&mut st, Self::ring_len(data.len(), ext));
             return Ok(Some(st));
         };
         // Inline, the header is read at the post, from here.
@@ -423,7 +424,7 @@ impl Connection {
         ext: Option<ExtKind>,
         before: bool,
     ) -> Option<usize> {
-        let total = len + if ext.is_some() { EXT_HEADER_LEN } else { 0 };
+        let total = Self::ring_len(len, ext);
         let msgs_ok = st.peer_version < 1
             || st.tx_msgs - st.tx_msgs_acked
                 < u64::from(st.peer_recv_depth).saturating_sub(PEER_CMD_RESERVE);
@@ -432,6 +433,11 @@ impl Connection {
             return None;
         }
         st.tx.reserve(total)
+    }
+
+    /// The ring bytes a message of `len` payload bytes takes.
+    fn ring_len(len: usize, ext: Option<ExtKind>) -> usize {
+        len + if ext.is_some() { EXT_HEADER_LEN } else { 0 }
     }
 
     /// A queued message staged for posting, if there is room for it.
@@ -519,6 +525,7 @@ impl Connection {
                     }
                 }
                 Ok(None) => {
+                    self.want_credit(st, Self::ring_len(q.data.len(), q.ext));
                     st.queue.unpop(q);
                     break;
                 }

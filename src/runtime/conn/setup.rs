@@ -8,7 +8,7 @@ use std::sync::{Arc, Condvar, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 use crate::runtime::options::Options;
-use crate::runtime::proto::{Cmd, Opcode, CMD_LEN};
+use crate::runtime::proto::{Cmd, Opcode, CMD_LEN, VERSION};
 use crate::runtime::ring::{RecvRing, SendRing};
 use crate::runtime::send_queue::SendQueue;
 use crate::runtime::socket::{handshake, SocketLink, SocketWatch};
@@ -17,6 +17,7 @@ use crate::verbs::{
     AccessFlags, CmEventKind, CmId, ConnParam, Context, PreparedQp, QpCaps, QpOptions, Sge,
 };
 
+use super::credit::{ReadCredit, CREDIT_REGION_LEN};
 use super::send::INLINE_PARTS;
 use super::{
     wr_id, CmSource, ConnHandler, ConnInner, ConnKind, ConnState, Connection, CqSource, Link,
@@ -102,6 +103,17 @@ impl Connection {
         } else {
             None
         };
+        // The credit slot likewise: through a window bound to this QP alone
+        // in a shared PD; the peer may only READ it.
+        let (credit_access, credit_window) = if shared_pd {
+            (
+                AccessFlags::LOCAL_WRITE | AccessFlags::MW_BIND,
+                Some(pd.alloc_mw()?),
+            )
+        } else {
+            (AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_READ, None)
+        };
+        let credit = pd.allocate(CREDIT_REGION_LEN, credit_access)?;
         let staging = pd.allocate(opts.recv_buf_len, AccessFlags::LOCAL_WRITE)?;
         let cmd_recv = pd.allocate(recv_depth as usize * CMD_LEN, AccessFlags::LOCAL_WRITE)?;
         let cmd_send = pd.allocate(CMD_SLOTS as usize * CMD_LEN, AccessFlags::LOCAL_WRITE)?;
@@ -132,6 +144,8 @@ impl Connection {
                 pd,
                 recv_ring,
                 ring_window,
+                credit_window,
+                credit,
                 staging,
                 rx_copy: Mutex::new(Vec::new()),
                 cmd_recv,
@@ -163,6 +177,7 @@ impl Connection {
                     tx_msgs_at_tick: 0,
                     last_errno: 0,
                     reposts: Vec::with_capacity(REPOST_BATCH),
+                    rc: ReadCredit::default(),
                 }),
                 cond: Condvar::new(),
                 sleep_lock: Mutex::new(()),
@@ -403,6 +418,7 @@ impl Connection {
             }
         };
         let mut cmd = Cmd::new(Opcode::RegLocalAddr, ring.addr, ring.len as u32, ring.rkey);
+        cmd.version = self.inner.opts.protocol_version.min(VERSION);
         cmd.recv_depth = self.inner.opts.recv_depth.max(2 * PEER_CMD_RESERVE as u32);
         cmd.ring_use = self.inner.staging.len() as u32;
         if !self.post_cmd(&mut st, cmd)? {
@@ -410,7 +426,9 @@ impl Connection {
                 "no room to advertise the receive buffer".into(),
             ));
         }
-        Ok(())
+        st.rc.ring_advertised();
+        // The peer's advertisement may have come first.
+        self.offer_credit_slot(&mut st)
     }
 
     /// The QPs are connected: an accepted connection moves on, and each

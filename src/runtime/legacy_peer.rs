@@ -13,11 +13,11 @@ use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use crate::verbs::{
-    AccessFlags, CmEventKind, CmId, Completion, CompletionQueue, ConnParam, MemoryRegion, QpCaps,
-    QueuePair, RemoteRegion, SendOp, SendRequest, WcOpcode,
+    AccessFlags, CmEventKind, CmId, Completion, CompletionQueue, ConnParam, MemoryRegion,
+    ProtectionDomain, QpCaps, QueuePair, RemoteRegion, SendOp, SendRequest, WcOpcode,
 };
 
-use super::proto::{Cmd, Opcode, CMD_LEN};
+use super::proto::{Cmd, CreditWords, Opcode, CMD_LEN};
 use super::{Error, Result, DEFAULT_RECV_BUF_LEN};
 
 /// Receives posted, as the legacy library's `rdmaRecvDepth` default.
@@ -39,6 +39,9 @@ pub struct LegacyPeer {
     ring: MemoryRegion,
     staging: MemoryRegion,
     cmds: MemoryRegion,
+    pd: ProtectionDomain,
+    /// The credit slot we told the other side of, as a version-2 peer.
+    credit_slot: Option<MemoryRegion>,
     peer_ring: Option<RemoteRegion>,
     /// Where the next message goes in the peer's ring; only grows.
     tx_offset: usize,
@@ -82,10 +85,22 @@ impl LegacyPeer {
         timeout: Duration,
         ready: impl FnOnce(SocketAddr),
     ) -> Result<LegacyPeer> {
+        LegacyPeer::accept_claiming(addr, timeout, 0, ready)
+    }
+
+    /// Accepts like [`LegacyPeer::accept`], advertising its ring with
+    /// `version`, as [`LegacyPeer::connect_claiming`] does.
+    pub fn accept_claiming(
+        addr: SocketAddr,
+        timeout: Duration,
+        version: u8,
+        ready: impl FnOnce(SocketAddr),
+    ) -> Result<LegacyPeer> {
         let listener = CmId::listen_on(addr, 8)?;
         ready(listener.local_addr().unwrap_or(addr));
         let (id, _) = listener.get_request(timeout)?;
         let mut peer = LegacyPeer::build(id, Some(listener))?;
+        peer.version = version;
         peer.id.accept(&ConnParam::default())?;
         peer.id.expect_event(CmEventKind::ESTABLISHED, timeout)?;
         peer.start(timeout)?;
@@ -124,6 +139,8 @@ impl LegacyPeer {
             ring,
             staging,
             cmds,
+            pd,
+            credit_slot: None,
             peer_ring: None,
             tx_offset: 0,
             unsignaled: 0,
@@ -184,6 +201,24 @@ impl LegacyPeer {
                 .post_send(&[SendRequest::new(SEND_WR, SendOp::Send, &sge)])?
         };
         self.wait_sent()
+    }
+
+    /// Tells the other side, as a version-2 peer does, where to READ what
+    /// we consumed, and makes it say `words`, true or not.
+    pub fn offer_credit_slot(&mut self, words: CreditWords) -> Result<()> {
+        let mut slot = self.pd.allocate(
+            CreditWords::LEN,
+            AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_READ,
+        )?;
+        slot.as_mut_slice().copy_from_slice(&words.encode());
+        let cmd = Cmd::new(
+            Opcode::CreditSlot,
+            slot.addr(),
+            CreditWords::LEN as u32,
+            slot.rkey(),
+        );
+        self.credit_slot = Some(slot);
+        self.send_command(&cmd.encode())
     }
 
     /// Writes `data` at byte `at` of the peer's ring with immediate `imm`,

@@ -157,7 +157,8 @@ impl CreditWords {
     }
 
     pub fn decode(b: &[u8; Self::LEN]) -> CreditWords {
-        let word = |r: std::ops::Range<usize>| u64::from_le_bytes(b[r].try_into().expect("8 bytes"));
+        let word =
+            |r: std::ops::Range<usize>| u64::from_le_bytes(b[r].try_into().expect("8 bytes"));
         CreditWords {
             bytes: word(0..8),
             msgs: word(8..16),

@@ -297,7 +297,11 @@ mod tests {
                         c.acked = acked;
                         c.reserve(len).is_some()
                     };
-                    assert!(fits(need.max(t.acked)), "head {} len {len} need {need}", t.head);
+                    assert!(
+                        fits(need.max(t.acked)),
+                        "head {} len {len} need {need}",
+                        t.head
+                    );
                     if need > t.acked {
                         assert!(!fits(need - 1), "head {} len {len} need {need}", t.head);
                     }

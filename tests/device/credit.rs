@@ -2,15 +2,18 @@
 //! to return credit, the sender READs it behind its messages, and a peer
 //! on an older version gets the version-1 protocol either way round.
 
-use std::sync::Arc;
+use std::net::{IpAddr, SocketAddr};
+use std::sync::{mpsc, Arc};
+use std::time::{Duration, Instant};
 
 use snowrdma::costs::{self, Counter};
-use snowrdma::runtime::proto::VERSION;
-use snowrdma::runtime::{CommMode, Connection, Options};
+use snowrdma::runtime::legacy_peer::LegacyPeer;
+use snowrdma::runtime::proto::{CreditWords, VERSION};
+use snowrdma::runtime::{CommMode, ConnHandler, Connection, Options};
 use snowrdma::verbs::selftest::fill_pattern;
 
 use crate::runtime::{serve, Collect};
-use crate::TIMEOUT;
+use crate::{device_ip, TIMEOUT};
 
 /// Messages of the stream: four times the receive queue, so credit must
 /// come back at least three times.
@@ -38,8 +41,8 @@ fn stream(sender_version: u8, receiver_version: u8) -> Stream {
     };
     let sink = Arc::new(Collect::default());
     let (server, addr) = serve(&opts(receiver_version), sink.clone());
-    let conn = Connection::connect(addr, &opts(sender_version), Arc::new(Collect::default()))
-        .unwrap();
+    let conn =
+        Connection::connect(addr, &opts(sender_version), Arc::new(Collect::default())).unwrap();
     let mut sent = Vec::with_capacity(MESSAGES as usize * LEN);
     let mut msg = [0u8; LEN];
     let (all, mine) = (costs::snapshot(), costs::this_thread());
@@ -49,7 +52,10 @@ fn stream(sender_version: u8, receiver_version: u8) -> Stream {
         sent.extend_from_slice(&msg);
     }
     let got = sink.wait_bytes(sent.len(), TIMEOUT * 3);
-    let (all, mine) = (costs::snapshot().since(&all), costs::this_thread().since(&mine));
+    let (all, mine) = (
+        costs::snapshot().since(&all),
+        costs::this_thread().since(&mine),
+    );
     assert!(got == sent, "the stream arrived changed");
     conn.close();
     server.release();
@@ -85,7 +91,118 @@ fn peers_on_version_1_get_credit_as_commands_either_way_round() {
         let s = stream(sender, receiver);
         // No READs: the sender posts its messages and nothing else, and the
         // receiver sends the credit.
-        assert_eq!((s.sender_doorbells, s.sender_wrs), (MESSAGES, MESSAGES), "{s:?}");
+        assert_eq!(
+            (s.sender_doorbells, s.sender_wrs),
+            (MESSAGES, MESSAGES),
+            "{s:?}"
+        );
         assert!(s.receiver_doorbells >= MESSAGES / 512, "{s:?}");
     }
+}
+
+/// Hands each message on after a pause: a receiver slower than its sender.
+struct Slow(Arc<Collect>);
+impl ConnHandler for Slow {
+    fn recv(&self, conn: &Connection, data: &[u8], imm: Option<u32>) {
+        std::thread::sleep(Duration::from_micros(300));
+        self.0.recv(conn, data, imm);
+    }
+}
+
+#[test]
+#[ignore = "needs an RDMA device: run `make test`"]
+fn a_sender_that_finds_no_room_asks_for_credit_and_gets_it() {
+    // A small ring, messages that wrap it at odd places, and a receiver
+    // slower than its sender: the sender keeps finding no room.
+    let opts = Options {
+        comm_mode: CommMode::Blocking,
+        recv_buf_len: 64 << 10,
+        ..Options::default()
+    };
+    let sink = Arc::new(Collect::default());
+    let (server, addr) = serve(&opts, Arc::new(Slow(sink.clone())));
+    let conn = Connection::connect(addr, &opts, Arc::new(Collect::default())).unwrap();
+    let mut sent = Vec::new();
+    let (all, mine) = (costs::snapshot(), costs::this_thread());
+    for k in 0..200u64 {
+        let mut msg = vec![0u8; 1 + (k as usize * 7919) % (30 << 10)];
+        fill_pattern(&mut msg, k);
+        assert_eq!(conn.send(&msg).unwrap(), msg.len(), "message {k}");
+        sent.extend_from_slice(&msg);
+    }
+    let got = sink.wait_bytes(sent.len(), TIMEOUT * 3);
+    let (all, mine) = (
+        costs::snapshot().since(&all),
+        costs::this_thread().since(&mine),
+    );
+    assert!(got == sent, "the stream arrived changed");
+    let asked = mine.get(Counter::SendDoorbells) - 200;
+    let answers = all.get(Counter::SendDoorbells) - mine.get(Counter::SendDoorbells);
+    eprintln!("asked {asked} times, answered {answers}");
+    assert!(
+        asked > 0 && answers > 0 && answers <= asked,
+        "asked {asked}, answered {answers}"
+    );
+    conn.close();
+    server.release();
+}
+
+/// A peer claiming version 2 whose credit slot says `words`: whether the
+/// other side's connection ended within `wait` after it sent the peer
+/// 600 messages (a quarter of the receive queue is 252).
+fn ended_over_lying_slot(words: CreditWords, wait: Duration) -> bool {
+    let (tx, rx) = mpsc::channel();
+    let peer = std::thread::spawn(move || {
+        let mut peer = LegacyPeer::accept_claiming(
+            SocketAddr::new(IpAddr::V4(device_ip()), 0),
+            TIMEOUT,
+            VERSION,
+            |a| tx.send(a).unwrap(),
+        )
+        .unwrap();
+        peer.offer_credit_slot(words).unwrap();
+        // Takes the messages until the other side leaves.
+        peer.cut_off(Instant::now() + TIMEOUT * 2)
+    });
+    let addr = rx.recv_timeout(TIMEOUT).unwrap();
+    let events = Arc::new(Collect::default());
+    let opts = Options {
+        comm_mode: CommMode::Blocking,
+        ..Options::default()
+    };
+    let conn = Connection::connect(addr, &opts, events.clone()).unwrap();
+    for _ in 0..600 {
+        if !matches!(conn.send(&[7u8; 64]), Ok(64)) {
+            break;
+        }
+    }
+    let ended = events.ended_within(wait);
+    conn.close();
+    assert!(peer.join().unwrap(), "the peer never saw the end");
+    ended
+}
+
+#[test]
+#[ignore = "needs an RDMA device: run `make test`"]
+fn a_peer_whose_slot_shows_credit_never_given_is_cut_off() {
+    // Once a quarter of the peer's receive queue is unacknowledged, the
+    // sender READs the slot: ring bytes or messages beyond what it sent
+    // end the connection.
+    for words in [
+        CreditWords {
+            bytes: 1 << 40,
+            msgs: 0,
+        },
+        CreditWords {
+            bytes: 0,
+            msgs: 5000,
+        },
+    ] {
+        assert!(ended_over_lying_slot(words, TIMEOUT), "{words:?}");
+    }
+    // Nothing consumed yet is the truth, and no violation.
+    assert!(!ended_over_lying_slot(
+        CreditWords::default(),
+        Duration::from_secs(2)
+    ));
 }

@@ -73,6 +73,30 @@ const VIOLATIONS: &[Violation] = &[
         },
     },
     Violation {
+        name: "a credit slot from a version-1 peer",
+        version: 1,
+        act: |p| p.send_command(&Cmd::new(Opcode::CreditSlot, 4096, 16, 1).encode()),
+    },
+    Violation {
+        name: "a credit slot of the wrong size",
+        version: VERSION,
+        act: |p| p.send_command(&Cmd::new(Opcode::CreditSlot, 4096, 8, 1).encode()),
+    },
+    Violation {
+        name: "a second credit slot",
+        version: VERSION,
+        act: |p| {
+            let slot = Cmd::new(Opcode::CreditSlot, 4096, 16, 1).encode();
+            p.send_command(&slot)?;
+            p.send_command(&slot)
+        },
+    },
+    Violation {
+        name: "credit wanted by a version-1 peer",
+        version: 1,
+        act: |p| p.send_command(&command(Opcode::CreditWanted, 0, 0)),
+    },
+    Violation {
         name: "a message out of order",
         version: 0,
         act: |p| p.write_with_imm(128, 128, &[7u8; 16]),

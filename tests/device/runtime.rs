@@ -43,12 +43,20 @@ impl ConnHandler for Collect {
 impl Collect {
     /// Waits until `disconnected` has fired.
     pub fn wait_disconnected(&self, timeout: Duration) {
+        assert!(
+            self.ended_within(timeout),
+            "no disconnected callback within {timeout:?}"
+        );
+    }
+
+    /// Whether `disconnected` fires within `timeout`.
+    pub fn ended_within(&self, timeout: Duration) -> bool {
         let g = self.got.lock().unwrap();
         let (g, _) = self
             .cond
             .wait_timeout_while(g, timeout, |g| g.2 == 0)
             .unwrap();
-        assert!(g.2 > 0, "no disconnected callback within {timeout:?}");
+        g.2 > 0
     }
 
     pub fn wait_bytes(&self, n: usize, timeout: Duration) -> Vec<u8> {

@@ -390,7 +390,9 @@ impl Connection {
         self.inner.async_pending.fetch_add(1, Ordering::SeqCst);
         Some((
             SendOp::Read(slot.at(0)),
-            self.inner.credit.sge(READ_INTO..READ_INTO + CreditWords::LEN),
+            self.inner
+                .credit
+                .sge(READ_INTO..READ_INTO + CreditWords::LEN),
         ))
     }
 
@@ -440,7 +442,10 @@ impl Connection {
         let cmd = Cmd::new(Opcode::CreditWanted, bytes, msgs as u32, 0);
         match self.post_cmd(st, cmd) {
             Ok(posted) => st.rc.want_out = posted,
-            Err(e) => log::warn!("connection to {:?}: asking for credit: {e}", self.inner.peer),
+            Err(e) => log::warn!(
+                "connection to {:?}: asking for credit: {e}",
+                self.inner.peer
+            ),
         }
     }
 }

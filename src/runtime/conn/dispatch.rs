@@ -11,8 +11,8 @@ use crate::verbs::{Completion, RemoteRegion, WcOpcode, WcStatus};
 
 use super::InRing;
 use super::{
-    ConnState, Connection, Deferred, Delivery, KIND_SHIFT, K_BIND, K_CMD, K_CREDIT, K_DATA, K_READ, K_RECV,
-    K_SYNC, K_WRITE, LOW_MASK, MAX_POLL_BATCH, PEER_CMD_RESERVE,
+    ConnState, Connection, Deferred, Delivery, KIND_SHIFT, K_BIND, K_CMD, K_CREDIT, K_DATA, K_READ,
+    K_RECV, K_SYNC, K_WRITE, LOW_MASK, MAX_POLL_BATCH, PEER_CMD_RESERVE,
 };
 
 impl Connection {
@@ -273,7 +273,10 @@ impl Connection {
                     rkey: cmd.key,
                 };
                 // A newer peer speaks our version with us.
-                let version = cmd.version.min(VERSION).min(self.inner.opts.protocol_version);
+                let version = cmd
+                    .version
+                    .min(VERSION)
+                    .min(self.inner.opts.protocol_version);
                 if ring.len == 0 {
                     return Err("it advertised an empty receive buffer".into());
                 }
@@ -302,7 +305,10 @@ impl Connection {
                     // handled before the CM thread has seen ESTABLISHED.
                     let first = matches!(st.state, ConnState::Connected | ConnState::Accepting);
                     if let Err(e) = self.offer_credit_slot(&mut st) {
-                        log::warn!("connection to {:?}: offering the credit slot: {e}", self.inner.peer);
+                        log::warn!(
+                            "connection to {:?}: offering the credit slot: {e}",
+                            self.inner.peer
+                        );
                     }
                     if first {
                         st.state = ConnState::MrReady;

@@ -17,7 +17,7 @@ use crate::verbs::{
     ProtectionDomain, QpCaps, QueuePair, RemoteRegion, SendOp, SendRequest, WcOpcode,
 };
 
-use super::proto::{Cmd, CreditWords, Opcode, CMD_LEN};
+use super::proto::{Cmd, CreditWords, Opcode, CMD_LEN, CREDIT_SLOT_LEN};
 use super::{Error, Result, DEFAULT_RECV_BUF_LEN};
 
 /// Receives posted, as the legacy library's `rdmaRecvDepth` default.
@@ -207,14 +207,14 @@ impl LegacyPeer {
     /// we consumed, and makes it say `words`, true or not.
     pub fn offer_credit_slot(&mut self, words: CreditWords) -> Result<()> {
         let mut slot = self.pd.allocate(
-            CreditWords::LEN,
+            CREDIT_SLOT_LEN,
             AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_READ,
         )?;
         slot.as_mut_slice().copy_from_slice(&words.encode());
         let cmd = Cmd::new(
             Opcode::CreditSlot,
             slot.addr(),
-            CreditWords::LEN as u32,
+            CREDIT_SLOT_LEN as u32,
             slot.rkey(),
         );
         self.credit_slot = Some(slot);

@@ -145,18 +145,18 @@ pub struct CreditWords {
     pub msgs: u64,
 }
 
-impl CreditWords {
-    /// Size of the slot on the wire.
-    pub const LEN: usize = 16;
+/// Size of a credit slot on the wire.
+pub const CREDIT_SLOT_LEN: usize = 16;
 
-    pub fn encode(self) -> [u8; Self::LEN] {
-        let mut b = [0u8; Self::LEN];
+impl CreditWords {
+    pub fn encode(self) -> [u8; CREDIT_SLOT_LEN] {
+        let mut b = [0u8; CREDIT_SLOT_LEN];
         b[..8].copy_from_slice(&self.bytes.to_le_bytes());
         b[8..].copy_from_slice(&self.msgs.to_le_bytes());
         b
     }
 
-    pub fn decode(b: &[u8; Self::LEN]) -> CreditWords {
+    pub fn decode(b: &[u8; CREDIT_SLOT_LEN]) -> CreditWords {
         let word =
             |r: std::ops::Range<usize>| u64::from_le_bytes(b[r].try_into().expect("8 bytes"));
         CreditWords {

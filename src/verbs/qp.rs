@@ -350,7 +350,7 @@ impl QueuePair {
 }
 
 /// Work requests chained on the stack, at most; longer chains go on the heap.
-const STACK_BATCH: usize = 128;
+const STACK_BATCH: usize = 129;
 
 /// `n` all-zero work requests: the first `n` of `stack` (only those are
 /// written: a chain of one does not zero 64), or `heap` when `n` is longer.

@@ -15,9 +15,10 @@ use crate::runtime::proto::EXT_HEADER_LEN;
 use super::send::{cmd_request, gather_sges, Parts, StagedMessage, INLINE_PARTS};
 use super::{wr_id, Connection, State, K_DATA};
 
-/// Work requests one doorbell chains at most: what the verbs layer chains
-/// on the stack (a kv batch's 64 requests, or 32 PUTs with their writes).
-/// A credit command and a READ of the peer's credit may take two of them.
+/// Work requests one doorbell chains at most, as many as the verbs layer
+/// chains on the stack (a kv batch's 64 requests, or 32 PUTs with their
+/// writes). A credit command and a READ of the peer's credit may take two
+/// of them.
 const CHAIN: usize = 129;
 
 /// Messages one doorbell posts at most (each with no write ahead of it).

@@ -13,7 +13,7 @@
 
 use std::sync::atomic::Ordering;
 
-use crate::runtime::proto::{Cmd, CreditWords, Opcode};
+use crate::runtime::proto::{Cmd, CreditWords, Opcode, CREDIT_SLOT_LEN};
 use crate::runtime::Result;
 use crate::verbs::{AccessFlags, RemoteRegion, SendOp, SendRequest, Sge};
 
@@ -25,9 +25,9 @@ use super::{
 /// Where our published credit sits in the connection's credit region, and
 /// where the peer's lands when we READ it.
 const PUBLISHED_AT: usize = 0;
-const READ_INTO: usize = CreditWords::LEN;
+const READ_INTO: usize = CREDIT_SLOT_LEN;
 /// Size of the connection's credit region.
-pub(super) const CREDIT_REGION_LEN: usize = 2 * CreditWords::LEN;
+pub(super) const CREDIT_REGION_LEN: usize = 2 * CREDIT_SLOT_LEN;
 
 /// Consumed receive space not yet reported, by how pressing it is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -245,6 +245,17 @@ impl Connection {
         Ok(())
     }
 
+    /// A command's slot came back: an answer to a request for credit that
+    /// found none free goes now.
+    pub(super) fn command_slot_freed(&self, st: &mut State) {
+        if st.rc.wanted.is_none() {
+            return;
+        }
+        if let Err(e) = self.answer_or_publish(st) {
+            log::warn!("connection to {:?}: returning credit: {e}", self.inner.peer);
+        }
+    }
+
     /// Our ring is advertised: tells a version-2 peer where our credit
     /// slot is (once), the slot's window bound first in a shared PD.
     pub(super) fn offer_credit_slot(&self, st: &mut State) -> Result<()> {
@@ -255,7 +266,7 @@ impl Connection {
             (_, Some(slot)) => slot,
             (None, None) => RemoteRegion {
                 addr: self.inner.credit.addr() + PUBLISHED_AT as u64,
-                len: CreditWords::LEN as u64,
+                len: CREDIT_SLOT_LEN as u64,
                 rkey: self.inner.credit.rkey(),
             },
             (Some(window), None) => {
@@ -270,7 +281,7 @@ impl Connection {
                         window,
                         &self.inner.credit,
                         PUBLISHED_AT,
-                        CreditWords::LEN,
+                        CREDIT_SLOT_LEN,
                         AccessFlags::REMOTE_READ,
                     )
                 };
@@ -299,12 +310,12 @@ impl Connection {
         if st.rc.peer_slot.is_some() {
             return Err("it told us its credit slot twice".into());
         }
-        if cmd.length as usize != CreditWords::LEN {
+        if cmd.length as usize != CREDIT_SLOT_LEN {
             return Err(format!("a credit slot of {} bytes", cmd.length));
         }
         st.rc.peer_slot = Some(RemoteRegion {
             addr: cmd.addr,
-            len: CreditWords::LEN as u64,
+            len: CREDIT_SLOT_LEN as u64,
             rkey: cmd.key,
         });
         Ok(())
@@ -385,14 +396,15 @@ impl Connection {
         st.rc.read_out = true;
         st.rc.read_at = (head, msgs);
         st.sq_used += 1;
-        // Its completion is on the send CQ, which is armed while async
-        // operations are out.
+        // Its completion is on the send CQ: armed before posting, so it
+        // raises an event (and stays armed while async operations are out).
         self.inner.async_pending.fetch_add(1, Ordering::SeqCst);
+        self.arm_send();
         Some((
             SendOp::Read(slot.at(0)),
             self.inner
                 .credit
-                .sge(READ_INTO..READ_INTO + CreditWords::LEN),
+                .sge(READ_INTO..READ_INTO + CREDIT_SLOT_LEN),
         ))
     }
 
@@ -428,6 +440,10 @@ impl Connection {
     /// A message of `len` bytes (headers included) found no room: asks a
     /// peer that publishes its credit for what it needs, unless asked
     /// already or a READ of its slot is in flight (which may bring it).
+    /// It asks for an eighth of the ring and of the receive queue more
+    /// than it has (or all it sent, if less), at least what the message
+    /// needs: behind a slow receiver, one request then frees many messages'
+    /// room, not one's.
     pub(super) fn want_credit(&self, st: &mut State, len: usize) {
         if st.rc.peer_slot.is_none() || st.rc.want_out || st.rc.read_out {
             return;
@@ -439,6 +455,9 @@ impl Connection {
             // Our own send queue is full, not the peer's ring.
             return;
         }
+        let ring = st.tx.capacity() as u64;
+        let bytes = bytes.max((st.tx.acked() + ring / 8).min(st.tx.head()));
+        let msgs = msgs.max((st.tx_msgs_acked + depth / 8).min(st.tx_msgs));
         let cmd = Cmd::new(Opcode::CreditWanted, bytes, msgs as u32, 0);
         match self.post_cmd(st, cmd) {
             Ok(posted) => st.rc.want_out = posted,

@@ -220,6 +220,7 @@ impl Connection {
                 let mut st = self.lock();
                 st.sq_used -= 1;
                 st.cmd_free.push(low as u16);
+                self.command_slot_freed(&mut st);
                 drop(st);
                 // A closing thread waits for its goodbye to complete.
                 self.wake();

@@ -7,9 +7,11 @@ use std::sync::{MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use crate::runtime::options::CommMode;
-use crate::runtime::proto::{Cmd, ExtKind, CMD_LEN, EXT_HEADER_LEN, IMM_EXTENDED};
+use crate::runtime::proto::{Cmd, ExtKind, CMD_LEN, EXT_HEADER_LEN, IMM_EXTENDED, VERSION};
 use crate::runtime::send_queue::{Push, SendQueueStats};
 use crate::runtime::{Error, Result};
+use smallvec::SmallVec;
+
 use crate::verbs::{MemoryRegion, RemoteAddr, SendOp, SendRequest, Sge};
 
 use super::{
@@ -120,6 +122,11 @@ impl Connection {
         }
         let slot = st.cmd_free.pop()?;
         let off = slot as usize * CMD_LEN;
+        // What this side speaks (lowered for an older peer's sake).
+        let cmd = Cmd {
+            version: self.inner.opts.protocol_version.min(VERSION),
+            ..cmd
+        };
         // SAFETY: the slot is inside the command buffer and free (its
         // previous send completed); we hold the lock. The protocol's own
         // 32 bytes, not payload: not counted as a copy.
@@ -456,22 +463,26 @@ impl Connection {
     }
 
     /// Posts staged messages (at most [`QUEUED_PER_DOORBELL`]), in order,
-    /// with one doorbell.
+    /// with one doorbell, a READ of the peer's credit behind them when due.
     fn post_staged(&self, st: &mut State, staged: &[StagedMessage]) -> Result<()> {
         if staged.is_empty() {
             return Ok(());
         }
         let sges: [[Sge; 1]; QUEUED_PER_DOORBELL] =
             std::array::from_fn(|i| [staged.get(i).map_or(StagedMessage::NONE.sge, |m| m.sge)]);
-        let reqs: [SendRequest<'_>; QUEUED_PER_DOORBELL] = std::array::from_fn(|i| {
-            staged
-                .get(i)
-                .unwrap_or(&StagedMessage::NONE)
-                .request(&sges[i])
-        });
+        let read = self.credit_read(st).map(|(op, sge)| (op, [sge]));
+        let mut reqs: SmallVec<[SendRequest<'_>; QUEUED_PER_DOORBELL + 1]> = staged
+            .iter()
+            .zip(&sges)
+            .map(|(m, sge)| m.request(sge))
+            .collect();
+        if let Some((op, sge)) = &read {
+            reqs.push(Self::credit_read_request(*op, sge));
+        }
         // SAFETY: each staging range stays reserved until the peer returns
-        // it, which is after its write has landed.
-        unsafe { self.post_in_order(st, &reqs[..staged.len()]) }
+        // it, which is after its write has landed; the READ's range is the
+        // credit region's, which only its completion reads.
+        unsafe { self.post_in_order(st, &reqs) }
     }
 
     /// Sends queued messages while there is room.

@@ -8,7 +8,7 @@ use std::sync::{Arc, Condvar, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 use crate::runtime::options::Options;
-use crate::runtime::proto::{Cmd, Opcode, CMD_LEN, VERSION};
+use crate::runtime::proto::{Cmd, Opcode, CMD_LEN};
 use crate::runtime::ring::{RecvRing, SendRing};
 use crate::runtime::send_queue::SendQueue;
 use crate::runtime::socket::{handshake, SocketLink, SocketWatch};
@@ -418,7 +418,6 @@ impl Connection {
             }
         };
         let mut cmd = Cmd::new(Opcode::RegLocalAddr, ring.addr, ring.len as u32, ring.rkey);
-        cmd.version = self.inner.opts.protocol_version.min(VERSION);
         cmd.recv_depth = self.inner.opts.recv_depth.max(2 * PEER_CMD_RESERVE as u32);
         cmd.ring_use = self.inner.staging.len() as u32;
         if !self.post_cmd(&mut st, cmd)? {

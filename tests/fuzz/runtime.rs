@@ -14,8 +14,10 @@ fn cmd(version: u8, opcode: Opcode, addr: u64, length: u32, key: u32) -> Vec<u8>
 
 fn cmd_inputs() -> Vec<Input> {
     let mut v1 = Cmd::new(Opcode::RegLocalAddr, 0x7f12_3456_7000, 1 << 20, 0x1234);
+    v1.version = 1;
     v1.recv_depth = 512;
     v1.ring_use = 64 << 10;
+    let v2 = Cmd { version: 2, ..v1 };
     let mut garbage = v1.encode();
     garbage[11..16].copy_from_slice(&[0xff; 5]);
     let mut legacy_garbage = cmd(0, Opcode::RegLocalAddr, 0x1000, 4096, 7);
@@ -32,6 +34,7 @@ fn cmd_inputs() -> Vec<Input> {
         "runtime_cmd",
         &[
             ("ok-reg_local_addr_v1", v1.encode().to_vec()),
+            ("ok-reg_local_addr_v2", v2.encode().to_vec()),
             (
                 "ok-reg_local_addr_v0",
                 cmd(0, Opcode::RegLocalAddr, 0x1000, 4096, 7),
@@ -49,11 +52,19 @@ fn cmd_inputs() -> Vec<Input> {
                 cmd(1, Opcode::Credit, u64::MAX, u32::MAX, u32::MAX),
             ),
             ("ok-future_version", with(1, 0xff)),
+            (
+                "ok-credit_slot",
+                cmd(2, Opcode::CreditSlot, 0x7f12_3456_8000, 16, 0x5678),
+            ),
+            (
+                "ok-credit_wanted",
+                cmd(2, Opcode::CreditWanted, 1 << 20, 1000, 0),
+            ),
             ("bad-empty", Vec::new()),
             ("bad-truncated", credit[..CMD_LEN - 1].to_vec()),
             ("bad-oversize", oversize),
             ("bad-magic", with(0, b'X')),
-            ("bad-opcode_4", with(2, 4)),
+            ("bad-opcode_6", with(2, 6)),
             ("bad-opcode_255", with(2, 0xff)),
         ],
     )

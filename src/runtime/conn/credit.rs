@@ -396,10 +396,15 @@ impl Connection {
         st.rc.read_out = true;
         st.rc.read_at = (head, msgs);
         st.sq_used += 1;
-        // Its completion is on the send CQ: armed before posting, so it
-        // raises an event (and stays armed while async operations are out).
+        // Its completion is on the send CQ. The completion thread polls it
+        // while it spins and arms it before it sleeps while async
+        // operations are out (`drain_and_arm`), so a READ it posts (a
+        // handler's answer) costs no arming, which is a system call; one
+        // another thread posts may find it asleep, so it is armed first.
         self.inner.async_pending.fetch_add(1, Ordering::SeqCst);
-        self.arm_send();
+        if !self.inner.rt.cq.is_current() {
+            self.arm_send();
+        }
         Some((
             SendOp::Read(slot.at(0)),
             self.inner

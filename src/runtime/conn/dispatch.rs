@@ -142,17 +142,31 @@ impl Connection {
             }
         }
         let mut handled = false;
+        let mut rearmed = false;
         loop {
             let n = self.poll_cq(false, wcs, false) + self.poll_cq(true, wcs, false);
             // An empty round after a busy one owes nothing more.
-            if n == 0 && handled {
-                return;
+            if n > 0 || !handled {
+                self.after_round();
+                handled = true;
             }
-            self.after_round();
-            if n == 0 {
-                return;
+            if n > 0 {
+                continue;
             }
-            handled = true;
+            // What this drain's callbacks sent may have put a READ of the
+            // peer's credit in flight after the arming above: armed now (not
+            // at every READ's post, which costs a system call), and polled
+            // once more for what completed before.
+            if !unwatched
+                && !rearmed
+                && self.inner.async_pending.load(Ordering::SeqCst) > 0
+                && !self.inner.send_armed.load(Ordering::SeqCst)
+            {
+                self.arm_send();
+                rearmed = true;
+                continue;
+            }
+            return;
         }
     }
 

@@ -30,6 +30,25 @@ struct Stream {
     receiver_doorbells: u64,
 }
 
+/// Runs `send`, which sends and appends what it sent to what `sink` got
+/// before (`sent`), waits until `sink` has it all and checks it; counts
+/// the doorbells and work requests of this thread and the others' meanwhile.
+fn counted(sink: &Collect, mut sent: Vec<u8>, send: impl FnOnce(&mut Vec<u8>)) -> Stream {
+    let (all, mine) = (costs::snapshot(), costs::this_thread());
+    send(&mut sent);
+    let got = sink.wait_bytes(sent.len(), TIMEOUT * 3);
+    let (all, mine) = (
+        costs::snapshot().since(&all),
+        costs::this_thread().since(&mine),
+    );
+    assert!(got == sent, "the stream arrived changed");
+    Stream {
+        sender_doorbells: mine.get(Counter::SendDoorbells),
+        sender_wrs: mine.get(Counter::SendRequests),
+        receiver_doorbells: all.get(Counter::SendDoorbells) - mine.get(Counter::SendDoorbells),
+    }
+}
+
 /// Streams [`MESSAGES`] from a sender speaking `sender_version` to a
 /// receiver speaking `receiver_version`, checks every byte arrived in
 /// order, and counts.
@@ -43,32 +62,20 @@ fn stream(sender_version: u8, receiver_version: u8) -> Stream {
     let (server, addr) = serve(&opts(receiver_version), sink.clone());
     let conn =
         Connection::connect(addr, &opts(sender_version), Arc::new(Collect::default())).unwrap();
-    let mut sent = Vec::with_capacity(MESSAGES as usize * LEN + 1);
-    let mut msg = [0u8; LEN];
     // The receiver's part of the setup (its credit slot's offer) is done
     // once it has a first message: counting starts after that.
     assert_eq!(conn.send(&[0]).unwrap(), 1);
-    sent.push(0);
     sink.wait_bytes(1, TIMEOUT);
-    let (all, mine) = (costs::snapshot(), costs::this_thread());
-    for k in 0..MESSAGES {
-        fill_pattern(&mut msg, k);
-        assert_eq!(conn.send(&msg).unwrap(), LEN, "message {k}");
-        sent.extend_from_slice(&msg);
-    }
-    let got = sink.wait_bytes(sent.len(), TIMEOUT * 3);
-    let (all, mine) = (
-        costs::snapshot().since(&all),
-        costs::this_thread().since(&mine),
-    );
-    assert!(got == sent, "the stream arrived changed");
+    let s = counted(&sink, vec![0], |sent| {
+        let mut msg = [0u8; LEN];
+        for k in 0..MESSAGES {
+            fill_pattern(&mut msg, k);
+            assert_eq!(conn.send(&msg).unwrap(), LEN, "message {k}");
+            sent.extend_from_slice(&msg);
+        }
+    });
     conn.close();
     server.release();
-    let s = Stream {
-        sender_doorbells: mine.get(Counter::SendDoorbells),
-        sender_wrs: mine.get(Counter::SendRequests),
-        receiver_doorbells: all.get(Counter::SendDoorbells) - mine.get(Counter::SendDoorbells),
-    };
     eprintln!("sender v{sender_version}, receiver v{receiver_version}: {s:?}");
     s
 }
@@ -130,24 +137,18 @@ fn a_sender_that_finds_no_room_asks_for_credit_and_gets_it() {
         let sink = Arc::new(Collect::default());
         let (server, addr) = serve(&opts, Arc::new(Slow(sink.clone())));
         let conn = Connection::connect(addr, &opts, Arc::new(Collect::default())).unwrap();
-        let mut sent = Vec::new();
-        let (all, mine) = (costs::snapshot(), costs::this_thread());
-        for k in 0..200u64 {
-            let mut msg = vec![0u8; 1 + (k as usize * 7919) % (30 << 10)];
-            fill_pattern(&mut msg, k);
-            assert_eq!(conn.send(&msg).unwrap(), msg.len(), "{mode:?}: message {k}");
-            sent.extend_from_slice(&msg);
-        }
-        let got = sink.wait_bytes(sent.len(), TIMEOUT * 3);
-        let (all, mine) = (
-            costs::snapshot().since(&all),
-            costs::this_thread().since(&mine),
-        );
-        assert!(got == sent, "{mode:?}: the stream arrived changed");
+        let s = counted(&sink, Vec::new(), |sent| {
+            for k in 0..200u64 {
+                let mut msg = vec![0u8; 1 + (k as usize * 7919) % (30 << 10)];
+                fill_pattern(&mut msg, k);
+                assert_eq!(conn.send(&msg).unwrap(), msg.len(), "{mode:?}: message {k}");
+                sent.extend_from_slice(&msg);
+            }
+        });
         if mode == CommMode::Blocking {
             // Only the sending thread posts the messages and the requests.
-            let asked = mine.get(Counter::SendDoorbells) - 200;
-            let answers = all.get(Counter::SendDoorbells) - mine.get(Counter::SendDoorbells);
+            let asked = s.sender_doorbells - 200;
+            let answers = s.receiver_doorbells;
             eprintln!("asked {asked} times, answered {answers}");
             assert!(
                 asked > 0 && answers > 0 && answers <= asked,

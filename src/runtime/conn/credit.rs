@@ -18,8 +18,7 @@ use crate::runtime::Result;
 use crate::verbs::{AccessFlags, RemoteRegion, SendOp, SendRequest, Sge};
 
 use super::{
-    wr_id, ConnState, Connection, State, CMD_RESERVE, K_BIND, K_CREDIT, MAX_SEND_WR,
-    PEER_CMD_RESERVE,
+    wr_id, ConnState, Connection, State, CMD_RESERVE, K_CREDIT, MAX_SEND_WR, PEER_CMD_RESERVE,
 };
 
 /// Where our published credit sits in the connection's credit region, and
@@ -269,30 +268,13 @@ impl Connection {
                 len: CREDIT_SLOT_LEN as u64,
                 rkey: self.inner.credit.rkey(),
             },
-            (Some(window), None) => {
-                st.sq_used += 1;
-                let _order = self.post_order();
-                // SAFETY: as the ring's window (`send_reg_local_addr`):
-                // window and region live as long as the connection, the
-                // window is dropped first.
-                let bound = unsafe {
-                    self.inner.qp.post_bind(
-                        wr_id(K_BIND, 0),
-                        window,
-                        &self.inner.credit,
-                        PUBLISHED_AT,
-                        CREDIT_SLOT_LEN,
-                        AccessFlags::REMOTE_READ,
-                    )
-                };
-                match bound {
-                    Ok(region) => region,
-                    Err(e) => {
-                        st.sq_used -= 1;
-                        return Err(e.into());
-                    }
-                }
-            }
+            (Some(window), None) => self.bind_window(
+                st,
+                window,
+                &self.inner.credit,
+                PUBLISHED_AT..READ_INTO,
+                AccessFlags::REMOTE_READ,
+            )?,
         };
         st.rc.own_slot = Some(slot);
         let cmd = Cmd::new(Opcode::CreditSlot, slot.addr, slot.len as u32, slot.rkey);

@@ -14,7 +14,8 @@ use crate::runtime::send_queue::SendQueue;
 use crate::runtime::socket::{handshake, SocketLink, SocketWatch};
 use crate::runtime::{runtime, Error, Result, Runtime};
 use crate::verbs::{
-    AccessFlags, CmEventKind, CmId, ConnParam, Context, PreparedQp, QpCaps, QpOptions, Sge,
+    AccessFlags, CmEventKind, CmId, ConnParam, Context, MemoryRegion, MemoryWindow, PreparedQp,
+    QpCaps, QpOptions, RemoteRegion, Sge,
 };
 
 use super::credit::{ReadCredit, CREDIT_REGION_LEN};
@@ -385,37 +386,50 @@ impl Connection {
         Ok(())
     }
 
+    /// Binds `window` to `range` of `mr` (one of the connection's own
+    /// regions) with `access`, for this QP alone. The QP is ready to send:
+    /// the bind goes first on its send queue, so the peer can use the rkey
+    /// it is about to learn.
+    pub(super) fn bind_window(
+        &self,
+        st: &mut State,
+        window: &MemoryWindow,
+        mr: &MemoryRegion,
+        range: std::ops::Range<usize>,
+        access: AccessFlags,
+    ) -> Result<RemoteRegion> {
+        st.sq_used += 1;
+        let _order = self.post_order();
+        // SAFETY: the connection's windows and regions live as long as it,
+        // its windows are dropped first (field order), and the QP outlives
+        // its completions.
+        let bound = unsafe {
+            self.inner.qp.post_bind(
+                wr_id(K_BIND, 0),
+                window,
+                mr,
+                range.start,
+                range.len(),
+                access,
+            )
+        };
+        bound.map_err(|e| {
+            st.sq_used -= 1;
+            e.into()
+        })
+    }
+
     pub(super) fn send_reg_local_addr(&self) -> Result<()> {
         let mut st = self.lock();
         let ring = match &self.inner.ring_window {
             None => self.inner.recv_ring.remote(),
-            Some(window) => {
-                // The QP is ready to send now; the bind goes first on its
-                // send queue, so the peer can use the rkey it is about to
-                // learn.
-                st.sq_used += 1;
-                let _order = self.post_order();
-                // SAFETY: window and ring live as long as the connection,
-                // the window is dropped first (field order), and the QP
-                // outlives its completions.
-                let bound = unsafe {
-                    self.inner.qp.post_bind(
-                        wr_id(K_BIND, 0),
-                        window,
-                        &self.inner.recv_ring,
-                        0,
-                        self.inner.recv_ring.len(),
-                        AccessFlags::REMOTE_WRITE,
-                    )
-                };
-                match bound {
-                    Ok(region) => region,
-                    Err(e) => {
-                        st.sq_used -= 1;
-                        return Err(e.into());
-                    }
-                }
-            }
+            Some(window) => self.bind_window(
+                &mut st,
+                window,
+                &self.inner.recv_ring,
+                0..self.inner.recv_ring.len(),
+                AccessFlags::REMOTE_WRITE,
+            )?,
         };
         let mut cmd = Cmd::new(Opcode::RegLocalAddr, ring.addr, ring.len as u32, ring.rkey);
         cmd.recv_depth = self.inner.opts.recv_depth.max(2 * PEER_CMD_RESERVE as u32);

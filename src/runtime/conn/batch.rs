@@ -102,7 +102,7 @@ impl Connection {
         }
         let credit_sge = credit.map(|(_, sge)| [sge]);
         // Behind the messages, a READ of what the peer consumed, when due.
-        let read = self.credit_read(&mut st).map(|(op, sge)| (op, [sge]));
+        let read = self.credit_read(&mut st);
         let mut chain: SmallVec<[SendRequest<'_>; CHAIN]> = SmallVec::new();
         if let (Some((slot, _)), Some(sge)) = (credit, &credit_sge) {
             chain.push(cmd_request(slot, sge));
@@ -117,8 +117,8 @@ impl Connection {
             // at the post, so they may change as soon as it returns.
             chain.push(r.msg.request(&r.sges[..r.n]));
         }
-        if let Some((op, sge)) = &read {
-            chain.push(Self::credit_read_request(*op, sge));
+        if let Some(read) = &read {
+            chain.push(read.request());
         }
         // SAFETY: inline parts are read at the post; written ranges stay
         // unchanged until the peer has their messages (the callers'

@@ -15,7 +15,7 @@ use std::sync::atomic::Ordering;
 
 use crate::runtime::proto::{Cmd, CreditWords, Opcode, CREDIT_SLOT_LEN};
 use crate::runtime::Result;
-use crate::verbs::{AccessFlags, RemoteRegion, SendOp, SendRequest, Sge};
+use crate::verbs::{AccessFlags, RemoteAddr, RemoteRegion, SendOp, SendRequest, Sge};
 
 use super::{
     wr_id, ConnState, Connection, State, CMD_RESERVE, K_CREDIT, MAX_SEND_WR, PEER_CMD_RESERVE,
@@ -63,6 +63,18 @@ pub(super) struct ReadCredit {
     want_out: bool,
     /// Our ring's advertisement is posted: the slot may follow it.
     ring_advertised: bool,
+}
+
+/// A READ of the peer's credit slot, accounted for, to chain.
+pub(super) struct CreditRead {
+    from: RemoteAddr,
+    into: [Sge; 1],
+}
+
+impl CreditRead {
+    pub(super) fn request(&self) -> SendRequest<'_> {
+        SendRequest::new(wr_id(K_CREDIT, 0), SendOp::Read(self.from), &self.into)
+    }
 }
 
 impl ReadCredit {
@@ -361,7 +373,7 @@ impl Connection {
     /// posted, accounted for: when the peer publishes its credit, none is in
     /// flight, a quarter of its ring or receive queue is unacknowledged and
     /// an eighth more was sent since the last READ.
-    pub(super) fn credit_read(&self, st: &mut State) -> Option<(SendOp, Sge)> {
+    pub(super) fn credit_read(&self, st: &mut State) -> Option<CreditRead> {
         let slot = st.rc.peer_slot?;
         if st.rc.read_out || st.sq_used >= MAX_SEND_WR - CMD_RESERVE {
             return None;
@@ -378,26 +390,14 @@ impl Connection {
         st.rc.read_out = true;
         st.rc.read_at = (head, msgs);
         st.sq_used += 1;
-        // Its completion is on the send CQ. The completion thread polls it
-        // while it spins and arms it before it sleeps while async
-        // operations are out (`drain_and_arm`), so a READ it posts (a
-        // handler's answer) costs no arming, which is a system call; one
-        // another thread posts may find it asleep, so it is armed first.
-        self.inner.async_pending.fetch_add(1, Ordering::SeqCst);
-        if !self.inner.rt.cq.is_current() {
-            self.arm_send();
-        }
-        Some((
-            SendOp::Read(slot.at(0)),
-            self.inner
+        self.async_posted();
+        Some(CreditRead {
+            from: slot.at(0),
+            into: [self
+                .inner
                 .credit
-                .sge(READ_INTO..READ_INTO + CREDIT_SLOT_LEN),
-        ))
-    }
-
-    /// The READ `credit_read` chained.
-    pub(super) fn credit_read_request<'a>(op: SendOp, sge: &'a [Sge; 1]) -> SendRequest<'a> {
-        SendRequest::new(wr_id(K_CREDIT, 0), op, sge)
+                .sge(READ_INTO..READ_INTO + CREDIT_SLOT_LEN)],
+        })
     }
 
     /// The READ of the peer's credit slot completed: its counts, read once,

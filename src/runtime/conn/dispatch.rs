@@ -153,10 +153,10 @@ impl Connection {
             if n > 0 {
                 continue;
             }
-            // What this drain's callbacks sent may have put a READ of the
-            // peer's credit in flight after the arming above: armed now (not
-            // at every READ's post, which costs a system call), and polled
-            // once more for what completed before.
+            // This drain's callbacks may have put an async operation (a
+            // one-sided op, a READ of the peer's credit) in flight after the
+            // arming above, without arming (`async_posted`): armed now, and
+            // polled once more for what completed before.
             if !unwatched
                 && !rearmed
                 && self.inner.async_pending.load(Ordering::SeqCst) > 0

@@ -199,9 +199,7 @@ impl Connection {
                 })
                 .collect()
         } else {
-            // Armed before posting, so the completion raises an event.
-            self.inner.async_pending.fetch_add(1, Ordering::SeqCst);
-            self.arm_send();
+            self.async_posted();
             smallvec![wr_id(
                 if read { K_READ } else { K_WRITE },
                 ops[0].0.length as u64,

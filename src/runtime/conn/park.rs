@@ -135,6 +135,22 @@ impl Connection {
     }
 
     /// Arms the send CQ unless it already is.
+    /// An operation whose completion owes something (a callback, a
+    /// credit READ's counts) is about to be posted: counted, so the send CQ
+    /// is armed while it is out, and armed now, before the post, so its
+    /// completion raises an event. Not when the completion thread is
+    /// polling this connection (a handler's answer): it polls that CQ while
+    /// it spins and arms it at the end of a drain (`drain_and_arm`), and
+    /// arming is a system call each of a handler's posts would pay.
+    pub(super) fn async_posted(&self) {
+        self.inner.async_pending.fetch_add(1, Ordering::SeqCst);
+        let polling_here = self.inner.rt.cq.is_current()
+            && self.inner.recv_poller.load(Ordering::Acquire) == thread_token();
+        if !polling_here {
+            self.arm_send();
+        }
+    }
+
     pub(super) fn arm_send(&self) {
         if !arm_once(&self.inner.send_armed, &self.inner.send_cq) {
             log::warn!("arming the send CQ failed; its completions wait for the next tick");

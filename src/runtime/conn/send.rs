@@ -6,12 +6,12 @@ use std::sync::atomic::Ordering;
 use std::sync::{MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
+use smallvec::SmallVec;
+
 use crate::runtime::options::CommMode;
 use crate::runtime::proto::{Cmd, ExtKind, CMD_LEN, EXT_HEADER_LEN, IMM_EXTENDED, VERSION};
 use crate::runtime::send_queue::{Push, SendQueueStats};
 use crate::runtime::{Error, Result};
-use smallvec::SmallVec;
-
 use crate::verbs::{MemoryRegion, RemoteAddr, SendOp, SendRequest, Sge};
 
 use super::{
@@ -390,12 +390,11 @@ impl Connection {
                 "the peer runs the legacy library, which cannot receive immediates".into(),
             ));
         }
-        let header = if ext.is_some() { EXT_HEADER_LEN } else { 0 };
         let cap = st.tx.capacity();
-        if len + header > cap {
+        if Self::ring_len(len, ext) > cap {
             return Err(Error::TooLarge {
                 len,
-                max: cap.saturating_sub(header),
+                max: cap.saturating_sub(Self::ring_len(0, ext)),
             });
         }
         Ok(())
@@ -470,14 +469,14 @@ impl Connection {
         }
         let sges: [[Sge; 1]; QUEUED_PER_DOORBELL] =
             std::array::from_fn(|i| [staged.get(i).map_or(StagedMessage::NONE.sge, |m| m.sge)]);
-        let read = self.credit_read(st).map(|(op, sge)| (op, [sge]));
+        let read = self.credit_read(st);
         let mut reqs: SmallVec<[SendRequest<'_>; QUEUED_PER_DOORBELL + 1]> = staged
             .iter()
             .zip(&sges)
             .map(|(m, sge)| m.request(sge))
             .collect();
-        if let Some((op, sge)) = &read {
-            reqs.push(Self::credit_read_request(*op, sge));
+        if let Some(read) = &read {
+            reqs.push(read.request());
         }
         // SAFETY: each staging range stays reserved until the peer returns
         // it, which is after its write has landed; the READ's range is the

@@ -474,15 +474,16 @@ impl Source for HandshakeSource {
         self.hs.fd()
     }
 
-    fn ready(&self) {
+    fn ready(&self) -> bool {
         let Some(listener) = self.listener.upgrade() else {
-            return;
+            return false;
         };
         match self.hs.advance() {
             Progress::Waiting => self.tick(),
             Progress::Done => listener.handshake_done(self, None),
             Progress::Failed(e) => listener.handshake_done(self, Some(e)),
         }
+        false
     }
 
     /// It lives only until its exchange ends, or its deadline.
@@ -514,7 +515,9 @@ impl Source for SetupReaper {
         -1
     }
 
-    fn ready(&self) {}
+    fn ready(&self) -> bool {
+        false
+    }
 
     /// While setups are pending (added on this thread, which looks again
     /// before it sleeps).

@@ -100,12 +100,14 @@ pub fn runtime() -> Result<Arc<Runtime>> {
             "snowrdma-cm",
             opts.poll_event_timeout,
             Duration::ZERO,
+            Duration::ZERO,
             || {},
         )?,
         cq: Poller::start(
             "snowrdma-cq",
             opts.poll_event_timeout,
             opts.spin,
+            opts.nap,
             move || {
                 if let Some(cpu) = cpu {
                     pin_to_cpu(cpu)

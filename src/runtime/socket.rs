@@ -63,20 +63,21 @@ impl super::poller::Source for SocketWatch {
         self.0.socket_link().map_or(-1, |l| l.stream.as_raw_fd())
     }
 
-    fn ready(&self) {
+    fn ready(&self) -> bool {
         let Some(link) = self.0.socket_link() else {
-            return;
+            return false;
         };
         let mut buf = [0u8; 64];
         loop {
             match (&link.stream).read(&mut buf) {
-                Ok(0) => return self.0.peer_left(),
+                Ok(0) => break self.0.peer_left(),
                 Ok(_) => continue,
-                Err(e) if e.kind() == ErrorKind::WouldBlock => return,
+                Err(e) if e.kind() == ErrorKind::WouldBlock => break,
                 Err(e) if e.kind() == ErrorKind::Interrupted => continue,
-                Err(_) => return self.0.peer_left(),
+                Err(_) => break self.0.peer_left(),
             }
         }
+        false
     }
 
     /// A socket, read until it would block: readable while it has something.

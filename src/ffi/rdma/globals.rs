@@ -170,6 +170,7 @@ pub(super) unsafe fn resolve_options(opt: *const RdmaOptions) -> Options {
         io_affinity_cpu: usize::try_from(cpu).ok(),
         recv_buf_len: DEFAULT_RECV_BUF_LEN,
         spin: defaults.spin,
+        nap: defaults.nap,
         // C callbacks run on the completion thread, as the legacy ones did.
         caller_polls: false,
         send_queue_bytes: defaults.send_queue_bytes,

@@ -95,10 +95,18 @@ impl Connection {
     }
 
     /// Handles everything on both CQs (completion thread, top level), unless
-    /// a caller is polling the connection right now.
-    pub(crate) fn process_completions(&self) {
+    /// a caller is polling the connection right now. Returns whether the
+    /// peer's messages came bunched (two or more) with nothing waiting on
+    /// them: no thread asleep on the connection, no message or command
+    /// posted in answer. A request/reply peer waits on every answer, and a
+    /// nap would stretch each round trip; a stream's sender does not.
+    pub(crate) fn process_completions(&self) -> bool {
         self.take_cq_event();
-        self.with_recv_poll(|| self.drain_and_arm());
+        let posts = self.inner.posts.load(Ordering::Relaxed);
+        let received = self.with_recv_poll(|| self.drain_and_arm()).unwrap_or(0);
+        received >= 2
+            && self.inner.posts.load(Ordering::Relaxed) == posts
+            && self.inner.sleepers.load(Ordering::SeqCst) == 0
     }
 
     /// Takes the completion channel's event, if there is one.
@@ -121,8 +129,9 @@ impl Connection {
 
     /// Arms the CQs (unless callers poll the connection and none sleeps),
     /// then handles what they hold: a completion that arrives meanwhile
-    /// raises an event, one that came before is polled here.
-    pub(super) fn drain_and_arm(&self) {
+    /// raises an event, one that came before is polled here. Returns how
+    /// many receives completed (messages and commands).
+    pub(super) fn drain_and_arm(&self) -> usize {
         let mut batch: [Completion; MAX_POLL_BATCH] = Default::default();
         let take = (self.inner.opts.max_concurrent_work_requests as usize).clamp(1, MAX_POLL_BATCH);
         let wcs = &mut batch[..take];
@@ -141,14 +150,15 @@ impl Connection {
                 self.arm_send();
             }
         }
-        let mut handled = false;
+        let mut handled = None;
         let mut rearmed = false;
         loop {
-            let n = self.poll_cq(false, wcs, false) + self.poll_cq(true, wcs, false);
+            let received = self.poll_cq(false, wcs, false);
+            let n = received + self.poll_cq(true, wcs, false);
             // An empty round after a busy one owes nothing more.
-            if n > 0 || !handled {
+            if n > 0 || handled.is_none() {
                 self.after_round();
-                handled = true;
+                *handled.get_or_insert(0) += received;
             }
             if n > 0 {
                 continue;
@@ -166,7 +176,7 @@ impl Connection {
                 rearmed = true;
                 continue;
             }
-            return;
+            return handled.unwrap_or(0);
         }
     }
 

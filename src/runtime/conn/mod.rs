@@ -293,6 +293,9 @@ pub(crate) struct ConnInner {
     sleepers: AtomicUsize,
     /// Bumped at every wake, so spinning waiters see changes without the lock.
     wakeups: AtomicU64,
+    /// Posts to the send queue so far: whether a round of completions was
+    /// answered.
+    posts: AtomicU64,
     /// Another thread queued callbacks for the completion thread.
     owed: AtomicBool,
     /// Hints the completion thread reads instead of taking the state lock

@@ -167,6 +167,7 @@ impl Connection {
         chain: &[SendRequest<'_>],
     ) -> Result<()> {
         let _order = self.post_order();
+        self.inner.posts.fetch_add(1, Ordering::Relaxed);
         self.inner.qp.post_send(chain).map_err(Into::into)
     }
 
@@ -192,6 +193,7 @@ impl Connection {
     ) -> Result<()> {
         let _order = self.post_order();
         drop(st);
+        self.inner.posts.fetch_add(1, Ordering::Relaxed);
         self.inner.qp.post_send(chain).map_err(Into::into)
     }
 

@@ -184,6 +184,7 @@ impl Connection {
                 sleep_lock: Mutex::new(()),
                 sleepers: AtomicUsize::new(0),
                 wakeups: AtomicU64::new(0),
+                posts: AtomicU64::new(0),
                 owed: AtomicBool::new(false),
                 queued: AtomicBool::new(false),
                 deferred_any: AtomicBool::new(false),

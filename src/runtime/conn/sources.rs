@@ -15,8 +15,8 @@ impl crate::runtime::poller::Source for CqSource {
         self.0.inner.recv_cq.channel().map_or(-1, |c| c.fd())
     }
 
-    fn ready(&self) {
-        self.0.process_completions();
+    fn ready(&self) -> bool {
+        self.0.process_completions()
     }
 
     fn poll_once(&self) -> bool {
@@ -73,7 +73,27 @@ impl crate::runtime::poller::Source for CmSource {
         }
     }
 
-    fn ready(&self) {
+    /// Connection events come one at a time: never a reason to nap.
+    fn ready(&self) -> bool {
+        self.take_events();
+        false
+    }
+
+    /// Its fd stays readable while an event waits (`ready` reads them all).
+    fn needs_looks(&self) -> bool {
+        false
+    }
+
+    fn panicked(&self) {
+        // A listener goes on accepting; the event that hit the defect is gone.
+        if let CmSource::Client(c) = self {
+            c.fail("the CM thread hit a defect while serving it");
+        }
+    }
+}
+
+impl CmSource {
+    fn take_events(&self) {
         let channel = match self {
             CmSource::Client(c) => match c.cm_id() {
                 Some(id) => id.channel().clone(),
@@ -97,18 +117,6 @@ impl crate::runtime::poller::Source for CmSource {
                 CmSource::Client(c) => c.on_cm_event(&ev),
                 CmSource::Listener(l) => l.on_cm_event(ev),
             }
-        }
-    }
-
-    /// Its fd stays readable while an event waits (`ready` reads them all).
-    fn needs_looks(&self) -> bool {
-        false
-    }
-
-    fn panicked(&self) {
-        // A listener goes on accepting; the event that hit the defect is gone.
-        if let CmSource::Client(c) = self {
-            c.fail("the CM thread hit a defect while serving it");
         }
     }
 }

@@ -24,8 +24,11 @@ pub trait Source: Send + Sync {
     /// Called on the poller's thread when `fd` is readable (and, when the
     /// thread has been idle a while, now and then regardless if the source
     /// `needs_looks`, so a missed wakeup costs at most about a second).
-    /// Re-arms what raises events.
-    fn ready(&self);
+    /// Re-arms what raises events. Returns whether its items came bunched
+    /// (faster than the thread can be woken for each) with nobody waiting
+    /// for them or for an answer, as a stream's do: then a thread that may
+    /// not spin naps before it looks again (see [`Poller::start`]).
+    fn ready(&self) -> bool;
     /// Handles what is pending without waiting or re-arming; true when there
     /// was something. Called in a loop while the thread spins.
     fn poll_once(&self) -> bool {
@@ -87,7 +90,7 @@ impl Source for Guarded {
     fn fd(&self) -> RawFd {
         self.source.fd()
     }
-    fn ready(&self) {
+    fn ready(&self) -> bool {
         self.call("ready", |s| s.ready())
     }
     fn poll_once(&self) -> bool {
@@ -204,10 +207,17 @@ impl Poller {
     /// Starts the thread; `on_start` runs first on it (naming, pinning).
     /// After handling work the thread keeps polling for up to `spin` before
     /// it sleeps: a wakeup costs more than the next message usually takes.
+    /// When it may not spin and a source's items came bunched with nobody
+    /// waiting on them ([`Source::ready`]), it sleeps `nap` (0: never)
+    /// before it looks at their events again, rather than be woken by the
+    /// next one: a stream's items are then taken a nap's worth at a time,
+    /// and the peer's post does not pay a wakeup of this thread per item or
+    /// two.
     pub fn start(
         name: &str,
         tick: Duration,
         spin: Duration,
+        nap: Duration,
         on_start: impl FnOnce() + Send + 'static,
     ) -> std::io::Result<Poller> {
         // SAFETY: plain syscall.
@@ -237,7 +247,7 @@ impl Poller {
             .name(name.to_string())
             .spawn(move || {
                 on_start();
-                run(&s, tick, spin)
+                run(&s, tick, spin, nap)
             })?;
         Ok(Poller {
             shared,
@@ -296,7 +306,7 @@ impl Drop for Poller {
     }
 }
 
-fn run(shared: &Shared, tick: Duration, spin: Duration) {
+fn run(shared: &Shared, tick: Duration, spin: Duration, nap: Duration) {
     let tick_ms = tick.as_millis().clamp(1, i32::MAX as u128) as i32;
     let mut last_tick = Instant::now();
     // The sources in the epoll set, by key. Removed ones are kept until
@@ -310,6 +320,9 @@ fn run(shared: &Shared, tick: Duration, spin: Duration) {
     let mut events = [libc::epoll_event { events: 0, u64: 0 }; EVENTS];
     let mut idle_ticks = 0u32;
     let spins = !spin.is_zero();
+    // The last round ended in a nap: take the events raised meanwhile
+    // without waiting.
+    let mut napped = false;
     while !shared.stop.load(Ordering::SeqCst) {
         let spinning = !hot.is_empty();
         // Ticks waited for when this wait times out.
@@ -318,7 +331,7 @@ fn run(shared: &Shared, tick: Duration, spin: Duration) {
         } else {
             LOOK_ALL_EVERY
         };
-        let timeout = if spinning {
+        let timeout = if spinning || napped {
             0
         } else if ticks == LOOK_ALL_EVERY && !watched.values().any(|s| s.needs_looks()) {
             -1 // Until an event, or a wake (a change to the set, a stop).
@@ -329,6 +342,7 @@ fn run(shared: &Shared, tick: Duration, spin: Duration) {
         shared.pending.store(false, Ordering::SeqCst);
         let now = Instant::now();
         let mut changed = false;
+        let mut bunched = false;
         for ev in &events[..n] {
             let key = ev.u64;
             if key == WAKE_KEY {
@@ -337,7 +351,7 @@ fn run(shared: &Shared, tick: Duration, spin: Duration) {
                 unsafe { libc::read(shared.wake, (&mut buf as *mut u64).cast(), 8) };
                 changed = true;
             } else if let Some(source) = watched.get(&key) {
-                source.ready();
+                bunched |= source.ready();
                 if spins {
                     mark_hot(&mut hot, key, source, now);
                 }
@@ -356,7 +370,7 @@ fn run(shared: &Shared, tick: Duration, spin: Duration) {
                 }
             }
         }
-        if n == 0 && !spinning {
+        if n == 0 && !spinning && !napped {
             idle_ticks += ticks;
             if idle_ticks >= LOOK_ALL_EVERY {
                 idle_ticks = 0;
@@ -368,8 +382,11 @@ fn run(shared: &Shared, tick: Duration, spin: Duration) {
                 }
             }
         }
+        napped = false;
+        let mut spun = false;
         if !hot.is_empty() {
             let mut allowed = Spin::start(Instant::now());
+            spun = allowed.is_some();
             spin_passes(
                 shared,
                 &watched,
@@ -378,6 +395,16 @@ fn run(shared: &Shared, tick: Duration, spin: Duration) {
                 &mut hot,
                 &mut events,
             );
+        }
+        if bunched
+            && !nap.is_zero()
+            && !spun
+            && hot.is_empty()
+            && !shared.pending.load(Ordering::SeqCst)
+            && !shared.stop.load(Ordering::SeqCst)
+        {
+            std::thread::sleep(nap);
+            napped = true;
         }
         if last_tick.elapsed() >= tick {
             last_tick = Instant::now();

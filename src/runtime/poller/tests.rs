@@ -4,10 +4,11 @@ use super::*;
 use std::sync::atomic::AtomicUsize;
 
 /// A source over an eventfd: readable once `signal`led; `busy` makes
-/// every poll find work.
+/// every poll find work; `ready` says its items came `bunched`.
 struct Probe {
     fd: RawFd,
     busy: AtomicBool,
+    bunched: AtomicBool,
     readies: AtomicUsize,
     polls: AtomicUsize,
     wants_tick: AtomicBool,
@@ -23,6 +24,7 @@ impl Probe {
         Arc::new(Probe {
             fd,
             busy: AtomicBool::new(false),
+            bunched: AtomicBool::new(false),
             readies: AtomicUsize::new(0),
             polls: AtomicUsize::new(0),
             wants_tick: AtomicBool::new(false),
@@ -49,11 +51,12 @@ impl Source for Probe {
     fn fd(&self) -> RawFd {
         self.fd
     }
-    fn ready(&self) {
+    fn ready(&self) -> bool {
         let mut buf = 0u64;
         // SAFETY: 8 bytes from our eventfd (EAGAIN when unsignalled).
         unsafe { libc::read(self.fd, (&mut buf as *mut u64).cast(), 8) };
         self.readies.fetch_add(1, Ordering::SeqCst);
+        self.bunched.load(Ordering::SeqCst)
     }
     fn poll_once(&self) -> bool {
         self.polls.fetch_add(1, Ordering::SeqCst);
@@ -84,7 +87,7 @@ fn until(what: &str, done: impl Fn() -> bool) {
 
 /// A poller that never spins, ticking every `tick`.
 fn sleeping_poller(name: &str, tick: Duration) -> Poller {
-    Poller::start(name, tick, Duration::ZERO, || {}).unwrap()
+    Poller::start(name, tick, Duration::ZERO, Duration::ZERO, || {}).unwrap()
 }
 
 /// A poller that spins for good once work came, with `probes` added
@@ -94,6 +97,7 @@ fn spinning_for(probes: &[Arc<Probe>]) -> Poller {
         crate::runtime::spin::ALWAYS_SPINNING_TEST_THREAD,
         Duration::from_millis(10),
         Duration::from_secs(60),
+        Duration::ZERO,
         || {},
     )
     .unwrap();
@@ -211,7 +215,7 @@ impl Source for Faulty {
     fn fd(&self) -> RawFd {
         self.probe.fd
     }
-    fn ready(&self) {
+    fn ready(&self) -> bool {
         self.probe.ready();
         panic!("a defect in a source");
     }
@@ -244,4 +248,46 @@ fn a_panicking_source_does_not_end_the_thread() {
     until("the faulty one too", || {
         faulty.panics.load(Ordering::SeqCst) > 1
     });
+}
+
+#[test]
+fn a_thread_that_may_not_spin_naps_after_a_bunch_and_only_then() {
+    // Long, so that "served at once" cannot be mistaken for a nap on a
+    // slow machine.
+    const NAP: Duration = Duration::from_secs(2);
+    let poller = Poller::start(
+        "test-nap",
+        Duration::from_millis(10),
+        Duration::ZERO,
+        NAP,
+        || {},
+    )
+    .unwrap();
+    let probe = Probe::new();
+    probe.needs_looks.store(false, Ordering::SeqCst);
+    poller.add(probe.clone());
+    until("the add is handled", || {
+        probe.readies.load(Ordering::SeqCst) == 1
+    });
+    let served = |n: usize| {
+        probe.signal();
+        until("the event is served", || {
+            probe.readies.load(Ordering::SeqCst) == n
+        });
+    };
+    // Not bunched: each next event is served at once.
+    let t = Instant::now();
+    served(2);
+    served(3);
+    assert!(t.elapsed() < NAP, "single items waited {:?}", t.elapsed());
+    // Bunched: the next event waits until the nap ends.
+    probe.bunched.store(true, Ordering::SeqCst);
+    served(4);
+    let bunch = Instant::now();
+    served(5);
+    assert!(
+        bunch.elapsed() >= NAP / 2,
+        "the event after a bunch came {:?} after it",
+        bunch.elapsed()
+    );
 }

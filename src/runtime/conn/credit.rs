@@ -371,8 +371,12 @@ impl Connection {
 
     /// The READ of the peer's credit slot to chain behind messages being
     /// posted, accounted for: when the peer publishes its credit, none is in
-    /// flight, a quarter of its ring or receive queue is unacknowledged and
-    /// an eighth more was sent since the last READ.
+    /// flight, half its ring or receive queue is unacknowledged and a
+    /// quarter more was sent since the last READ. (At a quarter and an
+    /// eighth, a 64 KiB stream into a 1 MiB ring READ every second message,
+    /// and each READ is a signaled completion the completion thread is
+    /// woken for; half leaves the sender the other half to send into while
+    /// the READ is out.)
     pub(super) fn credit_read(&self, st: &mut State) -> Option<CreditRead> {
         let slot = st.rc.peer_slot?;
         if st.rc.read_out || st.sq_used >= MAX_SEND_WR - CMD_RESERVE {
@@ -381,9 +385,9 @@ impl Connection {
         let ring = st.tx.capacity() as u64;
         let depth = u64::from(st.peer_recv_depth).saturating_sub(PEER_CMD_RESERVE);
         let (head, msgs) = (st.tx.head(), st.tx_msgs);
-        let unacked = head - st.tx.acked() >= ring / 4 || msgs - st.tx_msgs_acked >= depth / 4;
+        let unacked = head - st.tx.acked() >= ring / 2 || msgs - st.tx_msgs_acked >= depth / 2;
         let (read_head, read_msgs) = st.rc.read_at;
-        let moved = head - read_head >= ring / 8 || msgs - read_msgs >= depth / 8;
+        let moved = head - read_head >= ring / 4 || msgs - read_msgs >= depth / 4;
         if !(unacked && moved) {
             return None;
         }

@@ -96,14 +96,18 @@ impl Pool {
         let mut slabs = self.slabs.lock().expect("pool lock");
         let now = Instant::now();
         let c = &mut slabs.classes[class];
-        while let Some(&(at, off)) = c.quarantine.front() {
-            if now.duration_since(at) < QUARANTINE {
-                break;
-            }
-            c.quarantine.pop_front();
-            c.free.push(off);
-        }
-        let offset = match c.free.pop() {
+        // A chunk whose rest is over is taken straight from the quarantine,
+        // not moved to the free list first: that list then grows only when
+        // a page is carved, never in the steady state of a stream of PUTs.
+        let rested = c
+            .quarantine
+            .front()
+            .is_some_and(|&(at, _)| now.duration_since(at) >= QUARANTINE);
+        let taken = match rested {
+            true => c.quarantine.pop_front().map(|(_, off)| off),
+            false => c.free.pop(),
+        };
+        let offset = match taken {
             Some(off) => off,
             None if slabs.next_page + SLAB_PAGE <= self.mem.len() => {
                 let page = slabs.next_page;
@@ -165,6 +169,26 @@ mod tests {
         // The only page rests in quarantine, but nothing else is left.
         assert_eq!(pool.alloc(SLAB_PAGE), Some(whole));
         assert!(pool.alloc(64).is_none());
+    }
+
+    #[test]
+    fn rested_chunks_are_reused_without_growing_the_free_list() {
+        let pool = Pool::new(SLAB_PAGE, false).unwrap();
+        // A page carved into 8: 7 go to the free list, and all 8 are out.
+        let all: Vec<Chunk> = (0..8).map(|_| pool.alloc(SLAB_PAGE / 8).unwrap()).collect();
+        let class = all[0].class;
+        let capacity = pool.slabs.lock().unwrap().classes[class].free.capacity();
+        for c in &all {
+            pool.free(*c);
+        }
+        std::thread::sleep(QUARANTINE);
+        // All 8 rested: an alloc takes the first freed, and leaves the other
+        // 7 where they are rather than move them to a list of room for 7.
+        assert_eq!(pool.alloc(SLAB_PAGE / 8), Some(all[0]));
+        let slabs = pool.slabs.lock().unwrap();
+        assert_eq!(slabs.classes[class].free.len(), 0);
+        assert_eq!(slabs.classes[class].free.capacity(), capacity);
+        assert_eq!(slabs.classes[class].quarantine.len(), 7);
     }
 
     #[test]

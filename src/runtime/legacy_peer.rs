@@ -206,10 +206,17 @@ impl LegacyPeer {
     /// Tells the other side, as a version-2 peer does, where to READ what
     /// we consumed, and makes it say `words`, true or not.
     pub fn offer_credit_slot(&mut self, words: CreditWords) -> Result<()> {
-        let mut slot = self.pd.allocate(
-            CREDIT_SLOT_LEN,
-            AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_READ,
-        )?;
+        self.offer_slot(words, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_READ)
+    }
+
+    /// As [`LegacyPeer::offer_credit_slot`], with the key of memory that
+    /// may not be read remotely: the other side's READs of it fail.
+    pub fn offer_unreadable_credit_slot(&mut self) -> Result<()> {
+        self.offer_slot(CreditWords::default(), AccessFlags::LOCAL_WRITE)
+    }
+
+    fn offer_slot(&mut self, words: CreditWords, access: AccessFlags) -> Result<()> {
+        let mut slot = self.pd.allocate(CREDIT_SLOT_LEN, access)?;
         slot.as_mut_slice().copy_from_slice(&words.encode());
         let cmd = Cmd::new(
             Opcode::CreditSlot,

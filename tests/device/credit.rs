@@ -162,8 +162,18 @@ fn a_sender_that_finds_no_room_asks_for_credit_and_gets_it() {
 
 /// A peer claiming version 2 whose credit slot says `words`: whether the
 /// other side's connection ended within `wait` after it sent the peer
-/// 600 messages (a quarter of the receive queue is 252).
+/// 600 messages (half the receive queue is 504).
 fn ended_over_lying_slot(words: CreditWords, wait: Duration) -> bool {
+    ended_over_slot(move |peer| peer.offer_credit_slot(words), wait)
+}
+
+/// A peer claiming version 2 that offers its credit slot with `offer`:
+/// whether the other side's connection ended within `wait` after it sent
+/// the peer 600 messages.
+fn ended_over_slot(
+    offer: impl FnOnce(&mut LegacyPeer) -> snowrdma::runtime::Result<()> + Send + 'static,
+    wait: Duration,
+) -> bool {
     let (tx, rx) = mpsc::channel();
     let peer = std::thread::spawn(move || {
         let mut peer = LegacyPeer::accept_claiming(
@@ -173,7 +183,7 @@ fn ended_over_lying_slot(words: CreditWords, wait: Duration) -> bool {
             |a| tx.send(a).unwrap(),
         )
         .unwrap();
-        peer.offer_credit_slot(words).unwrap();
+        offer(&mut peer).unwrap();
         // Takes the messages until the other side leaves.
         peer.cut_off(Instant::now() + TIMEOUT * 2)
     });
@@ -198,9 +208,9 @@ fn ended_over_lying_slot(words: CreditWords, wait: Duration) -> bool {
 #[test]
 #[ignore = "needs an RDMA device: run `make test`"]
 fn a_peer_whose_slot_shows_credit_never_given_is_cut_off() {
-    // Once a quarter of the peer's receive queue is unacknowledged, the
-    // sender READs the slot: ring bytes or messages beyond what it sent
-    // end the connection.
+    // Once half the peer's receive queue is unacknowledged, the sender
+    // READs the slot: ring bytes or messages beyond what it sent end the
+    // connection.
     for words in [
         CreditWords {
             bytes: 1 << 40,
@@ -214,6 +224,21 @@ fn a_peer_whose_slot_shows_credit_never_given_is_cut_off() {
         assert!(ended_over_lying_slot(words, TIMEOUT), "{words:?}");
     }
     // Nothing consumed yet is the truth, and no violation.
+    assert!(!ended_over_lying_slot(
+        CreditWords::default(),
+        Duration::from_secs(2)
+    ));
+}
+
+#[test]
+#[ignore = "needs an RDMA device: run `make test`"]
+fn a_peer_whose_slot_cannot_be_read_is_cut_off() {
+    // The READ completes with an error: that connection ends, as at any
+    // failed work request, and only it (the next one is served).
+    assert!(ended_over_slot(
+        |peer| peer.offer_unreadable_credit_slot(),
+        TIMEOUT
+    ));
     assert!(!ended_over_lying_slot(
         CreditWords::default(),
         Duration::from_secs(2)

@@ -220,6 +220,47 @@ fn hostile_clients_cannot_write_each_others_buffers() {
     server.stop();
 }
 
+/// Client B READs, with the rkey the server gave client A, the slot where
+/// the server publishes the credit it returns to A: the NIC refuses it (a
+/// window bound to A's queue pair alone), ending B's connection; A reads
+/// its own slot and goes on being served.
+#[test]
+#[ignore]
+fn hostile_clients_cannot_read_each_others_credit() {
+    let (server, addr) = kv_server(false);
+    let opts = Options::default();
+    let a = Connection::connect(addr, &opts, Arc::new(Quiet)).unwrap();
+    let deadline = Instant::now() + TIMEOUT;
+    let slot = loop {
+        if let Some(slot) = a.peer_credit_slot() {
+            break slot;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the server offered no credit slot"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    };
+    let target = RemoteAddr {
+        addr: slot.addr,
+        rkey: slot.rkey,
+    };
+    let read_16 = |conn: &Connection| {
+        let mr = conn.register(4096)?;
+        conn.read_sync(mr.addr(), mr.lkey(), target, 16)
+    };
+    let b = Connection::connect(addr, &opts, Arc::new(Quiet)).unwrap();
+    assert!(read_16(&b).is_err(), "B read A's credit slot");
+    assert_ne!(b.state(), ConnState::MrReady, "B's connection ended");
+    assert_eq!(read_16(&a).unwrap(), 16, "A reads its own slot");
+    // A is untouched: a request and its reply, with credit READ behind it.
+    let client = Client::connect(addr).unwrap();
+    client.put(b"key", b"value").unwrap();
+    assert_eq!(client.get(b"key").unwrap().0, b"value");
+    assert_eq!(a.state(), ConnState::MrReady);
+    server.stop();
+}
+
 /// Echoes, and panics on "boom".
 struct Touchy;
 impl ConnHandler for Touchy {

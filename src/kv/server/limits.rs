@@ -115,9 +115,9 @@ impl Shared {
         }
     }
 
-    /// A job's copy of request `data`, in a buffer a finished job handed
-    /// back: a steady stream of worker requests (large PUTs) allocates
-    /// nothing.
+    /// A job's copy of request `data`, in a buffer from the spare pool
+    /// (full from the start, refilled by finished jobs): a stream of
+    /// worker requests (large PUTs) allocates nothing.
     pub(super) fn job_message(&self, data: &[u8]) -> Vec<u8> {
         let mut msg = self
             .spare_msgs

@@ -258,6 +258,18 @@ const SPARE_MSGS: usize = 256;
 /// this client's jobs, which may grow a buffer past this).
 const SPARE_MSG_BYTES: usize = REQUEST_LEN + 2 * MAX_KEY_LEN;
 
+/// The pool of jobs' message buffers, full from the start (half a MiB): a
+/// burst of large PUTs bigger than any before (as when the completion
+/// thread takes a stream's requests a nap's worth at a time) then takes its
+/// buffers from it rather than from the heap.
+fn spare_msgs() -> (Sender<Vec<u8>>, Receiver<Vec<u8>>) {
+    let (tx, rx) = bounded(SPARE_MSGS);
+    for _ in 0..SPARE_MSGS {
+        let _ = tx.try_send(Vec::with_capacity(SPARE_MSG_BYTES));
+    }
+    (tx, rx)
+}
+
 /// A key-value server. Create, [`Server::start`], [`Server::stop`]; dropping
 /// it stops it.
 pub struct Server {
@@ -295,7 +307,7 @@ impl Server {
                 next_client: AtomicUsize::new(0),
                 clients: Mutex::new(Vec::new()),
                 chores: Mutex::new(None),
-                spare_msgs: bounded(SPARE_MSGS),
+                spare_msgs: spare_msgs(),
             }),
             listener: Mutex::new(None),
             workers: Mutex::new(Vec::new()),

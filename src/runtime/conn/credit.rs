@@ -78,6 +78,11 @@ impl CreditRead {
 }
 
 impl ReadCredit {
+    /// Sender: the peer's slot, once offered.
+    pub(super) fn peer_slot(&self) -> Option<RemoteRegion> {
+        self.peer_slot
+    }
+
     /// Our ring's advertisement is posted.
     pub(super) fn ring_advertised(&mut self) {
         self.ring_advertised = true;

@@ -499,6 +499,12 @@ impl Connection {
         self.lock().peer_ring
     }
 
+    /// Where the peer publishes the credit it returns (protocol version 2),
+    /// once it offered it: READ-only, and only for this connection.
+    pub fn peer_credit_slot(&self) -> Option<RemoteRegion> {
+        self.lock().rc.peer_slot()
+    }
+
     /// The errno of the last failure on this connection (0: none).
     pub fn last_errno(&self) -> i32 {
         self.lock().last_errno

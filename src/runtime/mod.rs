@@ -107,7 +107,7 @@ pub fn runtime() -> Result<Arc<Runtime>> {
             "snowrdma-cq",
             opts.poll_event_timeout,
             opts.spin,
-            opts.nap,
+            opts.nap.min(options::MAX_NAP),
             move || {
                 if let Some(cpu) = cpu {
                     pin_to_cpu(cpu)

@@ -47,11 +47,13 @@ pub struct Options {
     /// operation or for room, keep polling before they sleep.
     pub spin: Duration,
     /// How long the completion thread, when it may not spin, sleeps after
-    /// finding a connection's completions bunched (two or more at once)
-    /// before it looks again, rather than be woken for the next one: a
-    /// stream is then taken a nap's worth at a time, and the sender's
-    /// doorbell does not pay for waking it per message or two. At most
-    /// this is added to the latency of a bunch's last message; 0: never.
+    /// finding a connection's messages bunched (two or more at once) with
+    /// nothing waiting on them, before it looks again, rather than be woken
+    /// for the next one: a stream is then taken a nap's worth at a time,
+    /// and the sender's doorbell does not pay for waking it per message or
+    /// two. The thread's other connections wait out the nap too, so this
+    /// may be added to any completion's latency on a busy, crowded
+    /// machine; 0: never; at most 10 ms.
     /// Environment: [`NAP_ENV`]. Runtime-wide, as the completion thread's
     /// spin: taken from [`configure`](crate::runtime::configure).
     pub nap: Duration,
@@ -100,6 +102,10 @@ fn default_send_queue_bytes() -> usize {
 
 /// Environment variable overriding [`Options::spin`], in microseconds.
 pub const SPIN_ENV: &str = "SNOWRDMA_SPIN_US";
+
+/// The longest nap the completion thread takes, whatever [`Options::nap`]
+/// asks: every other connection it serves waits the nap out too.
+pub const MAX_NAP: Duration = Duration::from_millis(10);
 
 /// Environment variable overriding [`Options::nap`], in microseconds.
 pub const NAP_ENV: &str = "SNOWRDMA_NAP_US";

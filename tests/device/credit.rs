@@ -234,7 +234,7 @@ fn a_peer_whose_slot_shows_credit_never_given_is_cut_off() {
 #[ignore = "needs an RDMA device: run `make test`"]
 fn a_peer_whose_slot_cannot_be_read_is_cut_off() {
     // The READ completes with an error: that connection ends, as at any
-    // failed work request, and only it (the next one is served).
+    // failed work request; a connection made after it is served.
     assert!(ended_over_slot(
         |peer| peer.offer_unreadable_credit_slot(),
         TIMEOUT

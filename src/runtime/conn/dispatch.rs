@@ -96,17 +96,18 @@ impl Connection {
 
     /// Handles everything on both CQs (completion thread, top level), unless
     /// a caller is polling the connection right now. Returns whether the
-    /// peer's messages came bunched (two or more) with nothing waiting on
-    /// them: no thread asleep on the connection, no message or command
-    /// posted in answer. A request/reply peer waits on every answer, and a
-    /// nap would stretch each round trip; a stream's sender does not.
+    /// peer's messages came bunched (two or more receives) with nothing
+    /// waiting on them: no thread waiting on the connection, no message or
+    /// command posted in answer during the round. A request/reply peer
+    /// waits on every answer, and a nap would stretch each round trip; a
+    /// stream's sender does not.
     pub(crate) fn process_completions(&self) -> bool {
         self.take_cq_event();
         let posts = self.inner.posts.load(Ordering::Relaxed);
         let received = self.with_recv_poll(|| self.drain_and_arm()).unwrap_or(0);
         received >= 2
             && self.inner.posts.load(Ordering::Relaxed) == posts
-            && self.inner.sleepers.load(Ordering::SeqCst) == 0
+            && self.inner.waiting.load(Ordering::SeqCst) == 0
     }
 
     /// Takes the completion channel's event, if there is one.

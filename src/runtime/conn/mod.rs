@@ -296,6 +296,9 @@ pub(crate) struct ConnInner {
     /// Posts to the send queue so far: whether a round of completions was
     /// answered.
     posts: AtomicU64,
+    /// Threads waiting on the connection, spinning or asleep (`park`,
+    /// `wait_for`).
+    waiting: AtomicUsize,
     /// Another thread queued callbacks for the completion thread.
     owed: AtomicBool,
     /// Hints the completion thread reads instead of taking the state lock

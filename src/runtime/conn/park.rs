@@ -32,6 +32,7 @@ impl Connection {
         mut st: MutexGuard<'a, State>,
         deadline: Instant,
     ) -> MutexGuard<'a, State> {
+        let _waiting = Waiting::on(self);
         let seen = self.inner.wakeups.load(Ordering::SeqCst);
         // Places a write's completion left while we held the lock: look
         // again at once (its wake is already counted in `seen`).
@@ -98,6 +99,7 @@ impl Connection {
     /// to its request. With [`Options::caller_polls`](crate::runtime::Options::caller_polls) the caller polls the
     /// connection itself meanwhile and may run callbacks (see there).
     pub fn wait_for(&self, deadline: Instant, mut done: impl FnMut() -> bool) -> bool {
+        let _waiting = Waiting::on(self);
         let spin = self.inner.opts.spin;
         // Without spinning, the clock is read only to check the deadline.
         let start_spin = || match spin.is_zero() {
@@ -236,4 +238,22 @@ fn arm_once(flag: &AtomicBool, cq: &CompletionQueue) -> bool {
         return false;
     }
     true
+}
+
+/// A thread waiting on a connection, spinning or asleep, from [`Waiting::on`]
+/// until dropped: the completion thread does not nap after a round of the
+/// connection's messages while one waits (a reply may be among them).
+struct Waiting<'a>(&'a AtomicUsize);
+
+impl<'a> Waiting<'a> {
+    fn on(conn: &'a Connection) -> Self {
+        conn.inner.waiting.fetch_add(1, Ordering::SeqCst);
+        Waiting(&conn.inner.waiting)
+    }
+}
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
 }

@@ -185,6 +185,7 @@ impl Connection {
                 sleepers: AtomicUsize::new(0),
                 wakeups: AtomicU64::new(0),
                 posts: AtomicU64::new(0),
+                waiting: AtomicUsize::new(0),
                 owed: AtomicBool::new(false),
                 queued: AtomicBool::new(false),
                 deferred_any: AtomicBool::new(false),

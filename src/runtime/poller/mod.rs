@@ -174,6 +174,22 @@ impl Shared {
         }
     }
 
+    /// Sleeps `nap`, or until woken (a change to the set, queued work, a
+    /// stop): the sources' events are left for the next `wait`.
+    fn nap(&self, nap: Duration) {
+        let mut wake = libc::pollfd {
+            fd: self.wake,
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        let ts = libc::timespec {
+            tv_sec: nap.as_secs() as libc::time_t,
+            tv_nsec: nap.subsec_nanos() as libc::c_long,
+        };
+        // SAFETY: one valid pollfd and a valid timespec; no signal mask.
+        unsafe { libc::ppoll(&mut wake, 1, &ts, std::ptr::null()) };
+    }
+
     /// Waits up to `timeout_ms` for events; the count, 0 on an interrupt.
     fn wait(&self, events: &mut [libc::epoll_event], timeout_ms: i32) -> usize {
         // SAFETY: events has events.len() writable entries.
@@ -208,11 +224,12 @@ impl Poller {
     /// After handling work the thread keeps polling for up to `spin` before
     /// it sleeps: a wakeup costs more than the next message usually takes.
     /// When it may not spin and a source's items came bunched with nobody
-    /// waiting on them ([`Source::ready`]), it sleeps `nap` (0: never)
-    /// before it looks at their events again, rather than be woken by the
-    /// next one: a stream's items are then taken a nap's worth at a time,
-    /// and the peer's post does not pay a wakeup of this thread per item or
-    /// two.
+    /// waiting on them ([`Source::ready`]), it sleeps `nap` (0: never; a
+    /// wake ends it) before it looks at the events raised
+    /// meanwhile (the sources stay armed), rather than be woken by the next
+    /// one: a stream's items are then taken a nap's worth at a time, and
+    /// the peer's post does not pay a wakeup of this thread per item or
+    /// two. Every source of the thread waits out the nap.
     pub fn start(
         name: &str,
         tick: Duration,
@@ -403,7 +420,7 @@ fn run(shared: &Shared, tick: Duration, spin: Duration, nap: Duration) {
             && !shared.pending.load(Ordering::SeqCst)
             && !shared.stop.load(Ordering::SeqCst)
         {
-            std::thread::sleep(nap);
+            shared.nap(nap);
             napped = true;
         }
         if last_tick.elapsed() >= tick {

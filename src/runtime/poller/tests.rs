@@ -290,4 +290,13 @@ fn a_thread_that_may_not_spin_naps_after_a_bunch_and_only_then() {
         "the event after a bunch came {:?} after it",
         bunch.elapsed()
     );
+    // A wake (a change to the set, queued work, a stop) ends a nap.
+    served(6);
+    let bunch = Instant::now();
+    probe.signal();
+    poller.wake();
+    until("the event is served", || {
+        probe.readies.load(Ordering::SeqCst) == 7
+    });
+    assert!(bunch.elapsed() < NAP, "a wake did not end the nap");
 }

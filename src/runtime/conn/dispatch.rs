@@ -15,6 +15,10 @@ use super::{
     K_RECV, K_SYNC, K_WRITE, LOW_MASK, MAX_POLL_BATCH, PEER_CMD_RESERVE,
 };
 
+/// Receives in one drain that tell the completion thread messages come
+/// faster than it is woken for each (see `process_completions`).
+const BUNCHED: usize = 2;
+
 impl Connection {
     /// Polls one CQ once and dispatches what it got; the send CQ under its
     /// lock. Returns how many completions there were.
@@ -96,7 +100,7 @@ impl Connection {
 
     /// Handles everything on both CQs (completion thread, top level), unless
     /// a caller is polling the connection right now. Returns whether the
-    /// peer's messages came bunched (two or more receives) with nothing
+    /// peer's messages came bunched ([`BUNCHED`] or more receives) with nothing
     /// waiting on them: no thread waiting on the connection, no message or
     /// command posted in answer during the round. A request/reply peer
     /// waits on every answer, and a nap would stretch each round trip; a
@@ -105,7 +109,7 @@ impl Connection {
         self.take_cq_event();
         let posts = self.inner.posts.load(Ordering::Relaxed);
         let received = self.with_recv_poll(|| self.drain_and_arm()).unwrap_or(0);
-        received >= 2
+        received >= BUNCHED
             && self.inner.posts.load(Ordering::Relaxed) == posts
             && self.inner.waiting.load(Ordering::SeqCst) == 0
     }

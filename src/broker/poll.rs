@@ -83,9 +83,8 @@ impl Broker {
         // Kept between polls: finishing operations allocates nothing.
         let mut done = self.finished.take();
         for peer in self.targets(server)? {
-            let mut wcs: [Completion; 32] = std::array::from_fn(|_| Completion::default());
-            let got = peer.send_cq.poll(&mut wcs)?;
-            for wc in &wcs[..got] {
+            let mut room = Completion::room::<32>();
+            for wc in peer.send_cq.poll_into(&mut room)? {
                 let failed = peer::failed(peer, wc);
                 {
                     let mut send = peer.send.borrow_mut();
@@ -142,11 +141,11 @@ impl Broker {
             .map_err(|_| BrokerError::Reentrant)?;
         let mut n = 0;
         for peer in self.targets(server)? {
-            let mut wcs: [Completion; 32] = std::array::from_fn(|_| Completion::default());
-            let got = peer.recv_cq.poll(&mut wcs)?;
+            let mut room = Completion::room::<32>();
+            let wcs = peer.recv_cq.poll_into(&mut room)?;
             let mut repost = [0u32; 32];
             let mut reposts = 0;
-            for wc in &wcs[..got] {
+            for wc in wcs {
                 if peer::failed(peer, wc) {
                     peer.failed.set(true);
                     continue;

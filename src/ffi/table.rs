@@ -11,8 +11,10 @@
 //! struct there (an `RdmaConn`'s `state`) still reads as it was left.
 
 use std::cell::UnsafeCell;
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
+
+use rustc_hash::FxHashMap;
 
 /// Objects of a kind created after a handle closed before its address can
 /// be reused.
@@ -44,7 +46,9 @@ impl<C> CMemory<C> {
 type Keep = Arc<dyn Send + Sync>;
 
 struct State<T> {
-    live: HashMap<usize, (Arc<T>, Keep)>,
+    /// By address. FxHash: every C call looks its handle up, and a caller
+    /// can only look addresses up, not choose the ones inserted.
+    live: FxHashMap<usize, (Arc<T>, Keep)>,
     /// Memory of closed handles, oldest first, with `created` at closing.
     closed: VecDeque<(u64, Keep)>,
     /// Objects ever inserted.
@@ -60,7 +64,7 @@ impl<T> HandleTable<T> {
     pub(crate) fn new() -> Self {
         HandleTable {
             state: Mutex::new(State {
-                live: HashMap::new(),
+                live: FxHashMap::default(),
                 closed: VecDeque::new(),
                 created: 0,
             }),

@@ -329,7 +329,7 @@ impl CqShared {
 
     /// Reaps everything the CQ holds now.
     fn drive(&self) -> Result<usize> {
-        let mut wcs: [Completion; BATCH] = std::array::from_fn(|_| Completion::default());
+        let mut room = Completion::room::<BATCH>();
         let mut total = 0;
         loop {
             let mut wake: [Option<Waker>; BATCH] = Default::default();
@@ -338,11 +338,11 @@ impl CqShared {
                 // Polling under the table lock keeps a batch's completions in
                 // order even when several threads reap.
                 let mut t = self.table();
-                let n = self.cq.poll(&mut wcs)?;
-                for (wc, w) in wcs[..n].iter().zip(wake.iter_mut()) {
+                let wcs = self.cq.poll_into(&mut room)?;
+                for (wc, w) in wcs.iter().zip(wake.iter_mut()) {
                     *w = self.dispatch(&mut t, wc, &mut released);
                 }
-                n
+                wcs.len()
             };
             // Wakers and segment releases run outside the lock.
             wake.into_iter().flatten().for_each(Waker::wake);

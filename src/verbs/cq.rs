@@ -8,6 +8,7 @@
 
 use std::ffi::CStr;
 use std::fmt;
+use std::mem::MaybeUninit;
 use std::os::fd::RawFd;
 use std::ptr::NonNull;
 use std::sync::Arc;
@@ -217,6 +218,25 @@ impl CompletionQueue {
         Ok(rc as usize)
     }
 
+    /// Takes up to `out.len()` completions without waiting into memory that
+    /// need not be initialised, and returns them: a batch array is not
+    /// zeroed before every poll (1.5 KiB for 32, on every round of a
+    /// completion thread).
+    pub fn poll_into<'a>(
+        &self,
+        out: &'a mut [MaybeUninit<Completion>],
+    ) -> Result<&'a [Completion]> {
+        let n = i32::try_from(out.len()).unwrap_or(i32::MAX);
+        // SAFETY: Completion is repr(transparent) over ibv_wc, out has room
+        // for n entries, and the provider writes only whole entries.
+        let rc = unsafe { sys::ibv_poll_cq(self.as_raw(), n, out.as_mut_ptr().cast()) };
+        if rc < 0 {
+            return Err(Error::from_code("ibv_poll_cq", rc));
+        }
+        // SAFETY: the provider initialised the first rc (<= n) entries.
+        Ok(unsafe { std::slice::from_raw_parts(out.as_ptr().cast(), rc as usize) })
+    }
+
     /// Asks for a channel event at the next completion (`solicited_only`:
     /// only at solicited ones).
     pub fn arm(&self, solicited_only: bool) -> Result<()> {
@@ -301,6 +321,12 @@ impl fmt::Debug for Completion {
 }
 
 impl Completion {
+    /// Room for `N` completions to [`CompletionQueue::poll_into`], not
+    /// initialised.
+    pub const fn room<const N: usize>() -> [MaybeUninit<Completion>; N] {
+        [const { MaybeUninit::uninit() }; N]
+    }
+
     /// The id given when the request was posted.
     pub fn wr_id(&self) -> u64 {
         self.0.wr_id

@@ -1,12 +1,12 @@
 //! The tables of live handles: every pointer C passes in is looked up
 //! here before it is used.
 
-use std::collections::HashMap;
 use std::ffi::{c_char, c_int, CStr};
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::sync::{Arc, Mutex};
 
 use once_cell::sync::Lazy;
+use rustc_hash::FxHashMap;
 
 use crate::ffi::table::{CMemory, HandleTable};
 use crate::runtime::{Connection, Listener};
@@ -20,8 +20,8 @@ use super::types::*;
 pub(super) static CONNS: Lazy<HandleTable<FfiConn>> = Lazy::new(HandleTable::new);
 /// Strong references to client connections (accepted ones are held by the
 /// runtime until they end), by handle; removed with the handle.
-pub(super) static CLIENTS: Lazy<Mutex<HashMap<usize, Connection>>> =
-    Lazy::new(|| Mutex::new(HashMap::new()));
+pub(super) static CLIENTS: Lazy<Mutex<FxHashMap<usize, Connection>>> =
+    Lazy::new(|| Mutex::new(FxHashMap::default()));
 
 pub(super) struct FfiListener {
     pub(super) raw: Arc<CMemory<RdmaListener>>,

@@ -2,8 +2,7 @@
 //! given up on (whose late replies release what they hold), and the handler
 //! that files each reply.
 
-use std::collections::{HashMap, HashSet};
-use std::hash::{BuildHasherDefault, Hasher};
+use rustc_hash::{FxHashMap, FxHashSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -12,29 +11,10 @@ use crate::runtime::{ConnHandler, Connection, InRing};
 
 use super::RELEASES_PER_MESSAGE;
 
-/// Hashes a request id as itself: ids are sequential, so they spread over
-/// the buckets anyway, and SipHash on both sides of every reply is a cost
-/// each request pays on its critical path.
-#[derive(Default)]
-pub(super) struct IdHasher(pub(super) u64);
-
-impl Hasher for IdHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.0 = self.0.rotate_left(8) ^ u64::from(b);
-        }
-    }
-
-    fn write_u64(&mut self, id: u64) {
-        self.0 = id;
-    }
-}
-
-pub(super) type ById<T> = HashMap<u64, T, BuildHasherDefault<IdHasher>>;
+/// By request id. FxHash, not SipHash: ids are ours (sequential), so
+/// nobody can pick colliding ones, and SipHash on both sides of every
+/// reply is a cost each request pays on its critical path.
+pub(super) type ById<T> = FxHashMap<u64, T>;
 
 /// Replies by request id, filled by whichever thread polls the connection
 /// (a waiting caller, or the completion thread).
@@ -51,7 +31,7 @@ pub(super) struct Inbox {
     pub(super) ready: ById<(Reply, Vec<u8>)>,
     /// Requests whose callers gave up waiting: their replies, if they
     /// come, are dropped, and what they hold on the server is released.
-    pub(super) abandoned: HashSet<u64, BuildHasherDefault<IdHasher>>,
+    pub(super) abandoned: FxHashSet<u64>,
     /// Payload buffers callers handed back, for the next replies: a steady
     /// stream of inline replies allocates nothing.
     spare: Vec<Vec<u8>>,
@@ -70,7 +50,7 @@ impl Default for Inbox {
             // table allocated, the old freed: `kv_get_bw`'s 0.06 to 0.19
             // allocations per batch in some runs).
             ready: ById::with_capacity_and_hasher(2 * super::BATCH_WINDOW, Default::default()),
-            abandoned: HashSet::default(),
+            abandoned: FxHashSet::default(),
             spare: Vec::new(),
             landings: ById::default(),
         }

@@ -1,6 +1,7 @@
 //! Completions: polling the CQs, what each completion means, commands from
 //! the peer, and the callbacks they owe, in order.
 
+use std::mem::MaybeUninit;
 use std::sync::atomic::Ordering;
 use std::sync::PoisonError;
 use std::time::Duration;
@@ -22,22 +23,28 @@ const BUNCHED: usize = 2;
 impl Connection {
     /// Polls one CQ once and dispatches what it got; the send CQ under its
     /// lock. Returns how many completions there were.
-    pub(super) fn poll_cq(&self, send: bool, wcs: &mut [Completion], inline: bool) -> usize {
+    pub(super) fn poll_cq(
+        &self,
+        send: bool,
+        room: &mut [MaybeUninit<Completion>],
+        inline: bool,
+    ) -> usize {
         let _guard = send.then(|| self.inner.send_poll.lock().expect("poll lock"));
         let cq = if send {
             &self.inner.send_cq
         } else {
             &self.inner.recv_cq
         };
-        let n = match cq.poll(wcs) {
-            Ok(n) => n,
+        let wcs = match cq.poll_into(room) {
+            Ok(wcs) => wcs,
             Err(e) => {
                 log::error!("polling the CQ failed: {e}");
                 return 0;
             }
         };
+        let n = wcs.len();
         if send {
-            for wc in &wcs[..n] {
+            for wc in wcs {
                 self.dispatch(wc, inline);
             }
             return n;
@@ -52,8 +59,16 @@ impl Connection {
                 .lock()
                 .unwrap_or_else(PoisonError::into_inner)
         };
-        if n > 0 {
-            backlog().extend(wcs[..n].iter().cloned());
+        {
+            let mut queued = backlog();
+            if n == 1 && queued.is_empty() {
+                // Alone: no rest of a batch to go first, and the queue would
+                // hand it straight back (only this thread polls).
+                drop(queued);
+                self.dispatch(&wcs[0], inline);
+                return 1;
+            }
+            queued.extend(wcs.iter().cloned());
         }
         loop {
             let Some(wc) = backlog().pop_front() else {
@@ -70,21 +85,20 @@ impl Connection {
         let Ok(_guard) = self.inner.send_poll.try_lock() else {
             return false;
         };
-        let mut wcs: [Completion; 4] = Default::default();
-        let n = match self.inner.send_cq.poll(&mut wcs) {
-            Ok(n) => n,
-            Err(_) => return false,
+        let mut room = Completion::room::<4>();
+        let Ok(wcs) = self.inner.send_cq.poll_into(&mut room) else {
+            return false;
         };
-        for wc in &wcs[..n] {
+        for wc in wcs {
             self.dispatch(wc, false);
         }
-        n > 0
+        !wcs.is_empty()
     }
 
     /// Handles this connection's pending completions from inside a callback;
     /// callbacks are queued to run after the current one returns.
     pub(super) fn drive_inline(&self) -> usize {
-        let mut wcs: [Completion; 16] = Default::default();
+        let mut wcs = Completion::room::<16>();
         let mut handled = 0;
         loop {
             let n = self
@@ -137,7 +151,7 @@ impl Connection {
     /// raises an event, one that came before is polled here. Returns how
     /// many receives completed (messages and commands).
     pub(super) fn drain_and_arm(&self) -> usize {
-        let mut batch: [Completion; MAX_POLL_BATCH] = Default::default();
+        let mut batch = Completion::room::<MAX_POLL_BATCH>();
         let take = (self.inner.opts.max_concurrent_work_requests as usize).clamp(1, MAX_POLL_BATCH);
         let wcs = &mut batch[..take];
         // Callers poll their own connection while they wait and arm it when
@@ -548,9 +562,8 @@ impl Connection {
     /// whether there was anything; drain with `while poll_round() {}`.
     pub(crate) fn poll_round(&self) -> bool {
         self.with_recv_poll(|| {
-            // Small: this runs in spin loops, mostly finding nothing, and the
-            // array is zeroed each time.
-            let mut wcs: [Completion; 4] = Default::default();
+            // Small: this runs in spin loops, mostly finding nothing.
+            let mut wcs = Completion::room::<4>();
             // One pass, not until empty: the caller's loop comes back at
             // once, and a waiting caller gets to see its reply a pass sooner.
             let n = self.poll_cq(false, &mut wcs, false) + self.poll_cq(true, &mut wcs, false);

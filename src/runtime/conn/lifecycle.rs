@@ -29,7 +29,7 @@ impl Connection {
     /// Delivers every message the peer sent before it left, then ends the
     /// connection (on the thread holding the receive-poll role).
     pub(super) fn finish_peer_left(&self) {
-        let mut wcs: [Completion; 16] = Default::default();
+        let mut wcs = Completion::room::<16>();
         while self.poll_cq(false, &mut wcs, false) > 0 {}
         self.deliver_deferred();
         self.peer_disconnected();

@@ -22,7 +22,9 @@ pub(crate) use setup::warn_no_phys_addr;
 pub(crate) use sources::{CmSource, CqSource};
 pub use window::Window;
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
+
+use rustc_hash::FxHashMap;
 use std::fmt;
 use std::net::SocketAddr;
 use std::panic::AssertUnwindSafe;
@@ -190,7 +192,7 @@ struct State {
     rx_msgs: u64,
     sq_used: u32,
     cmd_free: Vec<u16>,
-    sync_ops: HashMap<u64, Option<std::result::Result<(), String>>>,
+    sync_ops: FxHashMap<u64, Option<std::result::Result<(), String>>>,
     next_op: u64,
     /// Callbacks owed, in order: messages that arrived while a callback
     /// drove the CQ itself, and completions another thread polled.
@@ -320,7 +322,7 @@ pub(crate) struct ConnInner {
     /// taken: the next holder releases their bytes (`RecvRing::release`),
     /// so a delivery takes the lock once, not twice.
     rx_read: AtomicU32,
-    user_mrs: Mutex<HashMap<usize, Arc<MemoryRegion>>>,
+    user_mrs: Mutex<FxHashMap<usize, Arc<MemoryRegion>>>,
     disconnect_fired: AtomicBool,
     closed_locally: AtomicBool,
     /// A message reached the handler since its last `round_done`.

@@ -5,7 +5,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use smallvec::{smallvec, SmallVec};
+use smallvec::SmallVec;
 
 use crate::runtime::{Error, Result};
 use crate::verbs::{AccessFlags, MemoryRegion, RemoteAddr, SendOp, SendRequest, Sge};
@@ -155,7 +155,6 @@ impl Connection {
                 MAX_SEND_WR / 2
             )));
         }
-        let deadline = Instant::now() + self.inner.opts.timeout.max(Duration::from_secs(1));
         let room = |st: &mut State| match st.state {
             ConnState::Closed | ConnState::Error => Some(Err(Error::Disconnected)),
             ConnState::Connected | ConnState::MrReady
@@ -166,16 +165,21 @@ impl Connection {
             ConnState::Connected | ConnState::MrReady => None,
             _ => Some(Err(Error::NotConnected)),
         };
-        // The room found may be taken by another sender before this one
-        // locks again: it looks once more under the lock it posts with.
+        // Mostly there is room at once: the wait (and its clock) only when
+        // not. The room found may be taken by another sender before this
+        // one locks again: it looks once more under the lock it posts with.
+        let mut deadline = None;
         let mut st = loop {
-            self.wait_until(deadline, room).and_then(|r| r)?;
             let mut st = self.lock();
             match room(&mut st) {
                 Some(Ok(())) => break st,
                 Some(Err(e)) => return Err(e),
-                None => {}
+                None => drop(st),
             }
+            let deadline = *deadline.get_or_insert_with(|| {
+                Instant::now() + self.inner.opts.timeout.max(Duration::from_secs(1))
+            });
+            self.wait_until(deadline, room).and_then(|r| r)?;
         };
         // The credit owed to the peer rides in front, as it does with a
         // message, rather than going alone when this thread waits.
@@ -189,40 +193,34 @@ impl Connection {
         };
         let credit_sge = credit.map(|(_, sge)| [sge]);
         let first = st.next_op;
-        // A batch of up to ON_STACK operations allocates nothing.
-        let ids: SmallVec<[u64; ON_STACK]> = if sync {
+        if sync {
             st.next_op += u64::from(n);
-            (first..first + u64::from(n))
-                .map(|id| {
-                    st.sync_ops.insert(id, None);
-                    wr_id(K_SYNC, id)
-                })
-                .collect()
+            for id in first..first + u64::from(n) {
+                st.sync_ops.insert(id, None);
+            }
         } else {
             self.async_posted();
-            smallvec![wr_id(
-                if read { K_READ } else { K_WRITE },
-                ops[0].0.length as u64,
-            )]
+        }
+        let id = |i: u64| match sync {
+            true => wr_id(K_SYNC, first + i),
+            false => wr_id(if read { K_READ } else { K_WRITE }, ops[0].0.length as u64),
         };
-        let sges: SmallVec<[[Sge; 1]; ON_STACK]> = ops.iter().map(|(local, _)| [*local]).collect();
+        // A batch of up to ON_STACK operations allocates nothing; filled in
+        // place (a collected SmallVec is moved out, a copy of all its room).
+        let mut sges: SmallVec<[[Sge; 1]; ON_STACK]> = SmallVec::new();
+        sges.extend(ops.iter().map(|(local, _)| [*local]));
         let mut reqs: SmallVec<[SendRequest; ON_STACK + 1]> = SmallVec::new();
         if let (Some((slot, _)), Some(sge)) = (credit, &credit_sge) {
             reqs.push(cmd_request(slot, sge));
         }
-        reqs.extend(
-            ops.iter()
-                .zip(&sges)
-                .zip(&ids)
-                .map(|(((_, remote), sge), &id)| {
-                    let op = if read {
-                        SendOp::Read(*remote)
-                    } else {
-                        SendOp::Write(*remote)
-                    };
-                    SendRequest::new(id, op, sge)
-                }),
-        );
+        for (i, ((_, remote), sge)) in ops.iter().zip(&sges).enumerate() {
+            let op = if read {
+                SendOp::Read(*remote)
+            } else {
+                SendOp::Write(*remote)
+            };
+            reqs.push(SendRequest::new(id(i as u64), op, sge));
+        }
         // SAFETY: the caller's buffers were checked to be registered here;
         // the C contract (and `read`/`write`'s docs) leave them to the device
         // until the completion; the command slot stays untouched until its

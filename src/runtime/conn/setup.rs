@@ -1,7 +1,9 @@
 //! Setting a connection up: its QP, buffers and posted receives, connecting
 //! (RDMA CM or socket mode), and advertising the receive ring.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
+
+use rustc_hash::FxHashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, RwLock};
@@ -167,7 +169,10 @@ impl Connection {
                     rx_msgs: 0,
                     sq_used: 0,
                     cmd_free: (0..CMD_SLOTS).collect(),
-                    sync_ops: HashMap::with_capacity(2 * SYNC_OPS_UNGROWN),
+                    sync_ops: FxHashMap::with_capacity_and_hasher(
+                        2 * SYNC_OPS_UNGROWN,
+                        Default::default(),
+                    ),
                     next_op: 1,
                     deferred: VecDeque::new(),
                     queue: SendQueue::new(opts.send_queue_bytes),
@@ -192,7 +197,7 @@ impl Connection {
                 rx_owed: AtomicBool::new(false),
                 sq_done: AtomicU32::new(0),
                 rx_read: AtomicU32::new(0),
-                user_mrs: Mutex::new(HashMap::new()),
+                user_mrs: Mutex::new(FxHashMap::default()),
                 disconnect_fired: AtomicBool::new(false),
                 closed_locally: AtomicBool::new(false),
                 ended: AtomicBool::new(false),

@@ -7,13 +7,14 @@
 //! events, so a pass costs the same with two connections or a thousand
 //! idle ones.
 
-use std::collections::HashMap;
 use std::os::fd::RawFd;
 use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
+
+use rustc_hash::FxHashMap;
 
 use super::spin::Spin;
 
@@ -128,7 +129,7 @@ const EVENT_LOOK_INTERVAL: Duration = Duration::from_micros(20);
 const LOOK_ALL_EVERY: u32 = 100;
 
 struct Shared {
-    sources: Mutex<HashMap<u64, Arc<dyn Source>>>,
+    sources: Mutex<FxHashMap<u64, Arc<dyn Source>>>,
     next_id: AtomicU64,
     stop: AtomicBool,
     /// An eventfd that wakes the thread when the set changes.
@@ -251,7 +252,7 @@ impl Poller {
             return Err(err);
         }
         let shared = Arc::new(Shared {
-            sources: Mutex::new(HashMap::new()),
+            sources: Mutex::new(FxHashMap::default()),
             next_id: AtomicU64::new(1),
             stop: AtomicBool::new(false),
             wake,
@@ -329,7 +330,7 @@ fn run(shared: &Shared, tick: Duration, spin: Duration, nap: Duration) {
     // The sources in the epoll set, by key. Removed ones are kept until
     // taken out of the set, so their fds stay open (not yet reused) until
     // then.
-    let mut watched: HashMap<u64, Arc<dyn Source>> = HashMap::new();
+    let mut watched: FxHashMap<u64, Arc<dyn Source>> = FxHashMap::default();
     // Sources polled while spinning, with when they last had work; while
     // non-empty the thread spins. With more than FEW sources, every other
     // source is armed, so its completions raise events.
@@ -435,9 +436,9 @@ fn run(shared: &Shared, tick: Duration, spin: Duration, nap: Duration) {
 /// Brings the epoll set in line with the sources; returns the new ones.
 fn update_watched(
     shared: &Shared,
-    watched: &mut HashMap<u64, Arc<dyn Source>>,
+    watched: &mut FxHashMap<u64, Arc<dyn Source>>,
 ) -> Vec<Arc<dyn Source>> {
-    let current: HashMap<u64, Arc<dyn Source>> = shared
+    let current: FxHashMap<u64, Arc<dyn Source>> = shared
         .sources
         .lock()
         .unwrap_or_else(PoisonError::into_inner)
@@ -497,7 +498,7 @@ const HOT_FOR_SPINS: u32 = 8;
 /// every source armed.
 fn spin_passes(
     shared: &Shared,
-    watched: &HashMap<u64, Arc<dyn Source>>,
+    watched: &FxHashMap<u64, Arc<dyn Source>>,
     spin: Duration,
     mut allowed: Option<&mut Spin>,
     hot: &mut Vec<Hot>,

@@ -218,22 +218,26 @@ impl CompletionQueue {
         Ok(rc as usize)
     }
 
-    /// Takes up to `out.len()` completions without waiting into memory that
-    /// need not be initialised, and returns them: a batch array is not
-    /// zeroed before every poll (1.5 KiB for 32, on every round of a
-    /// completion thread).
+    /// Takes up to `out.len()` completions without waiting into `out` and
+    /// returns them. `out` is zeroed first: a provider may leave fields of
+    /// a completion unwritten (a failed one's opcode, a send's `byte_len`;
+    /// see `ibv_poll_cq(3)`), which then read as 0, not as stale bytes.
     pub fn poll_into<'a>(
         &self,
         out: &'a mut [MaybeUninit<Completion>],
     ) -> Result<&'a [Completion]> {
+        for slot in out.iter_mut() {
+            slot.write(Completion::default());
+        }
         let n = i32::try_from(out.len()).unwrap_or(i32::MAX);
-        // SAFETY: Completion is repr(transparent) over ibv_wc, out has room
-        // for n entries, and the provider writes only whole entries.
+        // SAFETY: Completion is repr(transparent) over ibv_wc and out has
+        // room for n entries.
         let rc = unsafe { sys::ibv_poll_cq(self.as_raw(), n, out.as_mut_ptr().cast()) };
         if rc < 0 {
             return Err(Error::from_code("ibv_poll_cq", rc));
         }
-        // SAFETY: the provider initialised the first rc (<= n) entries.
+        // SAFETY: every entry was initialised above (all-zero is a valid
+        // ibv_wc), and rc <= n.
         Ok(unsafe { std::slice::from_raw_parts(out.as_ptr().cast(), rc as usize) })
     }
 

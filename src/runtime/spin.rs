@@ -7,17 +7,18 @@
 //! - the machine's runnable threads (every process's, `/proc/loadavg`,
 //!   looked at no more than once per [`LOOK_EVERY`] by the whole process)
 //!   are no more than its CPUs, and
-//! - it has not lately lost its CPU for more than a third of its time in
-//!   spins ([`LOST_SHARE`] of a [`BACK_OFF`] window), which is how spinners
-//!   of other processes on the same CPUs show between two looks: gaps
-//!   between two polls far longer than a poll, slice after slice (a CPU
-//!   shared by two spinners is lost half the time). The thread then waits
-//!   on its event channel for [`BACK_OFF`] before it spins again. A gap
-//!   alone is not enough: an interrupt's work, a kernel thread or (in a VM)
-//!   the host taking the virtual CPU away also make them, and backing off
-//!   at each left a request/reply pair waiting on events for most of a run
-//!   (an echo took 45 us instead of 17 on Soft-RoCE in a VM, a kv GET
-//!   70-300 instead of 40).
+//! - it has not lately lost its CPU, in its spins, for more than a third
+//!   of a [`BACK_OFF`] window ([`LOST_SHARE`]; gaps add up from the
+//!   first), which is how spinners of other processes on the same CPUs
+//!   show between two looks: gaps between two polls far longer than a
+//!   poll, slice after slice (a CPU shared by two spinners is lost half
+//!   the time). The thread then waits on its event channel for
+//!   [`BACK_OFF`] before it spins again. A short gap alone is not enough:
+//!   an interrupt's work, a kernel thread or (in a VM) the host taking the
+//!   virtual CPU away also make them, and backing off at each left a
+//!   request/reply pair waiting on events for most of a run (an echo took
+//!   45 us instead of 17 on Soft-RoCE in a VM, a kv GET 70-300 instead of
+//!   40).
 //!
 //! The checks read the clock (vDSO) and atomics; the look at the load is
 //! one `pread` per [`LOOK_EVERY`] for the whole process.
@@ -226,15 +227,16 @@ mod tests {
         SPINNING.fetch_add(1, Ordering::Relaxed); // As start() would.
         let mut now = t0 + Duration::from_micros(10);
         assert!(s.pass(now));
-        // Kernel work now and then: a few gaps, well under a third.
+        // Kernel work now and then: a few gaps, adding up to under a third
+        // of the window.
         for _ in 0..5 {
             now += LOST_CPU;
             assert!(s.pass(now), "a gap now and then is no crowd");
             now += Duration::from_millis(2);
             assert!(s.pass(now));
         }
-        // A later spin, a window on, on a CPU shared with another spinner:
-        // 3 ms slices.
+        // A later spin, a window on, that loses its CPU slice after slice
+        // (3 ms gaps): it backs off once they pass a third of the window.
         now += BACK_OFF;
         s.prev = now;
         let mut passes = 0;

@@ -71,24 +71,38 @@ static SPINNING: AtomicUsize = AtomicUsize::new(0);
 #[cfg(test)]
 pub(crate) const ALWAYS_SPINNING_TEST_THREAD: &str = "test-poller";
 
+/// What a thread's spins lately cost it.
+#[derive(Clone, Copy)]
+enum Record {
+    /// No CPU lost in the current window.
+    Clear,
+    /// CPU lost in spins: since when (the window), how long in all.
+    Lost { since: Instant, total: Duration },
+    /// The losses passed their share: waits on events until then.
+    BackingOff { until: Instant },
+}
+
 thread_local! {
-    static BACKING_OFF_UNTIL: Cell<Option<Instant>> = const { Cell::new(None) };
-    /// This thread's CPU losses in spins: since when (the window), how long.
-    static LOSSES: Cell<Option<(Instant, Duration)>> = const { Cell::new(None) };
+    static RECORD: Cell<Record> = const { Cell::new(Record::Clear) };
 }
 
 /// Adds a loss of `gap` ending at `now` to this thread's window; true when
-/// the window's losses passed its share (the thread backs off, and the next
-/// window starts afresh).
+/// the window's losses passed its share: the thread then backs off for
+/// [`BACK_OFF`], and the window after starts afresh.
 fn lost(now: Instant, gap: Duration) -> bool {
-    LOSSES
-        .try_with(|losses| {
-            let (since, total) = match losses.get() {
-                Some((since, total)) if now < since + BACK_OFF => (since, total + gap),
+    RECORD
+        .try_with(|record| {
+            let (since, total) = match record.get() {
+                Record::Lost { since, total } if now < since + BACK_OFF => (since, total + gap),
                 _ => (now.checked_sub(gap).unwrap_or(now), gap),
             };
             let crowded = total > BACK_OFF / LOST_SHARE;
-            losses.set((!crowded).then_some((since, total)));
+            record.set(match crowded {
+                true => Record::BackingOff {
+                    until: now + BACK_OFF,
+                },
+                false => Record::Lost { since, total },
+            });
             crowded
         })
         .unwrap_or(true)
@@ -101,8 +115,8 @@ fn cpus() -> usize {
 
 /// Whether this thread lost its CPU in a spin less than [`BACK_OFF`] ago.
 fn backing_off(now: Instant) -> bool {
-    BACKING_OFF_UNTIL
-        .try_with(|b| b.get().is_some_and(|until| now < until))
+    RECORD
+        .try_with(|r| matches!(r.get(), Record::BackingOff { until } if now < until))
         .unwrap_or(false)
 }
 
@@ -181,11 +195,7 @@ impl Spin {
         }
         let gap = now.saturating_duration_since(self.prev);
         self.prev = now;
-        if gap < LOST_CPU || !lost(now, gap) {
-            return true;
-        }
-        let _ = BACKING_OFF_UNTIL.try_with(|b| b.set(Some(now + BACK_OFF)));
-        false
+        gap < LOST_CPU || !lost(now, gap)
     }
 }
 

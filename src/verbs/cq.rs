@@ -8,7 +8,6 @@
 
 use std::ffi::CStr;
 use std::fmt;
-use std::mem::MaybeUninit;
 use std::os::fd::RawFd;
 use std::ptr::NonNull;
 use std::sync::Arc;
@@ -218,27 +217,14 @@ impl CompletionQueue {
         Ok(rc as usize)
     }
 
-    /// Takes up to `out.len()` completions without waiting into `out` and
-    /// returns them. `out` is zeroed first: a provider may leave fields of
-    /// a completion unwritten (a failed one's opcode, a send's `byte_len`;
-    /// see `ibv_poll_cq(3)`), which then read as 0, not as stale bytes.
-    pub fn poll_into<'a>(
-        &self,
-        out: &'a mut [MaybeUninit<Completion>],
-    ) -> Result<&'a [Completion]> {
-        for slot in out.iter_mut() {
-            slot.write(Completion::default());
-        }
-        let n = i32::try_from(out.len()).unwrap_or(i32::MAX);
-        // SAFETY: Completion is repr(transparent) over ibv_wc and out has
-        // room for n entries.
-        let rc = unsafe { sys::ibv_poll_cq(self.as_raw(), n, out.as_mut_ptr().cast()) };
-        if rc < 0 {
-            return Err(Error::from_code("ibv_poll_cq", rc));
-        }
-        // SAFETY: every entry was initialised above (all-zero is a valid
-        // ibv_wc), and rc <= n.
-        Ok(unsafe { std::slice::from_raw_parts(out.as_ptr().cast(), rc as usize) })
+    /// Takes up to `out.len()` completions without waiting and returns
+    /// them: the first entries of `out`. Fields a provider leaves unwritten
+    /// (a failed completion's opcode, a send's `byte_len`; see
+    /// `ibv_poll_cq(3)`) keep what the entry held before: zero in a fresh
+    /// [`Completion::room`].
+    pub fn poll_into<'a>(&self, out: &'a mut [Completion]) -> Result<&'a [Completion]> {
+        let n = self.poll(out)?;
+        Ok(&out[..n])
     }
 
     /// Asks for a channel event at the next completion (`solicited_only`:
@@ -300,8 +286,7 @@ pub struct Completion(sys::ibv_wc);
 
 impl Default for Completion {
     fn default() -> Self {
-        // SAFETY: all-zero is a valid ibv_wc.
-        Completion(unsafe { std::mem::zeroed() })
+        Self::ZEROED
     }
 }
 
@@ -325,11 +310,14 @@ impl fmt::Debug for Completion {
 }
 
 impl Completion {
-    /// Room for `N` completions to [`CompletionQueue::poll_into`], not
-    /// initialised.
-    pub const fn room<const N: usize>() -> [MaybeUninit<Completion>; N] {
-        [const { MaybeUninit::uninit() }; N]
+    /// Room for `N` completions to [`CompletionQueue::poll_into`], zeroed
+    /// once: reused across polls, it is not cleared again.
+    pub const fn room<const N: usize>() -> [Completion; N] {
+        [Self::ZEROED; N]
     }
+
+    // SAFETY: all-zero is a valid ibv_wc.
+    const ZEROED: Completion = Completion(unsafe { std::mem::zeroed() });
 
     /// The id given when the request was posted.
     pub fn wr_id(&self) -> u64 {

@@ -1,7 +1,6 @@
 //! Completions: polling the CQs, what each completion means, commands from
 //! the peer, and the callbacks they owe, in order.
 
-use std::mem::MaybeUninit;
 use std::sync::atomic::Ordering;
 use std::sync::PoisonError;
 use std::time::Duration;
@@ -23,12 +22,7 @@ const BUNCHED: usize = 2;
 impl Connection {
     /// Polls one CQ once and dispatches what it got; the send CQ under its
     /// lock. Returns how many completions there were.
-    pub(super) fn poll_cq(
-        &self,
-        send: bool,
-        room: &mut [MaybeUninit<Completion>],
-        inline: bool,
-    ) -> usize {
+    pub(super) fn poll_cq(&self, send: bool, room: &mut [Completion], inline: bool) -> usize {
         let _guard = send.then(|| self.inner.send_poll.lock().expect("poll lock"));
         let cq = if send {
             &self.inner.send_cq

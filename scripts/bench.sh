@@ -13,6 +13,9 @@
 # strace, to name them.
 #
 #   scripts/bench.sh <results file>      SNOWRDMA_BENCH_REPS (default 5),
+#                                         SNOWRDMA_BENCH_BIN (the bench program,
+#                                         default target/release/snowrdma-bench;
+#                                         another build for an A/B),
 #                                         SNOWRDMA_BENCH_CASES (a regex of case
 #                                         names: only those; default all)
 set -u
@@ -20,7 +23,7 @@ results=$1
 costs=${results%.*}.costs
 export SNOWRDMA_BENCH_COSTS=$costs
 reps=${SNOWRDMA_BENCH_REPS:-5}
-bench=target/release/snowrdma-bench
+bench=${SNOWRDMA_BENCH_BIN:-target/release/snowrdma-bench}
 apps=target/c-examples/kv-app
 read -r dev ip < <($bench addr) || { echo "bench: no RDMA device" >&2; exit 1; }
 mapfile -t cases < <($bench cases)

@@ -4,7 +4,7 @@
 use std::time::{Duration, Instant};
 
 use super::peer::{self, Peer, Slot};
-use super::{Broker, BrokerError, Callback, Event, EventKind, Result, CM_CHECK};
+use super::{Broker, BrokerError, Callback, CompletionRoom, Event, EventKind, Result, CM_CHECK};
 use crate::verbs::{self, Completion, WcOpcode, WcStatus};
 
 impl Broker {
@@ -82,9 +82,9 @@ impl Broker {
         let mut n = 0;
         // Kept between polls: finishing operations allocates nothing.
         let mut done = self.finished.take();
+        let mut room = self.take_room();
         for peer in self.targets(server)? {
-            let mut room = Completion::room::<32>();
-            for wc in peer.send_cq.poll_into(&mut room)? {
+            for wc in peer.send_cq.poll_into(&mut room[..])? {
                 let failed = peer::failed(peer, wc);
                 {
                     let mut send = peer.send.borrow_mut();
@@ -127,6 +127,7 @@ impl Broker {
             }
         }
         self.finished.set(done);
+        self.room.set(Some(room));
         Ok(n)
     }
 
@@ -140,9 +141,9 @@ impl Broker {
             .try_borrow_mut()
             .map_err(|_| BrokerError::Reentrant)?;
         let mut n = 0;
+        let mut room = self.take_room();
         for peer in self.targets(server)? {
-            let mut room = Completion::room::<32>();
-            let wcs = peer.recv_cq.poll_into(&mut room)?;
+            let wcs = peer.recv_cq.poll_into(&mut room[..])?;
             let mut repost = [0u32; 32];
             let mut reposts = 0;
             for wc in wcs {
@@ -183,8 +184,17 @@ impl Broker {
             }
         }
         drop(cb);
+        self.room.set(Some(room));
         self.flush_all()?;
         Ok(n)
+    }
+
+    /// The room kept from the last poll (a new one after a poll that
+    /// failed; the callback's borrow keeps two polls from sharing it).
+    fn take_room(&self) -> Box<CompletionRoom> {
+        self.room
+            .take()
+            .unwrap_or_else(|| Box::new(Completion::room()))
     }
 
     fn report_down(&self, peer: &Peer, cb: &mut Callback) {

@@ -17,6 +17,8 @@ use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::task::{Context as TaskContext, Poll, Waker};
 use std::time::Duration;
 
+use smallvec::SmallVec;
+
 use super::error::Result;
 use super::region::{ProtectionDomain, RawHold};
 use crate::verbs::{self, Completion};
@@ -329,28 +331,44 @@ impl CqShared {
 
     /// Reaps everything the CQ holds now.
     fn drive(&self) -> Result<usize> {
-        let mut room = Completion::room::<BATCH>();
+        // Most polls (a spinning future's) find nothing or one completion:
+        // a one-entry room first, the batch's (1.5 KiB to zero) only after
+        // two polls in a row found one each.
+        let mut one = Completion::room::<1>();
+        let mut batch: Option<[Completion; BATCH]> = None;
+        let mut singles = 0;
         let mut total = 0;
         loop {
-            let mut wake: [Option<Waker>; BATCH] = Default::default();
+            let mut wake: SmallVec<[Waker; BATCH]> = SmallVec::new();
             let mut released = Vec::new();
-            let n = {
+            let (n, asked) = {
                 // Polling under the table lock keeps a batch's completions in
                 // order even when several threads reap.
                 let mut t = self.table();
-                let wcs = self.cq.poll_into(&mut room)?;
-                for (wc, w) in wcs.iter().zip(wake.iter_mut()) {
-                    *w = self.dispatch(&mut t, wc, &mut released);
+                let room: &mut [Completion] = match &mut batch {
+                    None => &mut one[..],
+                    Some(b) => &mut b[..],
+                };
+                let wcs = self.cq.poll_into(room)?;
+                for wc in wcs {
+                    wake.extend(self.dispatch(&mut t, wc, &mut released));
                 }
-                wcs.len()
+                (wcs.len(), room.len())
             };
             // Wakers and segment releases run outside the lock.
-            wake.into_iter().flatten().for_each(Waker::wake);
+            wake.drain(..).for_each(Waker::wake);
             drop(released);
+            if n == 0 {
+                return Ok(total);
+            }
             total += n;
             self.completions.fetch_add(n as u64, Ordering::Relaxed);
-            if n < BATCH {
+            if n < asked {
                 return Ok(total);
+            }
+            singles += 1;
+            if singles >= 2 {
+                batch.get_or_insert_with(Completion::room::<BATCH>);
             }
         }
     }

@@ -88,7 +88,7 @@ impl Client {
             // it, so nothing older than the two-step lookup could return is
             // taken); if it moved, look it up.
             let mut b = self.lock_bounce(at.len as usize)?;
-            if let Some(found) = self.read_at(&mut b, key, at, &mut take)? {
+            if let Some(found) = self.read_at(&mut b, key, at, true, &mut take)? {
                 return Ok(found);
             }
         }
@@ -105,7 +105,7 @@ impl Client {
                 InBucket::Torn => continue,
                 InBucket::Maybe(places) => {
                     for at in places {
-                        if let Some(found) = self.read_at(&mut b, key, at, &mut take)? {
+                        if let Some(found) = self.read_at(&mut b, key, at, false, &mut take)? {
                             return Ok(found);
                         }
                     }
@@ -335,13 +335,14 @@ impl Client {
     }
 
     /// READs the block at `at` and, if it verifies as the key's current
-    /// one, lends its value to `take` (and remembers where it was); `None`
-    /// otherwise.
+    /// one, lends its value to `take` (and remembers where it was, unless
+    /// it was `remembered` there); `None` otherwise.
     fn read_at<T>(
         &self,
         b: &mut BounceGuard<'_>,
         key: &[u8],
         at: Location,
+        remembered: bool,
         take: &mut Option<impl FnOnce(&[u8]) -> T>,
     ) -> Result<Option<(T, u64)>> {
         let len = at.len as usize;
@@ -353,7 +354,11 @@ impl Client {
         let Some((version, value)) = verify_block(b.bytes(len), key) else {
             return Ok(None);
         };
-        self.remember(key, at);
+        // A remembered place is already known: re-inserting it would copy
+        // the key and hash it again on every GET.
+        if !remembered {
+            self.remember(key, at);
+        }
         Ok(take.take().map(|take| (take(value), version)))
     }
 
@@ -367,7 +372,11 @@ impl Client {
 
     fn remember(&self, key: &[u8], at: Location) {
         let mut known = self.locations.lock().expect("location lock");
-        if known.len() >= MAX_LOCATIONS && !known.contains_key(key) {
+        if let Some(place) = known.get_mut(key) {
+            *place = at;
+            return;
+        }
+        if known.len() >= MAX_LOCATIONS {
             known.clear();
         }
         known.insert(key.to_vec(), at);

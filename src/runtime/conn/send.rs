@@ -469,14 +469,13 @@ impl Connection {
         if staged.is_empty() {
             return Ok(());
         }
-        let sges: [[Sge; 1]; QUEUED_PER_DOORBELL] =
-            std::array::from_fn(|i| [staged.get(i).map_or(StagedMessage::NONE.sge, |m| m.sge)]);
+        // Filled in place, as many as there are messages (a collected
+        // SmallVec is moved out with all its room).
+        let mut sges: SmallVec<[[Sge; 1]; QUEUED_PER_DOORBELL]> = SmallVec::new();
+        sges.extend(staged.iter().map(|m| [m.sge]));
         let read = self.credit_read(st);
-        let mut reqs: SmallVec<[SendRequest<'_>; QUEUED_PER_DOORBELL + 1]> = staged
-            .iter()
-            .zip(&sges)
-            .map(|(m, sge)| m.request(sge))
-            .collect();
+        let mut reqs: SmallVec<[SendRequest<'_>; QUEUED_PER_DOORBELL + 1]> = SmallVec::new();
+        reqs.extend(staged.iter().zip(&sges).map(|(m, sge)| m.request(sge)));
         if let Some(read) = &read {
             reqs.push(read.request());
         }

@@ -47,7 +47,7 @@ impl Connection {
             self.drop_queued(&mut st, "it failed");
             self.end_state(&mut st, ConnState::Error);
             st.last_errno = libc::ECONNABORTED;
-            for slot in st.sync_ops.values_mut() {
+            for slot in st.sync_ops.outcomes_mut() {
                 slot.get_or_insert_with(|| Err(reason.to_string()));
             }
         }
@@ -79,7 +79,7 @@ impl Connection {
                 self.end_state(&mut st, ConnState::Closed);
             }
             self.drop_queued(&mut st, "the peer left");
-            for slot in st.sync_ops.values_mut() {
+            for slot in st.sync_ops.outcomes_mut() {
                 slot.get_or_insert_with(|| Err("the peer disconnected".into()));
             }
             was
@@ -211,7 +211,7 @@ impl Connection {
         {
             let mut st = self.lock();
             self.end_state(&mut st, ConnState::Closed);
-            for slot in st.sync_ops.values_mut() {
+            for slot in st.sync_ops.outcomes_mut() {
                 slot.get_or_insert_with(|| Err("the connection was closed".into()));
             }
         }

@@ -13,6 +13,7 @@ mod park;
 mod send;
 mod setup;
 mod sources;
+mod sync_ops;
 mod window;
 
 pub use batch::{BatchMessage, WriteAhead, MESSAGES_PER_DOORBELL};
@@ -192,7 +193,7 @@ struct State {
     rx_msgs: u64,
     sq_used: u32,
     cmd_free: Vec<u16>,
-    sync_ops: FxHashMap<u64, Option<std::result::Result<(), String>>>,
+    sync_ops: sync_ops::SyncOps,
     next_op: u64,
     /// Callbacks owed, in order: messages that arrived while a callback
     /// drove the CQ itself, and completions another thread polled.

@@ -196,7 +196,7 @@ impl Connection {
         if sync {
             st.next_op += u64::from(n);
             for id in first..first + u64::from(n) {
-                st.sync_ops.insert(id, None);
+                st.sync_ops.insert(id);
             }
         } else {
             self.async_posted();
@@ -237,7 +237,7 @@ impl Connection {
                 drop(st);
                 self.fail(&format!("posting one-sided operations: {e}"));
             } else if sync {
-                st.sync_ops.remove(&first);
+                st.sync_ops.remove(first);
             }
             return Err(e);
         }
@@ -369,10 +369,10 @@ impl Connection {
 
     /// Waits for the synchronous operations `ids` and forgets them.
     pub(super) fn wait_sync_ops(&self, ids: std::ops::Range<u64>) -> Result<()> {
-        let result = self.wait_until(Instant::now() + SYNC_OP_TIMEOUT, |st| {
+        let result = self.wait_within(SYNC_OP_TIMEOUT, |st| {
             let mut outcome = Ok(());
             for id in ids.clone() {
-                match st.sync_ops.get(&id) {
+                match st.sync_ops.get(id) {
                     Some(Some(Err(reason))) => outcome = outcome.and(Err(reason.clone())),
                     Some(Some(Ok(()))) => {}
                     Some(None) => return None,
@@ -380,7 +380,7 @@ impl Connection {
                 }
             }
             for id in ids.clone() {
-                st.sync_ops.remove(&id);
+                st.sync_ops.remove(id);
             }
             Some(outcome)
         });
@@ -390,7 +390,7 @@ impl Connection {
             Err(e) => {
                 let mut st = self.lock();
                 for id in ids {
-                    st.sync_ops.remove(&id);
+                    st.sync_ops.remove(id);
                 }
                 drop(st);
                 if matches!(e, Error::Timeout(_)) {

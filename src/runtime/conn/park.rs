@@ -25,12 +25,14 @@ impl Connection {
     }
 
     /// Releases the lock until something changes or `deadline`: spins
-    /// first (`Options::spin`), since completions usually come sooner than a
-    /// sleeping thread can be woken, then sleeps in short bounded waits.
+    /// first (`Options::spin`, from `now`, the caller's reading of the
+    /// clock), since completions usually come sooner than a sleeping thread
+    /// can be woken, then sleeps in short bounded waits.
     pub(super) fn park<'a>(
         &'a self,
         mut st: MutexGuard<'a, State>,
         deadline: Instant,
+        now: Instant,
     ) -> MutexGuard<'a, State> {
         let _waiting = Waiting::on(self);
         let seen = self.inner.wakeups.load(Ordering::SeqCst);
@@ -45,8 +47,10 @@ impl Connection {
         self.send_owed_credit(&mut st);
         drop(st);
         let caller_polls = self.inner.opts.caller_polls;
-        let spin_until = Instant::now() + self.inner.opts.spin;
-        while Instant::now() < spin_until.min(deadline) {
+        // Polls first, then reads the clock: a reading costs as much as a
+        // poll of an empty CQ (far more under emulation).
+        let spin_until = (now + self.inner.opts.spin).min(deadline);
+        loop {
             // A caller-polled connection's round covers the send CQ too.
             let polled = if caller_polls {
                 self.poll_round()
@@ -55,6 +59,9 @@ impl Connection {
             };
             if polled || self.inner.wakeups.load(Ordering::SeqCst) != seen {
                 return self.lock();
+            }
+            if Instant::now() >= spin_until {
+                break;
             }
             std::hint::spin_loop();
         }
@@ -195,15 +202,34 @@ impl Connection {
             || self.inner.recv_poller.load(Ordering::Acquire) == thread_token()
     }
 
-    /// Waits until `check` gives a value. On the completion thread (inside a
-    /// callback) it handles this connection's completions itself, since
-    /// nobody else will.
+    /// Waits until `check` gives a value, or `deadline`. On the completion
+    /// thread (inside a callback) it handles this connection's completions
+    /// itself, since nobody else will.
     pub(super) fn wait_until<T>(
         &self,
         deadline: Instant,
+        check: impl FnMut(&mut State) -> Option<T>,
+    ) -> Result<T> {
+        self.wait_on(Until::At(deadline), check)
+    }
+
+    /// [`Connection::wait_until`] `timeout` from the first look: the
+    /// clock is read once, where the wait reads it anyway.
+    pub(super) fn wait_within<T>(
+        &self,
+        timeout: Duration,
+        check: impl FnMut(&mut State) -> Option<T>,
+    ) -> Result<T> {
+        self.wait_on(Until::Within(timeout), check)
+    }
+
+    fn wait_on<T>(
+        &self,
+        until: Until,
         mut check: impl FnMut(&mut State) -> Option<T>,
     ) -> Result<T> {
         let on_cq_thread = self.on_callback_thread();
+        let mut deadline = None;
         loop {
             {
                 let mut st = self.lock();
@@ -211,11 +237,15 @@ impl Connection {
                     return Ok(v);
                 }
                 let now = Instant::now();
+                let deadline = *deadline.get_or_insert(match until {
+                    Until::At(at) => at,
+                    Until::Within(timeout) => now + timeout,
+                });
                 if now >= deadline {
                     return Err(Error::Timeout("waiting on the connection".into()));
                 }
                 if !on_cq_thread {
-                    drop(self.park(st, deadline));
+                    drop(self.park(st, deadline, now));
                     continue;
                 }
             }
@@ -224,6 +254,14 @@ impl Connection {
             }
         }
     }
+}
+
+/// When a wait ends.
+#[derive(Clone, Copy)]
+enum Until {
+    At(Instant),
+    /// This long after the wait's first look.
+    Within(Duration),
 }
 
 /// Arms `cq` unless `flag` says it is armed (the flag is cleared when one

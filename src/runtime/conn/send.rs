@@ -306,7 +306,7 @@ impl Connection {
             let deadline = *deadline
                 .get_or_insert_with(|| now + self.inner.opts.timeout.max(Duration::from_secs(1)));
             if waits && now < deadline {
-                st = self.park(st, deadline);
+                st = self.park(st, deadline, now);
                 continue;
             }
             // A write ahead of the message reads the caller's buffer, which

@@ -7,7 +7,7 @@ use rustc_hash::FxHashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, RwLock};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use crate::runtime::options::Options;
 use crate::runtime::proto::{Cmd, Opcode, CMD_LEN};
@@ -22,6 +22,7 @@ use crate::verbs::{
 
 use super::credit::{ReadCredit, CREDIT_REGION_LEN};
 use super::send::INLINE_PARTS;
+use super::sync_ops::SyncOps;
 use super::{
     wr_id, CmSource, ConnHandler, ConnInner, ConnKind, ConnState, Connection, CqSource, Link,
     NoHandler, PdProvider, State, CMD_SLOTS, K_BIND, K_RECV, MAX_POLL_BATCH, MAX_SEND_WR,
@@ -169,10 +170,7 @@ impl Connection {
                     rx_msgs: 0,
                     sq_used: 0,
                     cmd_free: (0..CMD_SLOTS).collect(),
-                    sync_ops: FxHashMap::with_capacity_and_hasher(
-                        2 * SYNC_OPS_UNGROWN,
-                        Default::default(),
-                    ),
+                    sync_ops: SyncOps::with_capacity(2 * SYNC_OPS_UNGROWN),
                     next_op: 1,
                     deferred: VecDeque::new(),
                     queue: SendQueue::new(opts.send_queue_bytes),
@@ -287,7 +285,7 @@ impl Connection {
         self.inner.cm_source.store(cm_key, Ordering::SeqCst);
         self.start_completions();
         self.send_reg_local_addr()?;
-        let waited = self.wait_until(Instant::now() + setup, |st| match st.state {
+        let waited = self.wait_within(setup, |st| match st.state {
             ConnState::MrReady => Some(Ok(())),
             ConnState::Closed | ConnState::Error => Some(Err(Error::Disconnected)),
             _ => None,
@@ -471,11 +469,10 @@ impl Connection {
     }
 }
 
-/// One-sided operations a connection has in flight without its table of
+/// One-sided operations a connection has in flight without its window of
 /// them ever growing (the key-value client's batch READs up to 64 values
-/// at once): the table has room for twice as many, as a table at most half
-/// full is rehashed in place when its deleted entries use up its room,
-/// where a fuller one is grown (a new table allocated, the old freed).
+/// at once): room for twice as many, as an operation settled before one
+/// posted earlier keeps its place until that one is removed too.
 const SYNC_OPS_UNGROWN: usize = 64;
 
 /// The largest receive ring: message offsets are 31-bit.

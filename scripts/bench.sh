@@ -15,7 +15,9 @@
 #   scripts/bench.sh <results file>      SNOWRDMA_BENCH_REPS (default 5),
 #                                         SNOWRDMA_BENCH_BIN (the bench program,
 #                                         default target/release/snowrdma-bench;
-#                                         another build for an A/B),
+#                                         another build for an A/B: kv_server,
+#                                         kv_client and the C programs stay
+#                                         the tree's builds),
 #                                         SNOWRDMA_BENCH_CASES (a regex of case
 #                                         names: only those; default all)
 set -u
@@ -23,7 +25,7 @@ results=$1
 costs=${results%.*}.costs
 export SNOWRDMA_BENCH_COSTS=$costs
 reps=${SNOWRDMA_BENCH_REPS:-5}
-bench=${SNOWRDMA_BENCH_BIN:-target/release/snowrdma-bench}
+bench="${SNOWRDMA_BENCH_BIN:-target/release/snowrdma-bench}"
 apps=target/c-examples/kv-app
 read -r dev ip < <($bench addr) || { echo "bench: no RDMA device" >&2; exit 1; }
 mapfile -t cases < <($bench cases)

@@ -273,7 +273,8 @@ pub struct Broker {
 }
 
 /// Completions one poll of one CQ takes.
-type CompletionRoom = [verbs::Completion; 32];
+const POLL_BATCH: usize = 32;
+type CompletionRoom = [verbs::Completion; POLL_BATCH];
 
 /// How often the polls look at RDMA CM events (a system call each).
 const CM_CHECK: Duration = Duration::from_millis(10);

@@ -4,7 +4,9 @@
 use std::time::{Duration, Instant};
 
 use super::peer::{self, Peer, Slot};
-use super::{Broker, BrokerError, Callback, CompletionRoom, Event, EventKind, Result, CM_CHECK};
+use super::{
+    Broker, BrokerError, Callback, CompletionRoom, Event, EventKind, Result, CM_CHECK, POLL_BATCH,
+};
 use crate::verbs::{self, Completion, WcOpcode, WcStatus};
 
 impl Broker {
@@ -144,7 +146,7 @@ impl Broker {
         let mut room = self.take_room();
         for peer in self.targets(server)? {
             let wcs = peer.recv_cq.poll_into(&mut room[..])?;
-            let mut repost = [0u32; 32];
+            let mut repost = [0u32; POLL_BATCH];
             let mut reposts = 0;
             for wc in wcs {
                 if peer::failed(peer, wc) {
@@ -189,8 +191,9 @@ impl Broker {
         Ok(n)
     }
 
-    /// The room kept from the last poll (a new one after a poll that
-    /// failed; the callback's borrow keeps two polls from sharing it).
+    /// The room kept from the last poll, taken out of its cell while a
+    /// poll uses it (a poll that failed drops it: the next one makes a
+    /// new one).
     fn take_room(&self) -> Box<CompletionRoom> {
         self.room
             .take()

@@ -93,6 +93,9 @@ fn lost(now: Instant, gap: Duration) -> bool {
     RECORD
         .try_with(|record| {
             let (since, total) = match record.get() {
+                // A spin nested in another on this thread (a callback's
+                // wait inside the poller's spin) already backed off.
+                Record::BackingOff { until } if now < until => return true,
                 Record::Lost { since, total } if now < since + BACK_OFF => (since, total + gap),
                 _ => (now.checked_sub(gap).unwrap_or(now), gap),
             };
@@ -266,6 +269,23 @@ mod tests {
         assert!(backing_off(later));
         assert!(Spin::start(later).is_none(), "backing off");
         assert!(!backing_off(later + BACK_OFF), "spins again");
+    }
+
+    #[test]
+    fn a_nested_spins_loss_does_not_end_a_back_off() {
+        // A thread of its own: a fresh record.
+        std::thread::spawn(|| {
+            let t0 = Instant::now();
+            assert!(lost(t0, BACK_OFF), "a whole window lost backs off");
+            let ms = Duration::from_millis;
+            assert!(backing_off(t0 + ms(1)));
+            // A spin inside the backed-off one loses its CPU too.
+            assert!(lost(t0 + ms(2), LOST_CPU));
+            assert!(backing_off(t0 + ms(3)), "the back-off still runs");
+            assert!(!backing_off(t0 + BACK_OFF + ms(1)));
+        })
+        .join()
+        .unwrap();
     }
 
     #[test]

@@ -353,7 +353,12 @@ impl CqShared {
                 for wc in wcs {
                     wake.extend(self.dispatch(&mut t, wc, &mut released));
                 }
-                (wcs.len(), room.len())
+                let n = wcs.len();
+                // Users see these completions whole (`byte_len`, `imm`):
+                // a field the provider leaves unwritten in the next poll
+                // reads 0, not what this one held.
+                room[..n].fill_with(Completion::default);
+                (n, room.len())
             };
             // Wakers and segment releases run outside the lock.
             wake.drain(..).for_each(Waker::wake);

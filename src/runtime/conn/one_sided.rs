@@ -311,7 +311,9 @@ impl Connection {
     /// Posts RDMA READs as [`Connection::read_sync_many`] does (one
     /// doorbell) and returns without waiting; the guard waits for them one
     /// by one, in order, so the first values can be used while the rest are
-    /// still in flight.
+    /// still in flight. While the guard is held, the connection's record of
+    /// synchronous operations keeps a place for every one posted after
+    /// these (a few bytes each), until they are waited for.
     ///
     /// # Safety
     /// The local ranges belong to the device until their READ has been

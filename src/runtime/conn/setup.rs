@@ -470,9 +470,10 @@ impl Connection {
 }
 
 /// One-sided operations a connection has in flight without its window of
-/// them ever growing (the key-value client's batch READs up to 64 values
-/// at once): room for twice as many, as an operation settled before one
-/// posted earlier keeps its place until that one is removed too.
+/// them growing (the key-value client's batch READs up to 64 values at
+/// once): room for twice as many, as an operation settled before one
+/// posted earlier keeps its place until that one is removed too (a window
+/// grown while a `PendingReads` was held is given back once empty).
 const SYNC_OPS_UNGROWN: usize = 64;
 
 /// The largest receive ring: message offsets are 31-bit.

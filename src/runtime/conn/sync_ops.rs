@@ -11,6 +11,8 @@ use std::collections::VecDeque;
 pub(super) type Outcome = Option<Result<(), String>>;
 
 pub(super) struct SyncOps {
+    /// The room it is made with, and shrinks back to once empty.
+    room: usize,
     /// The id of `slots[0]`.
     first: u64,
     /// `None`: removed, kept only while one before it is not.
@@ -21,6 +23,7 @@ impl SyncOps {
     /// Room for `n` operations at once before the window grows.
     pub(super) fn with_capacity(n: usize) -> Self {
         SyncOps {
+            room: n,
             first: 0,
             slots: VecDeque::with_capacity(n),
         }
@@ -66,6 +69,11 @@ impl SyncOps {
             self.slots.pop_front();
             self.first += 1;
         }
+        if self.slots.is_empty() && self.slots.capacity() > self.room {
+            // Grown while an early operation's waiter held its place
+            // (`PendingReads`) and others came and went: given back.
+            self.slots.shrink_to(self.room);
+        }
         true
     }
 
@@ -99,6 +107,19 @@ mod tests {
         ops.insert(20);
         assert_eq!(ops.get(20), Some(&None));
         assert_eq!((ops.get(19), ops.get(21), ops.get(0)), (None, None, None));
+    }
+
+    #[test]
+    fn a_window_grown_behind_a_held_operation_is_given_back() {
+        let mut ops = SyncOps::with_capacity(4);
+        ops.insert(1);
+        for id in 2..1000 {
+            ops.insert(id);
+            assert!(ops.remove(id));
+        }
+        assert!(ops.slots.capacity() >= 999, "held open by op 1");
+        assert!(ops.remove(1));
+        assert!(ops.slots.capacity() < 999);
     }
 
     #[derive(Debug, Clone)]

@@ -274,7 +274,7 @@ pub struct Broker {
 
 /// Completions one poll of one CQ takes.
 const POLL_BATCH: usize = 32;
-type CompletionRoom = [verbs::Completion; POLL_BATCH];
+type CompletionRoom = verbs::CompletionRoom<POLL_BATCH>;
 
 /// How often the polls look at RDMA CM events (a system call each).
 const CM_CHECK: Duration = Duration::from_millis(10);

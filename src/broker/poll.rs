@@ -7,7 +7,7 @@ use super::peer::{self, Peer, Slot};
 use super::{
     Broker, BrokerError, Callback, CompletionRoom, Event, EventKind, Result, CM_CHECK, POLL_BATCH,
 };
-use crate::verbs::{self, Completion, WcOpcode, WcStatus};
+use crate::verbs::{self, WcOpcode, WcStatus};
 
 impl Broker {
     /// A peer that disconnected (RDMA CM) or closed its socket has failed: its QP is moved to
@@ -86,7 +86,7 @@ impl Broker {
         let mut done = self.finished.take();
         let mut room = self.take_room();
         for peer in self.targets(server)? {
-            for wc in peer.send_cq.poll_into(&mut room[..])? {
+            for wc in room.poll(&peer.send_cq)? {
                 let failed = peer::failed(peer, wc);
                 {
                     let mut send = peer.send.borrow_mut();
@@ -145,7 +145,7 @@ impl Broker {
         let mut n = 0;
         let mut room = self.take_room();
         for peer in self.targets(server)? {
-            let wcs = peer.recv_cq.poll_into(&mut room[..])?;
+            let wcs = room.poll(&peer.recv_cq)?;
             let mut repost = [0u32; POLL_BATCH];
             let mut reposts = 0;
             for wc in wcs {
@@ -195,9 +195,7 @@ impl Broker {
     /// poll uses it (a poll that failed drops it: the next one makes a
     /// new one).
     fn take_room(&self) -> Box<CompletionRoom> {
-        self.room
-            .take()
-            .unwrap_or_else(|| Box::new(Completion::room()))
+        self.room.take().unwrap_or_default()
     }
 
     fn report_down(&self, peer: &Peer, cb: &mut Callback) {

@@ -21,7 +21,7 @@ use smallvec::SmallVec;
 
 use super::error::Result;
 use super::region::{ProtectionDomain, RawHold};
-use crate::verbs::{self, Completion};
+use crate::verbs::{self, Completion, CompletionRoom};
 
 /// How completions are reaped.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -72,9 +72,17 @@ pub(crate) struct CqShared {
     cancelled: AtomicU64,
 }
 
+/// What the CQ's lock guards: the operations' slots, and the room polls
+/// reap into (kept, so a spinning future's poll zeroes nothing).
 #[derive(Default)]
 struct Table {
-    slots: Vec<Slot>,
+    slots: Slots,
+    room: CompletionRoom<BATCH>,
+}
+
+#[derive(Default)]
+struct Slots {
+    all: Vec<Slot>,
     free: Vec<u32>,
 }
 
@@ -263,14 +271,15 @@ impl CqShared {
     /// A slot for an operation about to be posted.
     pub(crate) fn open(&self) -> Ticket {
         let mut t = self.table();
-        let idx = match t.free.pop() {
+        let slots = &mut t.slots;
+        let idx = match slots.free.pop() {
             Some(i) => i,
             None => {
-                t.slots.push(Slot::default());
-                (t.slots.len() - 1) as u32
+                slots.all.push(Slot::default());
+                (slots.all.len() - 1) as u32
             }
         };
-        let slot = &mut t.slots[idx as usize];
+        let slot = &mut slots.all[idx as usize];
         slot.gen = slot.gen.wrapping_add(1) & 0x7fff_ffff;
         slot.busy = true;
         Ticket { idx, gen: slot.gen }
@@ -278,8 +287,7 @@ impl CqShared {
 
     /// Gives back the slot of an operation whose post failed.
     pub(crate) fn abandon(&self, ticket: Ticket) {
-        let mut t = self.table();
-        t.close(ticket.idx);
+        self.table().slots.close(ticket.idx);
     }
 
     /// The operation's completion, or `Pending` with the task's waker kept
@@ -290,36 +298,46 @@ impl CqShared {
         ticket: Ticket,
         cx: &mut TaskContext<'_>,
     ) -> Poll<Result<Completion>> {
+        let mut t = self.table();
+        // A polled CQ is reaped under the lock the slot is then looked at
+        // with: one lock a pass of a spinning future.
+        let mut reaped = Reaped::default();
         if self.progress == Progress::Poll {
-            if let Err(e) = self.drive() {
+            if let Err(e) = self.reap(&mut t, &mut reaped) {
                 return Poll::Ready(Err(e));
             }
         }
-        let mut t = self.table();
-        let slot = &mut t.slots[ticket.idx as usize];
+        let slots = &mut t.slots;
+        let slot = &mut slots.all[ticket.idx as usize];
         debug_assert_eq!(slot.gen, ticket.gen);
-        if let Some(wc) = slot.done.take() {
-            t.close(ticket.idx);
-            return Poll::Ready(Ok(wc));
-        }
-        match &slot.waker {
-            Some(w) if w.will_wake(cx.waker()) => {}
-            _ => slot.waker = Some(cx.waker().clone()),
-        }
+        let outcome = match slot.done.take() {
+            Some(wc) => {
+                slots.close(ticket.idx);
+                Poll::Ready(Ok(wc))
+            }
+            None => {
+                match &slot.waker {
+                    Some(w) if w.will_wake(cx.waker()) => {}
+                    _ => slot.waker = Some(cx.waker().clone()),
+                }
+                Poll::Pending
+            }
+        };
         drop(t);
-        if self.progress == Progress::Poll {
+        reaped.finish();
+        if outcome.is_pending() && self.progress == Progress::Poll {
             cx.waker().wake_by_ref();
         }
-        Poll::Pending
+        outcome
     }
 
     /// The future of `ticket` is gone: release `holds` now if the operation
     /// is done, else when its completion is reaped.
     pub(crate) fn cancel(&self, ticket: Ticket, holds: Vec<RawHold>) {
         let mut t = self.table();
-        let slot = &mut t.slots[ticket.idx as usize];
+        let slot = &mut t.slots.all[ticket.idx as usize];
         if slot.done.is_some() {
-            t.close(ticket.idx);
+            t.slots.close(ticket.idx);
             drop(t);
             drop(holds);
         } else {
@@ -331,61 +349,44 @@ impl CqShared {
 
     /// Reaps everything the CQ holds now.
     fn drive(&self) -> Result<usize> {
-        // Most polls (a spinning future's) find nothing or one completion:
-        // a one-entry room first, the batch's (1.5 KiB to zero) only after
-        // two polls in a row found one each.
-        let mut one = Completion::room::<1>();
-        let mut batch: Option<[Completion; BATCH]> = None;
-        let mut singles = 0;
+        let mut reaped = Reaped::default();
+        let n = self.reap(&mut self.table(), &mut reaped);
+        reaped.finish();
+        n
+    }
+
+    /// Polls until the CQ is empty, settling each operation's slot under
+    /// the lock (which keeps a batch's completions in order when several
+    /// threads reap); the wakers and releases it owes go in `reaped`, to
+    /// run once the lock is given back.
+    fn reap(&self, t: &mut Table, reaped: &mut Reaped) -> Result<usize> {
         let mut total = 0;
         loop {
-            let mut wake: SmallVec<[Waker; BATCH]> = SmallVec::new();
-            let mut released = Vec::new();
-            let (n, asked) = {
-                // Polling under the table lock keeps a batch's completions in
-                // order even when several threads reap.
-                let mut t = self.table();
-                let room: &mut [Completion] = match &mut batch {
-                    None => &mut one[..],
-                    Some(b) => &mut b[..],
-                };
-                let wcs = self.cq.poll_into(room)?;
-                for wc in wcs {
-                    wake.extend(self.dispatch(&mut t, wc, &mut released));
-                }
-                let n = wcs.len();
-                // Users see these completions whole (`byte_len`, `imm`):
-                // a field the provider leaves unwritten in the next poll
-                // reads 0, not what this one held.
-                room[..n].fill_with(Completion::default);
-                (n, room.len())
-            };
-            // Wakers and segment releases run outside the lock.
-            wake.drain(..).for_each(Waker::wake);
-            drop(released);
-            if n == 0 {
-                return Ok(total);
+            let wcs = t.room.poll(&self.cq)?;
+            for wc in wcs {
+                reaped
+                    .wake
+                    .extend(self.settle(&mut t.slots, wc, &mut reaped.released));
             }
+            let n = wcs.len();
             total += n;
-            self.completions.fetch_add(n as u64, Ordering::Relaxed);
-            if n < asked {
+            if n < BATCH {
+                if total > 0 {
+                    self.completions.fetch_add(total as u64, Ordering::Relaxed);
+                }
                 return Ok(total);
-            }
-            singles += 1;
-            if singles >= 2 {
-                batch.get_or_insert_with(Completion::room::<BATCH>);
             }
         }
     }
 
-    fn dispatch(
+    fn settle(
         &self,
-        t: &mut Table,
+        slots: &mut Slots,
         wc: &Completion,
         released: &mut Vec<RawHold>,
     ) -> Option<Waker> {
         let (idx, gen, tail) = decode(wc.wr_id());
-        let Some(slot) = t.slots.get_mut(idx as usize) else {
+        let Some(slot) = slots.all.get_mut(idx as usize) else {
             log::warn!(
                 "safe CQ: completion for unknown work request {:#x}",
                 wc.wr_id()
@@ -408,7 +409,7 @@ impl CqShared {
         if slot.abandoned {
             released.append(&mut slot.parked);
             self.cancelled.fetch_add(1, Ordering::Relaxed);
-            t.close(idx);
+            slots.close(idx);
             return None;
         }
         slot.done = Some(result);
@@ -442,9 +443,24 @@ impl CqShared {
     }
 }
 
-impl Table {
+/// What a reap owes once the CQ's lock is given back: tasks to wake and
+/// segments of dropped futures to release.
+#[derive(Default)]
+struct Reaped {
+    wake: SmallVec<[Waker; 8]>,
+    released: Vec<RawHold>,
+}
+
+impl Reaped {
+    fn finish(&mut self) {
+        self.wake.drain(..).for_each(Waker::wake);
+        self.released.clear();
+    }
+}
+
+impl Slots {
     fn close(&mut self, idx: u32) {
-        let slot = &mut self.slots[idx as usize];
+        let slot = &mut self.all[idx as usize];
         slot.busy = false;
         slot.done = None;
         slot.failed = None;

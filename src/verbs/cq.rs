@@ -217,16 +217,6 @@ impl CompletionQueue {
         Ok(rc as usize)
     }
 
-    /// Takes up to `out.len()` completions without waiting and returns
-    /// them: the first entries of `out`. Fields a provider leaves unwritten
-    /// (a failed completion's opcode, a send's `byte_len`; see
-    /// `ibv_poll_cq(3)`) keep what the entry held before: zero in a fresh
-    /// [`Completion::room`].
-    pub fn poll_into<'a>(&self, out: &'a mut [Completion]) -> Result<&'a [Completion]> {
-        let n = self.poll(out)?;
-        Ok(&out[..n])
-    }
-
     /// Asks for a channel event at the next completion (`solicited_only`:
     /// only at solicited ones).
     pub fn arm(&self, solicited_only: bool) -> Result<()> {
@@ -280,6 +270,46 @@ impl CompletionQueue {
     }
 }
 
+/// A kept place for the completions of one poll, reused poll after poll:
+/// zeroed once, then only the entries a poll filled are cleared before the
+/// next, so a field a provider leaves unwritten (a failed completion's
+/// opcode, a send's `byte_len`; see `ibv_poll_cq(3)`) reads 0, never an
+/// earlier completion's, and an empty poll costs no clearing at all.
+pub struct CompletionRoom<const N: usize> {
+    wcs: [Completion; N],
+    filled: usize,
+}
+
+impl<const N: usize> CompletionRoom<N> {
+    pub const fn new() -> Self {
+        CompletionRoom {
+            wcs: [Completion::ZEROED; N],
+            filled: 0,
+        }
+    }
+
+    /// Takes up to `N` completions from `cq` without waiting.
+    pub fn poll(&mut self, cq: &CompletionQueue) -> Result<&[Completion]> {
+        self.poll_up_to(cq, N)
+    }
+
+    /// Takes up to `max` (at most `N`) completions from `cq` without
+    /// waiting.
+    pub fn poll_up_to(&mut self, cq: &CompletionQueue, max: usize) -> Result<&[Completion]> {
+        self.wcs[..self.filled].fill_with(Completion::default);
+        self.filled = 0;
+        let n = cq.poll(&mut self.wcs[..max.min(N)])?;
+        self.filled = n;
+        Ok(&self.wcs[..n])
+    }
+}
+
+impl<const N: usize> Default for CompletionRoom<N> {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
 /// A work completion, laid out exactly as `struct ibv_wc`.
 #[repr(transparent)]
 pub struct Completion(sys::ibv_wc);
@@ -310,12 +340,6 @@ impl fmt::Debug for Completion {
 }
 
 impl Completion {
-    /// Room for `N` completions to [`CompletionQueue::poll_into`], zeroed
-    /// once: reused across polls, it is not cleared again.
-    pub const fn room<const N: usize>() -> [Completion; N] {
-        [Self::ZEROED; N]
-    }
-
     // SAFETY: all-zero is a valid ibv_wc.
     const ZEROED: Completion = Completion(unsafe { std::mem::zeroed() });
 

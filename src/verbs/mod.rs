@@ -30,7 +30,7 @@ pub use cm::{
     CmEvent, CmEventKind, CmId, CmIdRef, ConnParam, EventChannel, MAX_ACCEPT_PRIVATE_DATA,
     MAX_CONNECT_PRIVATE_DATA,
 };
-pub use cq::{Completion, CompletionChannel, CompletionQueue, WcOpcode, WcStatus};
+pub use cq::{Completion, CompletionChannel, CompletionQueue, CompletionRoom, WcOpcode, WcStatus};
 pub use device::{
     devices, Context, DeviceAttr, DeviceInfo, Gid, GidEntry, GidKind, LinkLayer, Mtu, PortAttr,
     PortState, DEVICE_ENV, GID_INDEX_ENV,

@@ -137,7 +137,12 @@ fn a_sender_that_finds_no_room_asks_for_credit_and_gets_it() {
         let sink = Arc::new(Collect::default());
         let (server, addr) = serve(&opts, Arc::new(Slow(sink.clone())));
         let conn = Connection::connect(addr, &opts, Arc::new(Collect::default())).unwrap();
-        let s = counted(&sink, Vec::new(), |sent| {
+        // As in `stream`: the receiver's setup (its credit slot's offer, a
+        // doorbell) is done once it has a first message, and would count
+        // as an answer if it fell inside the count.
+        assert_eq!(conn.send(&[0]).unwrap(), 1);
+        sink.wait_bytes(1, TIMEOUT);
+        let s = counted(&sink, vec![0], |sent| {
             for k in 0..200u64 {
                 let mut msg = vec![0u8; 1 + (k as usize * 7919) % (30 << 10)];
                 fill_pattern(&mut msg, k);

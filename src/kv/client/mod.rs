@@ -178,7 +178,7 @@ impl Client {
             next_id: AtomicU64::new(1),
             bounce: Mutex::new(None),
             bounce_holder: AtomicUsize::new(0),
-            locations: Mutex::new(Locations::new()),
+            locations: Mutex::new(Locations::default()),
             timeout: opts.timeout,
         };
         let (_, payload) = client.call(Request::new(Op::Hello, 0), &[], &[], 0)?;

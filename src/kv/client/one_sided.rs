@@ -4,7 +4,7 @@
 //! superseded). Where a key's block was found is remembered, so the next
 //! GET of it is one READ.
 
-use std::collections::HashMap;
+use rustc_hash::FxHashMap;
 
 use smallvec::SmallVec;
 
@@ -37,7 +37,12 @@ pub(super) struct Location {
     len: u64,
 }
 
-pub(super) type Locations = HashMap<Vec<u8>, Location>;
+/// Where blocks were last read, by their key's hash ([`key_hash`]): a hash
+/// of our own program's keys, so a multiply of it is hash enough, and no
+/// key is copied to remember it. Two keys of one hash share a place; the
+/// READ's verification (the block names its key) tells whose it is, and
+/// the other key's GET looks its block up again.
+pub(super) type Locations = FxHashMap<u64, Location>;
 
 /// Indexes of a window of keys, on the stack (a batch allocates nothing in
 /// its steady state).
@@ -81,7 +86,7 @@ impl Client {
         let hash = key_hash(key);
         // Used up only by the read that finds the value, which returns.
         let mut take = Some(take);
-        if let Some(at) = self.known_location(key) {
+        if let Some(at) = self.known_location(hash) {
             // A remembered block is one READ, which counts only if it
             // verifies as the key's current value (the server marks a block
             // superseded before it answers the write or delete that replaced
@@ -98,7 +103,7 @@ impl Client {
             self.transfer(true, &b, 0, self.bucket_of(hash), BUCKET_LEN)?;
             match look_in_bucket(b.bytes(BUCKET_LEN), key.len(), hash, self.info.pool_rkey) {
                 InBucket::Missing => {
-                    self.forget(key);
+                    self.forget(hash);
                     return Err(KvError::NotFound);
                 }
                 InBucket::AskServer => break,
@@ -200,7 +205,7 @@ impl Client {
         {
             let known = self.locations.lock().expect("location lock");
             for &i in chunk {
-                match known.get(keys[i]) {
+                match known.get(&key_hash(keys[i])) {
                     Some(&at) => reads.push((i, at, true)),
                     None => unknown.push(i),
                 }
@@ -210,7 +215,7 @@ impl Client {
         let mut moved = Chunk::new();
         for (i, remembered) in self.read_blocks(&mut bounce, keys, &reads, each)? {
             if remembered {
-                self.forget(keys[i]);
+                self.forget(key_hash(keys[i]));
                 moved.push(i);
             } else {
                 ask_server.push(i);
@@ -315,7 +320,7 @@ impl Client {
                     Some((version, value)) => {
                         each(i, Ok((value, version)));
                         if !remembered {
-                            self.remember(keys[i], at);
+                            self.remember(key_hash(keys[i]), at);
                         }
                     }
                     None => moved.push((i, remembered)),
@@ -357,33 +362,30 @@ impl Client {
         // A remembered place is already known: re-inserting it would copy
         // the key and hash it again on every GET.
         if !remembered {
-            self.remember(key, at);
+            self.remember(key_hash(key), at);
         }
         Ok(take.take().map(|take| (take(value), version)))
     }
 
-    fn known_location(&self, key: &[u8]) -> Option<Location> {
+    /// Where the block of the key of `hash` was last read.
+    fn known_location(&self, hash: u64) -> Option<Location> {
         self.locations
             .lock()
             .expect("location lock")
-            .get(key)
+            .get(&hash)
             .copied()
     }
 
-    fn remember(&self, key: &[u8], at: Location) {
+    fn remember(&self, hash: u64, at: Location) {
         let mut known = self.locations.lock().expect("location lock");
-        if let Some(place) = known.get_mut(key) {
-            *place = at;
-            return;
-        }
-        if known.len() >= MAX_LOCATIONS {
+        if known.len() >= MAX_LOCATIONS && !known.contains_key(&hash) {
             known.clear();
         }
-        known.insert(key.to_vec(), at);
+        known.insert(hash, at);
     }
 
-    fn forget(&self, key: &[u8]) {
-        self.locations.lock().expect("location lock").remove(key);
+    fn forget(&self, hash: u64) {
+        self.locations.lock().expect("location lock").remove(&hash);
     }
 }
 

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use crate::runtime::proto::{Cmd, ExtKind, Opcode, CMD_LEN, EXT_HEADER_LEN, IMM_EXTENDED, VERSION};
 use crate::runtime::ring::{wrap_point, RecvRing};
-use crate::verbs::{Completion, RemoteRegion, WcOpcode, WcStatus};
+use crate::verbs::{Completion, CompletionRoom, RemoteRegion, WcOpcode, WcStatus};
 
 use super::InRing;
 use super::{
@@ -21,16 +21,23 @@ use super::{
 const BUNCHED: usize = 2;
 
 impl Connection {
-    /// Polls one CQ once and dispatches what it got; the send CQ under its
-    /// lock. Returns how many completions there were.
-    pub(super) fn poll_cq(&self, send: bool, room: &mut [Completion], inline: bool) -> usize {
+    /// Polls one CQ once for up to `max` completions (at most the room's)
+    /// and dispatches what it got; the send CQ under its lock. Returns how many completions there
+    /// were.
+    pub(super) fn poll_cq<const N: usize>(
+        &self,
+        send: bool,
+        room: &mut CompletionRoom<N>,
+        max: usize,
+        inline: bool,
+    ) -> usize {
         let _guard = send.then(|| self.inner.send_poll.lock().expect("poll lock"));
         let cq = if send {
             &self.inner.send_cq
         } else {
             &self.inner.recv_cq
         };
-        let wcs = match cq.poll_into(room) {
+        let wcs = match room.poll_up_to(cq, max) {
             Ok(wcs) => wcs,
             Err(e) => {
                 log::error!("polling the CQ failed: {e}");
@@ -80,8 +87,8 @@ impl Connection {
         let Ok(_guard) = self.inner.send_poll.try_lock() else {
             return false;
         };
-        let mut room = Completion::room::<4>();
-        let Ok(wcs) = self.inner.send_cq.poll_into(&mut room) else {
+        let mut room = CompletionRoom::<4>::new();
+        let Ok(wcs) = room.poll(&self.inner.send_cq) else {
             return false;
         };
         for wc in wcs {
@@ -93,13 +100,13 @@ impl Connection {
     /// Handles this connection's pending completions from inside a callback;
     /// callbacks are queued to run after the current one returns.
     pub(super) fn drive_inline(&self) -> usize {
-        let mut wcs = Completion::room::<16>();
+        let mut room = CompletionRoom::<16>::new();
         let mut handled = 0;
         loop {
             let n = self
-                .with_recv_poll(|| self.poll_cq(false, &mut wcs, true))
+                .with_recv_poll(|| self.poll_cq(false, &mut room, usize::MAX, true))
                 .unwrap_or(0)
-                + self.poll_cq(true, &mut wcs, true);
+                + self.poll_cq(true, &mut room, usize::MAX, true);
             if n == 0 {
                 return handled;
             }
@@ -149,22 +156,21 @@ impl Connection {
         thread_local! {
             /// A drain's room, kept by its thread: a fresh one is 1.5 KiB to
             /// zero per drain.
-            static ROOM: RefCell<[Completion; MAX_POLL_BATCH]> =
-                const { RefCell::new(Completion::room()) };
+            static ROOM: RefCell<CompletionRoom<MAX_POLL_BATCH>> =
+                const { RefCell::new(CompletionRoom::new()) };
         }
         let kept = ROOM.try_with(|room| {
             let mut room = room.try_borrow_mut().ok()?;
-            Some(self.drain_and_arm_into(&mut room[..]))
+            Some(self.drain_and_arm_into(&mut room))
         });
         // A drain inside a callback of another on this thread has its own.
-        kept.ok()
-            .flatten()
-            .unwrap_or_else(|| self.drain_and_arm_into(&mut Completion::room::<MAX_POLL_BATCH>()))
+        kept.ok().flatten().unwrap_or_else(|| {
+            self.drain_and_arm_into(&mut CompletionRoom::<MAX_POLL_BATCH>::new())
+        })
     }
 
-    fn drain_and_arm_into(&self, room: &mut [Completion]) -> usize {
-        let take = (self.inner.opts.max_concurrent_work_requests as usize).clamp(1, room.len());
-        let wcs = &mut room[..take];
+    fn drain_and_arm_into(&self, room: &mut CompletionRoom<MAX_POLL_BATCH>) -> usize {
+        let take = (self.inner.opts.max_concurrent_work_requests as usize).clamp(1, MAX_POLL_BATCH);
         // Callers poll their own connection while they wait and arm it when
         // they sleep; unwatched, it is looked at every tick.
         let unwatched =
@@ -183,8 +189,8 @@ impl Connection {
         let mut handled = None;
         let mut rearmed = false;
         loop {
-            let received = self.poll_cq(false, wcs, false);
-            let n = received + self.poll_cq(true, wcs, false);
+            let received = self.poll_cq(false, room, take, false);
+            let n = received + self.poll_cq(true, room, take, false);
             // An empty round after a busy one owes nothing more.
             if n > 0 || handled.is_none() {
                 self.after_round();
@@ -574,10 +580,11 @@ impl Connection {
     pub(crate) fn poll_round(&self) -> bool {
         self.with_recv_poll(|| {
             // Small: this runs in spin loops, mostly finding nothing.
-            let mut wcs = Completion::room::<4>();
+            let mut room = CompletionRoom::<4>::new();
             // One pass, not until empty: the caller's loop comes back at
             // once, and a waiting caller gets to see its reply a pass sooner.
-            let n = self.poll_cq(false, &mut wcs, false) + self.poll_cq(true, &mut wcs, false);
+            let n = self.poll_cq(false, &mut room, usize::MAX, false)
+                + self.poll_cq(true, &mut room, usize::MAX, false);
             // Checked without the state lock: this runs in the spin loop.
             let owed = self.inner.owed.swap(false, Ordering::AcqRel);
             if n > 0 || owed {

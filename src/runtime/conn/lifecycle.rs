@@ -4,7 +4,7 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use crate::runtime::proto::{Cmd, Opcode};
-use crate::verbs::{CmEvent, CmEventKind, Completion};
+use crate::verbs::{CmEvent, CmEventKind, CompletionRoom};
 
 use super::{ConnKind, ConnState, Connection, State, CMD_SLOTS};
 
@@ -29,8 +29,8 @@ impl Connection {
     /// Delivers every message the peer sent before it left, then ends the
     /// connection (on the thread holding the receive-poll role).
     pub(super) fn finish_peer_left(&self) {
-        let mut wcs = Completion::room::<16>();
-        while self.poll_cq(false, &mut wcs, false) > 0 {}
+        let mut room = CompletionRoom::<16>::new();
+        while self.poll_cq(false, &mut room, usize::MAX, false) > 0 {}
         self.deliver_deferred();
         self.peer_disconnected();
     }

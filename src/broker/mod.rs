@@ -269,12 +269,12 @@ pub struct Broker {
     /// Room for a poll's completions, kept for the next poll: a fresh one
     /// is 1.5 KiB to zero, most of what an empty poll of a spinning loop
     /// would cost.
-    room: Cell<Option<Box<CompletionRoom>>>,
+    room: Cell<Option<Box<PollRoom>>>,
 }
 
 /// Completions one poll of one CQ takes.
 const POLL_BATCH: usize = 32;
-type CompletionRoom = verbs::CompletionRoom<POLL_BATCH>;
+type PollRoom = verbs::CompletionRoom<POLL_BATCH>;
 
 /// How often the polls look at RDMA CM events (a system call each).
 const CM_CHECK: Duration = Duration::from_millis(10);

@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 
 use super::peer::{self, Peer, Slot};
 use super::{
-    Broker, BrokerError, Callback, CompletionRoom, Event, EventKind, Result, CM_CHECK, POLL_BATCH,
+    Broker, BrokerError, Callback, Event, EventKind, PollRoom, Result, CM_CHECK, POLL_BATCH,
 };
 use crate::verbs::{self, WcOpcode, WcStatus};
 
@@ -194,7 +194,7 @@ impl Broker {
     /// The room kept from the last poll, taken out of its cell while a
     /// poll uses it (a poll that failed drops it: the next one makes a
     /// new one).
-    fn take_room(&self) -> Box<CompletionRoom> {
+    fn take_room(&self) -> Box<PollRoom> {
         self.room.take().unwrap_or_default()
     }
 

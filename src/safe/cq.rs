@@ -298,10 +298,12 @@ impl CqShared {
         ticket: Ticket,
         cx: &mut TaskContext<'_>,
     ) -> Poll<Result<Completion>> {
-        let mut t = self.table();
-        // A polled CQ is reaped under the lock the slot is then looked at
-        // with: one lock a pass of a spinning future.
+        // Declared before the lock's guard, so it wakes and releases after
+        // the lock is given back, on every way out.
         let mut reaped = Reaped::default();
+        let mut t = self.table();
+        // A polled CQ is reaped (a batch) under the lock the slot is then
+        // looked at with: one lock a pass of a spinning future.
         if self.progress == Progress::Poll {
             if let Err(e) = self.reap(&mut t, &mut reaped) {
                 return Poll::Ready(Err(e));
@@ -324,10 +326,11 @@ impl CqShared {
             }
         };
         drop(t);
-        reaped.finish();
         if outcome.is_pending() && self.progress == Progress::Poll {
             cx.waker().wake_by_ref();
         }
+        // `reaped` wakes the others on the way out (not moved into a
+        // `drop` call: that copies its waker room).
         outcome
     }
 
@@ -347,36 +350,40 @@ impl CqShared {
         }
     }
 
-    /// Reaps everything the CQ holds now.
+    /// Reaps everything the CQ holds now, a batch at a time, giving the
+    /// lock back and waking each batch's tasks in between.
     fn drive(&self) -> Result<usize> {
-        let mut reaped = Reaped::default();
-        let n = self.reap(&mut self.table(), &mut reaped);
-        reaped.finish();
-        n
-    }
-
-    /// Polls until the CQ is empty, settling each operation's slot under
-    /// the lock (which keeps a batch's completions in order when several
-    /// threads reap); the wakers and releases it owes go in `reaped`, to
-    /// run once the lock is given back.
-    fn reap(&self, t: &mut Table, reaped: &mut Reaped) -> Result<usize> {
         let mut total = 0;
         loop {
-            let wcs = t.room.poll(&self.cq)?;
-            for wc in wcs {
-                reaped
-                    .wake
-                    .extend(self.settle(&mut t.slots, wc, &mut reaped.released));
-            }
-            let n = wcs.len();
+            // Dropped in reverse: the lock is given back before `reaped`
+            // wakes anyone.
+            let mut reaped = Reaped::default();
+            let mut t = self.table();
+            let n = self.reap(&mut t, &mut reaped)?;
             total += n;
             if n < BATCH {
-                if total > 0 {
-                    self.completions.fetch_add(total as u64, Ordering::Relaxed);
-                }
                 return Ok(total);
             }
         }
+    }
+
+    /// Polls one batch, settling each operation's slot under the lock
+    /// (which keeps a batch's completions in order when several threads
+    /// reap); the wakers and releases it owes go in `reaped`, which runs
+    /// them when dropped, after the lock is given back. A spinning future
+    /// that finds a full batch comes back for the rest at once.
+    fn reap(&self, t: &mut Table, reaped: &mut Reaped) -> Result<usize> {
+        let wcs = t.room.poll(&self.cq)?;
+        for wc in wcs {
+            reaped
+                .wake
+                .extend(self.settle(&mut t.slots, wc, &mut reaped.released));
+        }
+        if !wcs.is_empty() {
+            self.completions
+                .fetch_add(wcs.len() as u64, Ordering::Relaxed);
+        }
+        Ok(wcs.len())
     }
 
     fn settle(
@@ -444,17 +451,19 @@ impl CqShared {
 }
 
 /// What a reap owes once the CQ's lock is given back: tasks to wake and
-/// segments of dropped futures to release.
+/// segments of dropped futures to release. Paid when dropped, so it is
+/// declared before the lock's guard.
 #[derive(Default)]
 struct Reaped {
+    /// Mostly none or one; more than 8 in one batch spill to the heap
+    /// (amortized over that many completions).
     wake: SmallVec<[Waker; 8]>,
     released: Vec<RawHold>,
 }
 
-impl Reaped {
-    fn finish(&mut self) {
+impl Drop for Reaped {
+    fn drop(&mut self) {
         self.wake.drain(..).for_each(Waker::wake);
-        self.released.clear();
     }
 }
 

@@ -45,10 +45,11 @@ impl<S: Local> Op<S> {
 /// Passes of [`block_on`] per look at the clock.
 const CLOCK_EVERY: u32 = 16;
 
-/// Polls `fut` on this thread until it resolves or `timeout` passes, with
-/// no executor: for [`Progress::Poll`](super::Progress::Poll) CQs, whose
-/// futures reap their own completions, and for the other modes while their
-/// reaper runs elsewhere.
+/// Polls `fut` on this thread until it resolves or `timeout` passes (the
+/// clock is looked at every 16 polls, so a zero timeout still polls 16
+/// times), with no executor: for [`Progress::Poll`](super::Progress::Poll)
+/// CQs, whose futures reap their own completions, and for the other modes
+/// while their reaper runs elsewhere.
 pub fn block_on<F: Future + Unpin>(mut fut: F, timeout: std::time::Duration) -> Option<F::Output> {
     let waker = noop_waker();
     let mut cx = Context::from_waker(&waker);

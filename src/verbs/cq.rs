@@ -281,6 +281,7 @@ pub struct CompletionRoom<const N: usize> {
 }
 
 impl<const N: usize> CompletionRoom<N> {
+    /// A room of `N` zeroed entries (`N * 48` bytes, zeroed here once).
     pub const fn new() -> Self {
         CompletionRoom {
             wcs: [Completion::ZEROED; N],
@@ -297,8 +298,11 @@ impl<const N: usize> CompletionRoom<N> {
     /// waiting.
     pub fn poll_up_to(&mut self, cq: &CompletionQueue, max: usize) -> Result<&[Completion]> {
         self.wcs[..self.filled].fill_with(Completion::default);
-        self.filled = 0;
-        let n = cq.poll(&mut self.wcs[..max.min(N)])?;
+        let max = max.min(N);
+        // A provider may write entries and still fail: all it was offered
+        // is cleared next time unless the poll says how many it filled.
+        self.filled = max;
+        let n = cq.poll(&mut self.wcs[..max])?;
         self.filled = n;
         Ok(&self.wcs[..n])
     }

@@ -93,9 +93,11 @@ impl Client {
             // it, so nothing older than the two-step lookup could return is
             // taken); if it moved, look it up.
             let mut b = self.lock_bounce(at.len as usize)?;
-            if let Some(found) = self.read_at(&mut b, key, at, true, &mut take)? {
+            if let Some(found) = self.read_at(&mut b, key, hash, at, true, &mut take)? {
                 return Ok(found);
             }
+            // Moved, or the place of another key of the same hash.
+            self.forget_if(hash, at);
         }
         for _ in 0..ONE_SIDED_TRIES {
             // Room for the bucket and for any block of the pool.
@@ -110,7 +112,9 @@ impl Client {
                 InBucket::Torn => continue,
                 InBucket::Maybe(places) => {
                     for at in places {
-                        if let Some(found) = self.read_at(&mut b, key, at, false, &mut take)? {
+                        if let Some(found) =
+                            self.read_at(&mut b, key, hash, at, false, &mut take)?
+                        {
                             return Ok(found);
                         }
                     }
@@ -213,9 +217,9 @@ impl Client {
         }
         self.find_blocks(&mut bounce, keys, &unknown, &mut reads, each, ask_server)?;
         let mut moved = Chunk::new();
-        for (i, remembered) in self.read_blocks(&mut bounce, keys, &reads, each)? {
+        for (i, at, remembered) in self.read_blocks(&mut bounce, keys, &reads, each)? {
             if remembered {
-                self.forget(key_hash(keys[i]));
+                self.forget_if(key_hash(keys[i]), at);
                 moved.push(i);
             } else {
                 ask_server.push(i);
@@ -226,7 +230,7 @@ impl Client {
         reads.clear();
         self.find_blocks(&mut bounce, keys, &moved, &mut reads, each, ask_server)?;
         let missed = self.read_blocks(&mut bounce, keys, &reads, each)?;
-        ask_server.extend(missed.into_iter().map(|(i, _)| i));
+        ask_server.extend(missed.into_iter().map(|(i, _, _)| i));
         Ok(())
     }
 
@@ -271,16 +275,15 @@ impl Client {
 
     /// READs the blocks `reads` names side by side into the bounce buffer,
     /// up to its size at a time with one doorbell, and verifies and copies
-    /// out each while the later ones are still in flight. Returns the keys
-    /// whose block did not verify, each with whether it was a remembered
-    /// location.
+    /// out each while the later ones are still in flight. Returns the reads
+    /// whose block did not verify.
     fn read_blocks(
         &self,
         bounce: &mut BounceGuard<'_>,
         keys: &[&[u8]],
         reads: &[(usize, Location, bool)],
         each: &mut Each<'_>,
-    ) -> Result<SmallVec<[(usize, bool); BATCH_WINDOW]>> {
+    ) -> Result<Reads> {
         let mut moved = SmallVec::new();
         let mut rest = reads;
         while !rest.is_empty() {
@@ -323,7 +326,7 @@ impl Client {
                             self.remember(key_hash(keys[i]), at);
                         }
                     }
-                    None => moved.push((i, remembered)),
+                    None => moved.push((i, at, remembered)),
                 }
             }
         }
@@ -340,12 +343,13 @@ impl Client {
     }
 
     /// READs the block at `at` and, if it verifies as the key's current
-    /// one, lends its value to `take` (and remembers where it was, unless
-    /// it was `remembered` there); `None` otherwise.
+    /// one, lends its value to `take` (and remembers where it was for the
+    /// key's `hash`, unless it was `remembered` there); `None` otherwise.
     fn read_at<T>(
         &self,
         b: &mut BounceGuard<'_>,
         key: &[u8],
+        hash: u64,
         at: Location,
         remembered: bool,
         take: &mut Option<impl FnOnce(&[u8]) -> T>,
@@ -359,10 +363,9 @@ impl Client {
         let Some((version, value)) = verify_block(b.bytes(len), key) else {
             return Ok(None);
         };
-        // A remembered place is already known: re-inserting it would copy
-        // the key and hash it again on every GET.
+        // A remembered place is already known: not inserted again.
         if !remembered {
-            self.remember(key_hash(key), at);
+            self.remember(hash, at);
         }
         Ok(take.take().map(|take| (take(value), version)))
     }
@@ -386,6 +389,16 @@ impl Client {
 
     fn forget(&self, hash: u64) {
         self.locations.lock().expect("location lock").remove(&hash);
+    }
+
+    /// Forgets `at` as the place of the key of `hash`, unless another place
+    /// was remembered for that hash since (by another key of the hash, or
+    /// another thread).
+    fn forget_if(&self, hash: u64, at: Location) {
+        let mut known = self.locations.lock().expect("location lock");
+        if known.get(&hash) == Some(&at) {
+            known.remove(&hash);
+        }
     }
 }
 

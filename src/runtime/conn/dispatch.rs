@@ -22,8 +22,8 @@ const BUNCHED: usize = 2;
 
 impl Connection {
     /// Polls one CQ once for up to `max` completions (at most the room's)
-    /// and dispatches what it got; the send CQ under its lock. Returns how many completions there
-    /// were.
+    /// and dispatches what it got; the send CQ under its lock. Returns how
+    /// many completions there were.
     pub(super) fn poll_cq<const N: usize>(
         &self,
         send: bool,

@@ -6,6 +6,7 @@ use std::time::{Duration, Instant};
 use crate::runtime::proto::{Cmd, Opcode};
 use crate::verbs::{CmEvent, CmEventKind, CompletionRoom};
 
+use super::park::Until;
 use super::{ConnKind, ConnState, Connection, State, CMD_SLOTS};
 
 impl Connection {
@@ -157,7 +158,7 @@ impl Connection {
     /// callback no completion round would).
     pub(super) fn wait_closing(&self, deadline: Instant, done: impl Fn(&State) -> bool) {
         let mut failed = None;
-        let _ = self.wait_until(deadline, |st| {
+        let _ = self.wait_on(Until::At(deadline), |st| {
             if let Err(e) = self.post_queued(st) {
                 failed = Some(e);
                 return Some(());

@@ -10,6 +10,7 @@ use smallvec::SmallVec;
 use crate::runtime::{Error, Result};
 use crate::verbs::{AccessFlags, MemoryRegion, RemoteAddr, SendOp, SendRequest, Sge};
 
+use super::park::Until;
 use super::send::cmd_request;
 use super::{
     wr_id, ConnState, Connection, State, CMD_RESERVE, K_READ, K_SYNC, K_WRITE, MAX_SEND_WR,
@@ -179,7 +180,7 @@ impl Connection {
             let deadline = *deadline.get_or_insert_with(|| {
                 Instant::now() + self.inner.opts.timeout.max(Duration::from_secs(1))
             });
-            self.wait_until(deadline, room).and_then(|r| r)?;
+            self.wait_on(Until::At(deadline), room).and_then(|r| r)?;
         };
         // The credit owed to the peer rides in front, as it does with a
         // message, rather than going alone when this thread waits.
@@ -371,7 +372,7 @@ impl Connection {
 
     /// Waits for the synchronous operations `ids` and forgets them.
     pub(super) fn wait_sync_ops(&self, ids: std::ops::Range<u64>) -> Result<()> {
-        let result = self.wait_within(SYNC_OP_TIMEOUT, |st| {
+        let result = self.wait_on(Until::Within(SYNC_OP_TIMEOUT), |st| {
             let mut outcome = Ok(());
             for id in ids.clone() {
                 match st.sync_ops.get(id) {

@@ -202,28 +202,10 @@ impl Connection {
             || self.inner.recv_poller.load(Ordering::Acquire) == thread_token()
     }
 
-    /// Waits until `check` gives a value, or `deadline`. On the completion
-    /// thread (inside a callback) it handles this connection's completions
-    /// itself, since nobody else will.
-    pub(super) fn wait_until<T>(
-        &self,
-        deadline: Instant,
-        check: impl FnMut(&mut State) -> Option<T>,
-    ) -> Result<T> {
-        self.wait_on(Until::At(deadline), check)
-    }
-
-    /// [`Connection::wait_until`] `timeout` from the first look: the
-    /// clock is read once, where the wait reads it anyway.
-    pub(super) fn wait_within<T>(
-        &self,
-        timeout: Duration,
-        check: impl FnMut(&mut State) -> Option<T>,
-    ) -> Result<T> {
-        self.wait_on(Until::Within(timeout), check)
-    }
-
-    fn wait_on<T>(
+    /// Waits until `check` gives a value, or `until` passes. On the
+    /// completion thread (inside a callback) it handles this connection's
+    /// completions itself, since nobody else will.
+    pub(super) fn wait_on<T>(
         &self,
         until: Until,
         mut check: impl FnMut(&mut State) -> Option<T>,
@@ -258,9 +240,10 @@ impl Connection {
 
 /// When a wait ends.
 #[derive(Clone, Copy)]
-enum Until {
+pub(super) enum Until {
     At(Instant),
-    /// This long after the wait's first look.
+    /// This long after the wait's first look: the clock is read once, where
+    /// the wait reads it anyway.
     Within(Duration),
 }
 

@@ -21,6 +21,7 @@ use crate::verbs::{
 };
 
 use super::credit::{ReadCredit, CREDIT_REGION_LEN};
+use super::park::Until;
 use super::send::INLINE_PARTS;
 use super::sync_ops::SyncOps;
 use super::{
@@ -285,7 +286,7 @@ impl Connection {
         self.inner.cm_source.store(cm_key, Ordering::SeqCst);
         self.start_completions();
         self.send_reg_local_addr()?;
-        let waited = self.wait_within(setup, |st| match st.state {
+        let waited = self.wait_on(Until::Within(setup), |st| match st.state {
             ConnState::MrReady => Some(Ok(())),
             ConnState::Closed | ConnState::Error => Some(Err(Error::Disconnected)),
             _ => None,

@@ -276,6 +276,53 @@ fn safe_a_batch_posts_many_writes_with_one_signaled_tail() {
     assert!(e.to_string().contains("0..1024"), "{e}");
 }
 
+/// `OPS` WRITEs in flight at once, each its own operation, waited for
+/// last first: the last one's completion comes after three full batches of
+/// the others, which its waits reap and settle on the way (a polled CQ
+/// reaps one batch a pass, the background thread a batch at a time).
+fn many_in_flight_waited_for_last_first(progress: Progress) {
+    const OPS: usize = 100;
+    const WORDS: usize = 16;
+    let p = pair::<Rc>(progress);
+    let dst =
+        p.pd.allocate::<u32>(OPS * WORDS, AccessFlags::REMOTE_WRITE)
+            .unwrap();
+    let offer = block_on(
+        p.b.offer(dst.rw(..).unwrap(), AccessFlags::REMOTE_WRITE)
+            .unwrap(),
+    )
+    .unwrap();
+    let remote = offer.remote();
+    let src =
+        p.pd.allocate::<u32>(OPS * WORDS, AccessFlags::empty())
+            .unwrap();
+    let mut s = src.rw(..).unwrap();
+    for (i, v) in s.as_mut_slice().iter_mut().enumerate() {
+        *v = (i as u32).wrapping_mul(2_654_435_761);
+    }
+    let s = s.freeze();
+    let before = p.cq_a.stats().completions;
+    let mut ops: Vec<_> = (0..OPS)
+        .map(|i| {
+            let seg = src.ro(i * WORDS..(i + 1) * WORDS).unwrap();
+            p.a.write(seg, &remote, (i * WORDS * 4) as u64).unwrap()
+        })
+        .collect();
+    while let Some(op) = ops.pop() {
+        let done = block_on(op).unwrap();
+        assert_eq!(done.memory().as_slice().len(), WORDS);
+    }
+    assert_eq!(p.cq_a.stats().completions - before, OPS as u64);
+    assert_eq!(offer.revoke().as_slice(), s.as_slice());
+}
+
+#[test]
+#[ignore = "needs an RDMA device: run `make test`"]
+fn safe_many_operations_in_flight_waited_for_last_first() {
+    many_in_flight_waited_for_last_first(Progress::Poll);
+    many_in_flight_waited_for_last_first(Progress::Thread);
+}
+
 #[test]
 #[ignore = "needs an RDMA device: run `make test`"]
 fn safe_uc_writes_and_sends() {

@@ -3,7 +3,7 @@
 
 use std::ffi::{c_char, c_int, c_uint, c_void, CString};
 use std::ptr::{addr_of, addr_of_mut};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
@@ -22,7 +22,9 @@ pub(super) struct FfiConn {
     pub(super) raw: Arc<CMemory<RdmaConn>>,
     pub(super) ip: Mutex<Option<CString>>,
     pub(super) imm_callback: Mutex<RdmaRecvImmCallbackFunc>,
-    pub(super) conn: Mutex<Option<WeakConnection>>,
+    /// Set once, when the connection is bound; read lock-free by every C
+    /// call on the handle.
+    pub(super) conn: OnceLock<WeakConnection>,
     pub(super) opts: Options,
 }
 
@@ -52,7 +54,7 @@ impl FfiConn {
             raw,
             ip: Mutex::new(None),
             imm_callback: Mutex::new(None),
-            conn: Mutex::new(None),
+            conn: OnceLock::new(),
             opts,
         })
     }
@@ -62,20 +64,13 @@ impl FfiConn {
     }
 
     pub(super) fn connection(&self) -> Option<Connection> {
-        self.conn
-            .lock()
-            .expect("ffi lock")
-            .as_ref()
-            .and_then(WeakConnection::upgrade)
+        self.conn.get().and_then(WeakConnection::upgrade)
     }
 
     pub(super) fn bind(&self, conn: &Connection) {
-        let mut slot = self.conn.lock().expect("ffi lock");
-        if slot.is_some() {
+        if self.conn.set(conn.downgrade()).is_err() {
             return;
         }
-        *slot = Some(conn.downgrade());
-        drop(slot);
         let p = self.ptr();
         let ring = conn.recv_ring();
         let staging = conn.staging();

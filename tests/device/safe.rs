@@ -91,6 +91,19 @@ fn fill(seg: &mut safe::RwSegment<u8>, seed: u8) {
     }
 }
 
+/// `len` zeroed `T`s of the pair's, offered by `b` for `a`'s WRITEs.
+fn offered_for_writes<T: safe::Pod + Send + Sync>(
+    p: &Pair<Rc>,
+    len: usize,
+) -> safe::Offer<safe::RwSegment<T>> {
+    let mem = p.pd.allocate::<T>(len, AccessFlags::REMOTE_WRITE).unwrap();
+    block_on(
+        p.b.offer(mem.rw(..).unwrap(), AccessFlags::REMOTE_WRITE)
+            .unwrap(),
+    )
+    .unwrap()
+}
+
 fn two_sided_and_one_sided(progress: Progress) {
     let p = pair::<Rc>(progress);
     let src = p.pd.allocate::<u8>(8192, AccessFlags::empty()).unwrap();
@@ -237,14 +250,7 @@ fn safe_a_dropped_receive_keeps_its_memory_until_the_completion() {
 #[ignore = "needs an RDMA device: run `make test`"]
 fn safe_a_batch_posts_many_writes_with_one_signaled_tail() {
     let mut p = pair::<Rc>(Progress::Poll);
-    let dst =
-        p.pd.allocate::<u32>(1024, AccessFlags::REMOTE_WRITE)
-            .unwrap();
-    let offer = block_on(
-        p.b.offer(dst.rw(..).unwrap(), AccessFlags::REMOTE_WRITE)
-            .unwrap(),
-    )
-    .unwrap();
+    let offer = offered_for_writes::<u32>(&p, 1024);
     let remote = offer.remote();
     let src = p.pd.allocate::<u32>(1024, AccessFlags::empty()).unwrap();
     let mut s = src.rw(..).unwrap();
@@ -284,14 +290,7 @@ fn many_in_flight_waited_for_last_first(progress: Progress) {
     const OPS: usize = 100;
     const WORDS: usize = 16;
     let p = pair::<Rc>(progress);
-    let dst =
-        p.pd.allocate::<u32>(OPS * WORDS, AccessFlags::REMOTE_WRITE)
-            .unwrap();
-    let offer = block_on(
-        p.b.offer(dst.rw(..).unwrap(), AccessFlags::REMOTE_WRITE)
-            .unwrap(),
-    )
-    .unwrap();
+    let offer = offered_for_writes::<u32>(&p, OPS * WORDS);
     let remote = offer.remote();
     let src =
         p.pd.allocate::<u32>(OPS * WORDS, AccessFlags::empty())

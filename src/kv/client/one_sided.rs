@@ -48,8 +48,19 @@ pub(super) type Locations = FxHashMap<u64, Location>;
 /// its steady state).
 type Chunk = SmallVec<[usize; BATCH_WINDOW]>;
 
-/// The blocks a window will READ: key index, where, remembered or not.
-type Reads = SmallVec<[(usize, Location, bool); BATCH_WINDOW]>;
+/// A block a window will READ.
+#[derive(Debug, Clone, Copy)]
+struct BlockRead {
+    /// The key's index.
+    key: usize,
+    /// Its [`key_hash`], computed once per key.
+    hash: u64,
+    at: Location,
+    /// Read from where the key was remembered, not from its bucket.
+    remembered: bool,
+}
+
+type Reads = SmallVec<[BlockRead; BATCH_WINDOW]>;
 
 /// What a key's index bucket says about it.
 #[derive(Debug, PartialEq, Eq)]
@@ -208,21 +219,27 @@ impl Client {
         let mut unknown = Chunk::new();
         {
             let known = self.locations.lock().expect("location lock");
-            for &i in chunk {
-                match known.get(&key_hash(keys[i])) {
-                    Some(&at) => reads.push((i, at, true)),
-                    None => unknown.push(i),
+            for &key in chunk {
+                let hash = key_hash(keys[key]);
+                match known.get(&hash) {
+                    Some(&at) => reads.push(BlockRead {
+                        key,
+                        hash,
+                        at,
+                        remembered: true,
+                    }),
+                    None => unknown.push(key),
                 }
             }
         }
         self.find_blocks(&mut bounce, keys, &unknown, &mut reads, each, ask_server)?;
         let mut moved = Chunk::new();
-        for (i, at, remembered) in self.read_blocks(&mut bounce, keys, &reads, each)? {
-            if remembered {
-                self.forget_if(key_hash(keys[i]), at);
-                moved.push(i);
+        for r in self.read_blocks(&mut bounce, keys, &reads, each)? {
+            if r.remembered {
+                self.forget_if(r.hash, r.at);
+                moved.push(r.key);
             } else {
-                ask_server.push(i);
+                ask_server.push(r.key);
             }
         }
         // A remembered block that moved: its key is looked up in the index
@@ -230,7 +247,7 @@ impl Client {
         reads.clear();
         self.find_blocks(&mut bounce, keys, &moved, &mut reads, each, ask_server)?;
         let missed = self.read_blocks(&mut bounce, keys, &reads, each)?;
-        ask_server.extend(missed.into_iter().map(|(i, _, _)| i));
+        ask_server.extend(missed.into_iter().map(|r| r.key));
         Ok(())
     }
 
@@ -266,7 +283,12 @@ impl Client {
             match look_in_bucket(bucket, keys[i].len(), hash, self.info.pool_rkey) {
                 InBucket::Missing => each(i, Err(KvError::NotFound)),
                 // A tag shared by two slots is for the server to sort out.
-                InBucket::Maybe(places) if places.len() == 1 => reads.push((i, places[0], false)),
+                InBucket::Maybe(places) if places.len() == 1 => reads.push(BlockRead {
+                    key: i,
+                    hash,
+                    at: places[0],
+                    remembered: false,
+                }),
                 _ => ask_server.push(i),
             }
         }
@@ -281,7 +303,7 @@ impl Client {
         &self,
         bounce: &mut BounceGuard<'_>,
         keys: &[&[u8]],
-        reads: &[(usize, Location, bool)],
+        reads: &[BlockRead],
         each: &mut Each<'_>,
     ) -> Result<Reads> {
         let mut moved = SmallVec::new();
@@ -291,8 +313,8 @@ impl Client {
             let mut used = 0;
             let group = rest
                 .iter()
-                .take_while(|(_, at, _)| {
-                    used += at.len as usize;
+                .take_while(|r| {
+                    used += r.at.len as usize;
                     used <= bounce.len
                 })
                 .count()
@@ -302,7 +324,7 @@ impl Client {
             let mut offset = 0;
             let ops: SmallVec<[_; BATCH_WINDOW]> = now
                 .iter()
-                .map(|&(_, at, _)| {
+                .map(|&BlockRead { at, .. }| {
                     let local = bounce.addr + offset as u64;
                     offset += at.len as usize;
                     let remote = RemoteAddr {
@@ -316,17 +338,17 @@ impl Client {
             // waited for its READ, and the guard is dropped (waiting for
             // all) before the bounce buffer can be used again.
             let mut pending = unsafe { self.conn.start_reads(bounce.lkey, &ops)? };
-            for (n, (&(i, at, remembered), &(local, _, len))) in now.iter().zip(&ops).enumerate() {
+            for (n, (r, &(local, _, len))) in now.iter().zip(&ops).enumerate() {
                 pending.wait_through(n)?;
                 let offset = (local - bounce.addr) as usize;
-                match verify_block(bounce.at(offset, len as usize), keys[i]) {
+                match verify_block(bounce.at(offset, len as usize), keys[r.key]) {
                     Some((version, value)) => {
-                        each(i, Ok((value, version)));
-                        if !remembered {
-                            self.remember(key_hash(keys[i]), at);
+                        each(r.key, Ok((value, version)));
+                        if !r.remembered {
+                            self.remember(r.hash, r.at);
                         }
                     }
-                    None => moved.push((i, at, remembered)),
+                    None => moved.push(*r),
                 }
             }
         }

@@ -64,8 +64,11 @@ impl Connection {
         let mut sges = [Sge::EMPTY; INLINE_PARTS];
         let header = ext_header.map(|h| h.as_slice());
         let in_place = match self.fits_inline(data.len() + header.map_or(0, <[u8]>::len)) {
-            true => gather_sges(header.into_iter().chain(data.0.iter().copied()), &mut sges)
-                .map(<[Sge]>::len),
+            true => gather_sges(
+                header.into_iter().chain(data.pieces().iter().copied()),
+                &mut sges,
+            )
+            .map(<[Sge]>::len),
             false => None,
         };
         let msg = self.stage_message(
@@ -186,7 +189,7 @@ impl Connection {
             // The places of a credit command and a credit READ are kept.
             let mut wrs = 2;
             for (i, &write) in writes.iter().enumerate().skip(posted) {
-                let data = Parts(msg(i).0);
+                let data = Parts::new(msg(i).0);
                 wrs += 1 + usize::from(write.is_some());
                 if wrs > CHAIN
                     || data.len() == 0

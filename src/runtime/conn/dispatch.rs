@@ -3,7 +3,7 @@
 
 use std::cell::RefCell;
 use std::sync::atomic::Ordering;
-use std::sync::PoisonError;
+use std::sync::{MutexGuard, PoisonError, TryLockError};
 use std::time::Duration;
 
 use crate::runtime::proto::{Cmd, ExtKind, Opcode, CMD_LEN, EXT_HEADER_LEN, IMM_EXTENDED, VERSION};
@@ -12,8 +12,8 @@ use crate::verbs::{Completion, CompletionRoom, RemoteRegion, WcOpcode, WcStatus}
 
 use super::InRing;
 use super::{
-    ConnState, Connection, Deferred, Delivery, KIND_SHIFT, K_BIND, K_CMD, K_CREDIT, K_DATA, K_READ,
-    K_RECV, K_SYNC, K_WRITE, LOW_MASK, MAX_POLL_BATCH, PEER_CMD_RESERVE,
+    ConnState, Connection, Deferred, Delivery, State, KIND_SHIFT, K_BIND, K_CMD, K_CREDIT, K_DATA,
+    K_READ, K_RECV, K_SYNC, K_WRITE, LOW_MASK, MAX_POLL_BATCH, PEER_CMD_RESERVE,
 };
 
 /// Receives in one drain that tell the completion thread messages come
@@ -63,12 +63,20 @@ impl Connection {
         };
         {
             let mut queued = backlog();
-            if n == 1 && queued.is_empty() {
-                // Alone: no rest of a batch to go first, and the queue would
-                // hand it straight back (only this thread polls).
-                drop(queued);
-                self.dispatch(&wcs[0], inline);
-                return 1;
+            if queued.is_empty() {
+                match n {
+                    // Most polls of a spinning thread: nothing, and nothing
+                    // of an outer batch left to handle.
+                    0 => return 0,
+                    // Alone: no rest of a batch to go first, and the queue
+                    // would hand it straight back (only this thread polls).
+                    1 => {
+                        drop(queued);
+                        self.dispatch(&wcs[0], inline);
+                        return 1;
+                    }
+                    _ => {}
+                }
             }
             queued.extend(wcs.iter().cloned());
         }
@@ -238,33 +246,22 @@ impl Connection {
             return;
         }
         match kind {
-            K_RECV => {
-                let message = match wc.opcode() {
-                    WcOpcode::RECV => {
-                        self.handle_cmd(low as u32, wc.byte_len() as usize);
-                        false
-                    }
-                    WcOpcode::RECV_RDMA_WITH_IMM => {
-                        self.handle_message(wc.imm().unwrap_or(0), wc.byte_len() as usize, inline);
-                        true
-                    }
-                    other => {
-                        log::warn!("unexpected receive completion {other}");
-                        false
-                    }
-                };
-                if !self.has_ended() {
-                    // Commands' receives go back at once: the peer's
-                    // reserve for them is not covered by credit.
-                    let reposted = match message {
-                        true => self.repost_message_slot(low as u32),
-                        false => self.post_recv_slot(low as u32),
-                    };
-                    if let Err(e) = reposted {
-                        self.fail(&format!("reposting a receive: {e}"));
-                    }
+            K_RECV => match wc.opcode() {
+                WcOpcode::RECV_RDMA_WITH_IMM => self.handle_message(
+                    wc.imm().unwrap_or(0),
+                    wc.byte_len() as usize,
+                    low as u32,
+                    inline,
+                ),
+                WcOpcode::RECV => {
+                    self.handle_cmd(low as u32, wc.byte_len() as usize);
+                    self.repost_cmd_slot(low as u32);
                 }
-            }
+                other => {
+                    log::warn!("unexpected receive completion {other}");
+                    self.repost_cmd_slot(low as u32);
+                }
+            },
             K_DATA => {
                 // Not worth waiting for a sender's post: the next holder of
                 // the lock gives the places back.
@@ -407,36 +404,72 @@ impl Connection {
         Ok(())
     }
 
-    pub(super) fn handle_message(&self, imm: u32, len: usize, inline: bool) {
+    /// Commands' receives go back at once: the peer's reserve for them is
+    /// not covered by credit.
+    fn repost_cmd_slot(&self, slot: u32) {
+        if !self.has_ended() {
+            if let Err(e) = self.post_recv_slot(slot) {
+                self.fail(&format!("reposting a receive: {e}"));
+            }
+        }
+    }
+
+    /// A message arrived in our ring; its receive took command slot `slot`
+    /// (whose bytes a message leaves unread). The slot is queued for
+    /// reposting (or reposted, for a legacy peer) before the message is
+    /// counted as received, under the lock a delivery's checks take
+    /// anyway, so no credit can report the message before its receive is
+    /// on its way back.
+    pub(super) fn handle_message(&self, imm: u32, len: usize, slot: u32, inline: bool) {
         let delivery = Delivery {
             offset: (imm & !IMM_EXTENDED) as usize,
             len,
             extended: imm & IMM_EXTENDED != 0,
         };
-        // Checked when delivered, under the one lock that takes: the ring
-        // (`RecvRing::accept` bounds it) and what the peer may send.
-        self.callback(Deferred::Message(delivery), inline);
+        let mut st = self.lock();
+        let reposted = match self.has_ended() {
+            true => Ok(()),
+            false => self.repost_message_slot(&mut st, slot),
+        };
+        // Checked when delivered, under this lock or `deliver`'s when
+        // deferred: the ring (`RecvRing::accept` bounds it) and what the
+        // peer may send.
+        self.callback_locked(st, Deferred::Message(delivery), inline);
+        // The message arrived whole: it is delivered before the connection
+        // ends for want of a receive.
+        if let Err(e) = reposted {
+            self.fail(&format!("reposting a receive: {e}"));
+        }
     }
 
     /// Runs a callback now when this is the completion thread at top level
     /// and nothing is owed before it; queues it otherwise (in order), and
     /// wakes the completion thread when another thread queued it.
     pub(super) fn callback(&self, cb: Deferred, inline: bool) {
+        self.callback_locked(self.lock(), cb, inline);
+    }
+
+    /// [`Connection::callback`], the state lock taken.
+    fn callback_locked(&self, mut st: MutexGuard<'_, State>, cb: Deferred, inline: bool) {
         let on_cq_thread = self.on_callback_thread();
-        {
-            let mut st = self.lock();
-            if inline || !on_cq_thread || !st.deferred.is_empty() {
-                st.deferred.push_back(cb);
-                self.inner.deferred_any.store(true, Ordering::SeqCst);
+        if inline || !on_cq_thread || !st.deferred.is_empty() {
+            st.deferred.push_back(cb);
+            self.inner.deferred_any.store(true, Ordering::SeqCst);
+            drop(st);
+            if !on_cq_thread {
+                self.inner.owed.store(true, Ordering::Release);
+                self.inner.rt.cq.wake();
+            }
+            return;
+        }
+        match cb {
+            // Its checks under the lock already held.
+            Deferred::Message(d) => self.deliver_locked(st, d),
+            other => {
                 drop(st);
-                if !on_cq_thread {
-                    self.inner.owed.store(true, Ordering::Release);
-                    self.inner.rt.cq.wake();
-                }
-                return;
+                self.run_callback(other);
             }
         }
-        self.run_callback(cb);
     }
 
     pub(super) fn run_callback(&self, cb: Deferred) {
@@ -465,31 +498,35 @@ impl Connection {
     }
 
     pub(super) fn deliver(&self, d: Delivery) {
-        {
-            let mut st = self.lock();
-            // A peer writes only after advertising its own buffer (RC keeps
-            // that order), and only version 1 has extended messages.
-            let refused = match st.peer_ring.is_some().then_some(st.peer_version) {
-                None => Some("the peer wrote before advertising its buffer"),
-                Some(0) if d.extended => Some("a legacy peer sent an extended message"),
-                _ => None,
-            };
-            if let Some(why) = refused {
-                drop(st);
-                return self.fail(why);
-            }
-            if !matches!(st.state, ConnState::MrReady | ConnState::Connected) {
-                return;
-            }
-            if !st.rx.accept(d.offset, d.len) {
-                drop(st);
-                return self.fail(&format!(
-                    "the peer wrote {} bytes at {}, out of order",
-                    d.len, d.offset
-                ));
-            }
-            st.rx_msgs += 1;
+        self.deliver_locked(self.lock(), d);
+    }
+
+    /// [`Connection::deliver`], the state lock taken: it is let go before
+    /// the callback.
+    fn deliver_locked(&self, mut st: MutexGuard<'_, State>, d: Delivery) {
+        // A peer writes only after advertising its own buffer (RC keeps
+        // that order), and only version 1 has extended messages.
+        let refused = match st.peer_ring.is_some().then_some(st.peer_version) {
+            None => Some("the peer wrote before advertising its buffer"),
+            Some(0) if d.extended => Some("a legacy peer sent an extended message"),
+            _ => None,
+        };
+        if let Some(why) = refused {
+            drop(st);
+            return self.fail(why);
         }
+        if !matches!(st.state, ConnState::MrReady | ConnState::Connected) {
+            return;
+        }
+        if !st.rx.accept(d.offset, d.len) {
+            drop(st);
+            return self.fail(&format!(
+                "the peer wrote {} bytes at {}, out of order",
+                d.len, d.offset
+            ));
+        }
+        st.rx_msgs += 1;
+        drop(st);
         // Its bytes are reportable (the peer may write them again) only
         // once we are done with them: before the callback when it gets a
         // copy (a send from the callback may then carry the credit), after
@@ -501,18 +538,18 @@ impl Connection {
         };
         // The peer can write its ring slot again while we look at it: each
         // byte is copied out once, and only the copy is parsed or shown.
-        // The buffer is reused; a callback that receives again (from a
-        // blocking call that polls) finds it taken and uses a fresh one.
-        let slot = || {
-            self.inner
-                .rx_copy
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
+        // The buffer is reused, held through the callback; a callback that
+        // receives again (from a blocking call that polls) finds it taken
+        // and uses a fresh one.
+        let kept = || match self.inner.rx_copy.try_lock() {
+            Ok(buf) => Some(buf),
+            // A callback panicked: the buffer is sound, it is cleared first.
+            Err(TryLockError::Poisoned(p)) => Some(p.into_inner()),
+            Err(TryLockError::WouldBlock) => None,
         };
         let end = d.offset + d.len;
         let mut start = d.offset;
         let mut imm = None;
-        let mut copy = None;
         if d.extended {
             let mut header = [0u8; EXT_HEADER_LEN];
             // In the ring: `accept` checked the range.
@@ -537,17 +574,15 @@ impl Connection {
             {
                 return;
             }
-            let mut buf = std::mem::take(&mut *slot());
+            let mut kept = kept();
+            let mut fresh = Vec::new();
+            let buf = kept.as_deref_mut().unwrap_or(&mut fresh);
             buf.clear();
-            self.inner.recv_ring.copy_out(start..end, &mut buf);
+            self.inner.recv_ring.copy_out(start..end, buf);
             release.now();
             crate::costs::copied_if_any(buf.len());
-            h.recv(self, &buf, imm);
-            copy = Some(buf);
+            h.recv(self, buf, imm);
         });
-        if let Some(buf) = copy {
-            *slot() = buf;
-        }
     }
 
     /// After completions were handled: owed callbacks and the end of the

@@ -210,7 +210,7 @@ struct State {
     tx_msgs_at_credit: u64,
     tx_msgs_at_tick: u64,
     last_errno: i32,
-    /// Receive slots of delivered messages not yet reposted: reposted
+    /// Receive slots of received messages not yet reposted: reposted
     /// [`REPOST_BATCH`] to a doorbell, and all before a credit reports
     /// their messages (the peer sends only into receives it was told of).
     reposts: Vec<u32>,

@@ -19,13 +19,28 @@ use super::{
     SIGNAL_EVERY,
 };
 
-/// A message as the pieces it is gathered from (a header, a key, a value).
+/// A message as the pieces it is gathered from (a header, a key, a value),
+/// and its length, summed once: the send path asks for it at every step.
 #[derive(Clone, Copy)]
-pub(crate) struct Parts<'a>(pub &'a [&'a [u8]]);
+pub(crate) struct Parts<'a> {
+    pieces: &'a [&'a [u8]],
+    len: usize,
+}
 
-impl Parts<'_> {
+impl<'a> Parts<'a> {
+    pub(crate) fn new(pieces: &'a [&'a [u8]]) -> Self {
+        Parts {
+            pieces,
+            len: pieces.iter().map(|p| p.len()).sum(),
+        }
+    }
+
     pub(crate) fn len(&self) -> usize {
-        self.0.iter().map(|p| p.len()).sum()
+        self.len
+    }
+
+    pub(crate) fn pieces(&self) -> &'a [&'a [u8]] {
+        self.pieces
     }
 }
 
@@ -91,7 +106,7 @@ impl Connection {
     /// # Safety
     /// As [`Connection::bytes_of`], for the whole message.
     unsafe fn copy_parts_into(mr: &MemoryRegion, offset: usize, data: Parts<'_>) {
-        crate::copy::gather(Self::bytes_of(mr, offset, data.len()), data.0);
+        crate::copy::gather(Self::bytes_of(mr, offset, data.len()), data.pieces());
     }
 
     /// Posts a command if a slot and send-queue room are free.
@@ -271,7 +286,7 @@ impl Connection {
         ext: Option<ExtKind>,
         before: Option<(Sge, RemoteAddr)>,
     ) -> Result<usize> {
-        let data = Parts(parts);
+        let data = Parts::new(parts);
         if data.len() == 0 {
             return Err(Error::InvalidArgument("a message cannot be empty".into()));
         }
@@ -342,7 +357,7 @@ impl Connection {
             }
             return 0;
         }
-        match st.queue.push_parts(data.0, ext) {
+        match st.queue.push_parts(data.pieces(), ext) {
             Push::Queued => self.inner.queued.store(true, Ordering::SeqCst),
             Push::Refused { first } => {
                 if first {
@@ -526,7 +541,7 @@ impl Connection {
         let mut n = 0;
         let mut outcome = Ok(());
         while let Some(q) = st.queue.pop() {
-            match self.stage_queued(st, Parts(&[&q.data]), q.ext) {
+            match self.stage_queued(st, Parts::new(&[&q.data]), q.ext) {
                 Ok(Some(m)) => {
                     staged[n] = m;
                     n += 1;

@@ -361,15 +361,13 @@ impl Connection {
     /// Reposts the receive a message took: at once for a legacy peer (whose
     /// library posted one per completion and whose sends count on it), in
     /// batches otherwise.
-    pub(super) fn repost_message_slot(&self, slot: u32) -> Result<()> {
-        let mut st = self.lock();
+    pub(super) fn repost_message_slot(&self, st: &mut State, slot: u32) -> Result<()> {
         if st.peer_version < 1 {
-            drop(st);
             return self.post_recv_slot(slot);
         }
         st.reposts.push(slot);
         if st.reposts.len() >= REPOST_BATCH {
-            self.flush_reposts(&mut st)?;
+            self.flush_reposts(st)?;
         }
         Ok(())
     }

@@ -427,9 +427,10 @@ impl Connection {
             extended: imm & IMM_EXTENDED != 0,
         };
         let mut st = self.lock();
-        let reposted = match self.has_ended() {
-            true => Ok(()),
-            false => self.repost_message_slot(&mut st, slot),
+        let reposted = if self.has_ended() {
+            Ok(())
+        } else {
+            self.repost_message_slot(&mut st, slot)
         };
         // Checked when delivered, under this lock or `deliver`'s when
         // deferred: the ring (`RecvRing::accept` bounds it) and what the
@@ -541,12 +542,6 @@ impl Connection {
         // The buffer is reused, held through the callback; a callback that
         // receives again (from a blocking call that polls) finds it taken
         // and uses a fresh one.
-        let kept = || match self.inner.rx_copy.try_lock() {
-            Ok(buf) => Some(buf),
-            // A callback panicked: the buffer is sound, it is cleared first.
-            Err(TryLockError::Poisoned(p)) => Some(p.into_inner()),
-            Err(TryLockError::WouldBlock) => None,
-        };
         let end = d.offset + d.len;
         let mut start = d.offset;
         let mut imm = None;
@@ -574,7 +569,12 @@ impl Connection {
             {
                 return;
             }
-            let mut kept = kept();
+            let mut kept = match self.inner.rx_copy.try_lock() {
+                Ok(buf) => Some(buf),
+                // A callback panicked: the buffer is sound, it is cleared first.
+                Err(TryLockError::Poisoned(p)) => Some(p.into_inner()),
+                Err(TryLockError::WouldBlock) => None,
+            };
             let mut fresh = Vec::new();
             let buf = kept.as_deref_mut().unwrap_or(&mut fresh);
             buf.clear();

@@ -283,6 +283,10 @@ typedef struct RdmaConn {
   struct rdma_event_channel *cm_channel;
   struct ibv_comp_channel *comp_channel;
   struct ibv_cq *cq;
+  /**
+   * The inline size asked for, as the legacy library shows it (0 when
+   * the library picks).
+   */
   uint32_t max_inline_data;
   /**
    * The peer's receive buffer.
@@ -353,7 +357,9 @@ extern int rdmaTimeoutms;
 extern int rdmaPollEventTimeoutms;
 
 /**
- * Inline threshold (0: no inline).
+ * Messages up to this many bytes are posted inline. 0: the library picks
+ * (128 bytes where the device takes them, else none); what a peer
+ * receives is the same either way.
  */
 extern int rdmaMaxInlineData;
 

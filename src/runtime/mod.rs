@@ -30,7 +30,8 @@ pub use conn::{
 };
 pub use listener::{AcceptHook, Listener};
 pub use options::{
-    CommMode, Options, DEFAULT_RECV_BUF_LEN, DEFAULT_SETUP_DEADLINE, NAP_ENV, SEND_QUEUE_ENV,
+    CommMode, Options, CHOSEN_INLINE_DATA, DEFAULT_RECV_BUF_LEN, DEFAULT_SETUP_DEADLINE, NAP_ENV,
+    SEND_QUEUE_ENV,
 };
 pub use send_queue::SendQueueStats;
 

@@ -4,7 +4,11 @@ use std::net::{IpAddr, SocketAddr};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use snowrdma::runtime::{CommMode, ConnHandler, ConnState, Connection, Listener, Options};
+use snowrdma::costs::{self, Counter};
+use snowrdma::runtime::proto::EXT_HEADER_LEN;
+use snowrdma::runtime::{
+    CommMode, ConnHandler, ConnState, Connection, Listener, Options, CHOSEN_INLINE_DATA,
+};
 use snowrdma::verbs::selftest::fill_pattern;
 
 use crate::{device_ip, TIMEOUT};
@@ -318,6 +322,51 @@ fn immediates_arrive_with_their_message() {
     let got = sink.wait_bytes(13, TIMEOUT);
     assert_eq!(&got, b"with immplain");
     assert_eq!(sink.got.lock().unwrap().1, [Some(0xfeed_0001), None]);
+    conn.close();
+    server.release();
+}
+
+/// With `max_inline_data` left at 0, as the legacy library's default, a
+/// small message still goes inline (the sender copies none of it; the
+/// provider takes it with the work request) and arrives intact, at every
+/// size around the runtime's choice, with and without an immediate (whose
+/// header counts against it).
+#[test]
+#[ignore = "needs an RDMA device: run `make test`"]
+fn small_messages_go_inline_when_the_caller_left_it_to_the_runtime() {
+    let (server, addr) = echo_server(&blocking());
+    let sink = Arc::new(Collect::default());
+    let conn = Connection::connect(addr, &blocking(), sink.clone()).unwrap();
+    let limit = CHOSEN_INLINE_DATA as usize;
+    let mut sent = Vec::new();
+    let mut imms = Vec::new();
+    for len in 1..=limit + 8 {
+        for imm in [None, Some(len as u32)] {
+            let mut msg = vec![0u8; len];
+            fill_pattern(&mut msg, sent.len() as u64);
+            let header = if imm.is_some() { EXT_HEADER_LEN } else { 0 };
+            let before = costs::this_thread();
+            let n = match imm {
+                Some(v) => conn.send_with_imm(v, &msg),
+                None => conn.send(&msg),
+            };
+            assert_eq!(n.unwrap(), len);
+            let copied = costs::this_thread()
+                .since(&before)
+                .get(Counter::CopiedBytes);
+            let inline = len + header <= limit;
+            assert_eq!(
+                copied,
+                if inline { 0 } else { len as u64 },
+                "{len} bytes with {imm:?}"
+            );
+            sent.extend_from_slice(&msg);
+            imms.push(imm);
+        }
+    }
+    let got = sink.wait_bytes(sent.len(), TIMEOUT);
+    assert!(got == sent, "echoed bytes differ");
+    assert_eq!(sink.got.lock().unwrap().1, imms);
     conn.close();
     server.release();
 }

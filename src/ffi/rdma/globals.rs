@@ -21,7 +21,9 @@ pub static mut rdmaTimeoutms: c_int = 1000;
 /// Poll timeout of the runtime threads.
 #[no_mangle]
 pub static mut rdmaPollEventTimeoutms: c_int = 10;
-/// Inline threshold (0: no inline).
+/// Messages up to this many bytes are posted inline. 0: the library picks
+/// (128 bytes where the device takes them, else none); what a peer
+/// receives is the same either way.
 #[no_mangle]
 pub static mut rdmaMaxInlineData: c_int = 0;
 #[no_mangle]

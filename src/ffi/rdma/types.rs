@@ -161,6 +161,8 @@ pub struct RdmaConn {
     pub cm_channel: *mut rdma_event_channel,
     pub comp_channel: *mut ibv_comp_channel,
     pub cq: *mut ibv_cq,
+    /// The inline size asked for, as the legacy library shows it (0 when
+    /// the library picks).
     pub max_inline_data: u32,
     /// The peer's receive buffer.
     pub tx_addr: *mut c_char,

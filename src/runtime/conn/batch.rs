@@ -12,7 +12,7 @@ use crate::verbs::{RemoteAddr, SendOp, SendRequest, Sge};
 
 use crate::runtime::proto::EXT_HEADER_LEN;
 
-use super::send::{cmd_request, gather_sges, Parts, StagedMessage, INLINE_PARTS};
+use super::send::{gather_sges, Parts, StagedMessage, INLINE_PARTS};
 use super::{wr_id, Connection, State, K_DATA};
 
 /// Work requests one doorbell chains at most, as many as the verbs layer
@@ -108,7 +108,7 @@ impl Connection {
         let read = self.credit_read(&mut st);
         let mut chain: SmallVec<[SendRequest<'_>; CHAIN]> = SmallVec::new();
         if let (Some((slot, _)), Some(sge)) = (credit, &credit_sge) {
-            chain.push(cmd_request(slot, sge));
+            chain.push(self.cmd_request(slot, sge));
         }
         for r in ready {
             if let Some((local, remote)) = &r.write {

@@ -283,6 +283,9 @@ pub(crate) struct ConnInner {
     cmd_recv: MemoryRegion,
     cmd_send: MemoryRegion,
     opts: Options,
+    /// Messages up to this many bytes go inline: the caller's
+    /// `max_inline_data`, or the runtime's choice when that is 0.
+    inline_max: u32,
     kind: ConnKind,
     peer: Option<SocketAddr>,
     handler: RwLock<Arc<dyn ConnHandler>>,

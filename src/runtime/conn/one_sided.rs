@@ -11,7 +11,6 @@ use crate::runtime::{Error, Result};
 use crate::verbs::{AccessFlags, MemoryRegion, RemoteAddr, SendOp, SendRequest, Sge};
 
 use super::park::Until;
-use super::send::cmd_request;
 use super::{
     wr_id, ConnState, Connection, State, CMD_RESERVE, K_READ, K_SYNC, K_WRITE, MAX_SEND_WR,
     SYNC_OP_TIMEOUT,
@@ -212,7 +211,7 @@ impl Connection {
         sges.extend(ops.iter().map(|(local, _)| [*local]));
         let mut reqs: SmallVec<[SendRequest; ON_STACK + 1]> = SmallVec::new();
         if let (Some((slot, _)), Some(sge)) = (credit, &credit_sge) {
-            reqs.push(cmd_request(slot, sge));
+            reqs.push(self.cmd_request(slot, sge));
         }
         for (i, ((_, remote), sge)) in ops.iter().zip(&sges).enumerate() {
             let op = if read {

@@ -120,7 +120,7 @@ impl Connection {
     /// Posts a command staged in `slot`, alone.
     pub(super) fn post_staged_cmd(&self, st: &mut State, slot: u16, sge: Sge) -> Result<()> {
         // SAFETY: the slot stays untouched until the send completes.
-        let posted = unsafe { self.post_in_order(st, &[cmd_request(slot, &[sge])]) };
+        let posted = unsafe { self.post_in_order(st, &[self.cmd_request(slot, &[sge])]) };
         // Its send-queue entry, or its slot back when the post failed.
         match posted {
             Ok(()) => st.sq_used += 1,
@@ -629,9 +629,20 @@ impl Connection {
         })
     }
 
+    /// The SEND of the command in `slot`: inline where the connection's
+    /// inline size takes a command.
+    pub(super) fn cmd_request<'a>(&self, slot: u16, sge: &'a [Sge; 1]) -> SendRequest<'a> {
+        let req = SendRequest::new(wr_id(K_CMD, u64::from(slot)), SendOp::Send, sge);
+        if self.fits_inline(CMD_LEN) {
+            req.inline()
+        } else {
+            req
+        }
+    }
+
     /// Whether a message of `len` bytes (headers included) goes inline.
     pub(super) fn fits_inline(&self, len: usize) -> bool {
-        len <= self.inner.opts.max_inline_data as usize
+        len <= self.inner.inline_max as usize
     }
 }
 
@@ -651,9 +662,4 @@ pub(super) fn gather_sges<'a, 'b>(
         n += 1;
     }
     Some(&out[..n])
-}
-
-/// The SEND of the command in `slot`.
-pub(super) fn cmd_request(slot: u16, sge: &[Sge; 1]) -> SendRequest<'_> {
-    SendRequest::new(wr_id(K_CMD, u64::from(slot)), SendOp::Send, sge)
 }

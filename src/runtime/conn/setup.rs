@@ -9,15 +9,15 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering}
 use std::sync::{Arc, Condvar, Mutex, RwLock};
 use std::time::Duration;
 
-use crate::runtime::options::Options;
+use crate::runtime::options::{Options, CHOSEN_INLINE_DATA};
 use crate::runtime::proto::{Cmd, Opcode, CMD_LEN};
 use crate::runtime::ring::{RecvRing, SendRing};
 use crate::runtime::send_queue::SendQueue;
 use crate::runtime::socket::{handshake, SocketLink, SocketWatch};
 use crate::runtime::{runtime, Error, Result, Runtime};
 use crate::verbs::{
-    AccessFlags, CmEventKind, CmId, ConnParam, Context, MemoryRegion, MemoryWindow, PreparedQp,
-    QpCaps, QpOptions, RemoteRegion, Sge,
+    AccessFlags, CmEventKind, CmId, CompletionQueue, ConnParam, Context, MemoryRegion,
+    MemoryWindow, PreparedQp, ProtectionDomain, QpCaps, QpOptions, QueuePair, RemoteRegion, Sge,
 };
 
 use super::credit::{ReadCredit, CREDIT_REGION_LEN};
@@ -63,30 +63,20 @@ impl Connection {
         let recv_depth = opts.recv_depth.max(2 * PEER_CMD_RESERVE as u32);
         let send_cq = ctx.create_cq(MAX_SEND_WR + 16, Some(&channel))?;
         let recv_cq = ctx.create_cq(recv_depth + 16, Some(&channel))?;
-        let caps = QpCaps {
-            max_send_wr: MAX_SEND_WR,
-            max_recv_wr: recv_depth,
-            // Small messages go inline straight from their parts.
-            max_send_sge: if opts.max_inline_data > 0 {
-                INLINE_PARTS as u32
-            } else {
-                1
-            },
-            max_recv_sge: 1,
-            max_inline_data: opts.max_inline_data,
-        };
-        let (qp, prepared) = match &link {
-            Link::Cm(id) => (id.create_qp(&pd, &send_cq, &recv_cq, &caps)?, None),
-            Link::Socket(_) => {
-                let qp_opts = QpOptions {
-                    caps,
-                    retry_cnt: opts.retry_count.min(7),
-                    ..QpOptions::default()
-                };
-                let prepared = pd.create_rc_qp(&send_cq, &recv_cq, &qp_opts)?;
-                (prepared.queue_pair().clone(), Some(prepared))
-            }
-        };
+        let asked = opts.max_inline_data;
+        let inline = if asked > 0 { asked } else { CHOSEN_INLINE_DATA };
+        let (qp, prepared, inline) =
+            match create_qp(&link, &pd, &send_cq, &recv_cq, opts, recv_depth, inline) {
+                Ok((qp, prepared)) => (qp, prepared, inline),
+                // Our choice, not the caller's: the device may take less.
+                Err(e) if asked == 0 => {
+                    log::info!("a QP with {inline} bytes inline: {e}; going without inline");
+                    let (qp, prepared) =
+                        create_qp(&link, &pd, &send_cq, &recv_cq, opts, recv_depth, 0)?;
+                    (qp, prepared, 0)
+                }
+                Err(e) => return Err(e),
+            };
         let peer = match &link {
             Link::Cm(id) => id.peer_addr(),
             Link::Socket(s) => Some(s.peer),
@@ -156,6 +146,7 @@ impl Connection {
                 cmd_recv,
                 cmd_send,
                 opts: opts.clone(),
+                inline_max: inline,
                 kind,
                 handler: RwLock::new(Arc::new(NoHandler)),
                 st: Mutex::new(State {
@@ -493,4 +484,37 @@ pub(crate) fn warn_no_phys_addr() {
              rdma-core stack lacks: PA operations will fail with RDMA_ERR"
         )
     });
+}
+
+/// The connection's QP on `link`, sending up to `inline` bytes inline;
+/// a socket-mode QP comes back still to be connected.
+fn create_qp(
+    link: &Link,
+    pd: &ProtectionDomain,
+    send_cq: &CompletionQueue,
+    recv_cq: &CompletionQueue,
+    opts: &Options,
+    recv_depth: u32,
+    inline: u32,
+) -> Result<(QueuePair, Option<PreparedQp>)> {
+    let caps = QpCaps {
+        max_send_wr: MAX_SEND_WR,
+        max_recv_wr: recv_depth,
+        // Small messages go inline straight from their parts.
+        max_send_sge: if inline > 0 { INLINE_PARTS as u32 } else { 1 },
+        max_recv_sge: 1,
+        max_inline_data: inline,
+    };
+    Ok(match link {
+        Link::Cm(id) => (id.create_qp(pd, send_cq, recv_cq, &caps)?, None),
+        Link::Socket(_) => {
+            let qp_opts = QpOptions {
+                caps,
+                retry_cnt: opts.retry_count.min(7),
+                ..QpOptions::default()
+            };
+            let prepared = pd.create_rc_qp(send_cq, recv_cq, &qp_opts)?;
+            (prepared.queue_pair().clone(), Some(prepared))
+        }
+    })
 }

@@ -336,21 +336,24 @@ impl Broker {
         let rings = pd.allocate(ring_bytes, AccessFlags::LOCAL_WRITE)?;
         let data_remote = data.remote();
         let n = config.hosts.len();
+        let shared = Shared {
+            config,
+            pd,
+            rings,
+            data,
+            data_remote,
+            stats: Counters::default(),
+        };
+        // What one poll can finish of a peer's: all it has in flight.
+        let finished = Vec::with_capacity(shared.max_send_wr() as usize);
         Ok(Broker {
-            shared: Shared {
-                config,
-                pd,
-                rings,
-                data,
-                data_remote,
-                stats: Counters::default(),
-            },
+            shared,
             links: std::cell::OnceCell::new(),
             callback: RefCell::new(callback),
             owner: Cell::new(None),
             down_reported: RefCell::new(vec![false; n]),
             last_cm_check: Cell::new(Instant::now()),
-            finished: Cell::new(Vec::new()),
+            finished: Cell::new(finished),
             room: Cell::new(None),
         })
     }

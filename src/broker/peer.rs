@@ -102,6 +102,9 @@ impl Peer {
         recv_cq: CompletionQueue,
     ) -> Peer {
         let slots = shared.config.slots as usize;
+        // Sized for the most that can wait or be in flight: a steady
+        // broker allocates nothing, not even when a burst sets a record.
+        let most = shared.max_send_wr() as usize;
         Peer {
             server: hello.server_id as usize,
             remote: hello.region,
@@ -111,8 +114,8 @@ impl Peer {
             send: RefCell::new(SendSide {
                 slots: vec![Slot::Free; slots],
                 next: 0,
-                pending: Vec::new(),
-                posted: VecDeque::new(),
+                pending: Vec::with_capacity(most),
+                posted: VecDeque::with_capacity(most),
                 in_queue: 0,
                 seq: 0,
             }),

@@ -23,13 +23,6 @@ impl Broker {
                 .flatten()
                 .find(|p| p.cm_id.as_ref().is_some_and(|c| c.id_ref() == id))
         };
-        let mut channels: Vec<&verbs::EventChannel> = self
-            .all()
-            .iter()
-            .flatten()
-            .filter_map(|p| p.cm_id.as_ref().map(|c| c.channel()))
-            .collect();
-        channels.extend(self.listener().map(|l| l.channel()));
         for p in self.all().iter().flatten() {
             if let Some(mut tcp) = p.tcp.as_ref() {
                 use std::io::Read;
@@ -41,8 +34,25 @@ impl Broker {
                 }
             }
         }
-        channels.dedup_by_key(|c| c.fd());
-        for ch in channels {
+        // Peers may share a channel: each is drained once, where it first
+        // appears. Walked in place, not gathered: this runs every
+        // CM_CHECK, and a steady broker allocates nothing.
+        let peer_channels = || {
+            self.all()
+                .iter()
+                .flatten()
+                .filter_map(|p| p.cm_id.as_ref().map(|c| c.channel()))
+        };
+        let channels = peer_channels().enumerate().filter(|&(i, ch)| {
+            !peer_channels()
+                .take(i)
+                .any(|earlier| earlier.fd() == ch.fd())
+        });
+        let listener = self
+            .listener()
+            .map(|l| l.channel())
+            .filter(|l| !peer_channels().any(|ch| ch.fd() == l.fd()));
+        for ch in channels.map(|(_, ch)| ch).chain(listener) {
             while let Ok(ev) = ch.get_event(Duration::ZERO) {
                 if ev.kind == verbs::CmEventKind::CONNECT_REQUEST {
                     // The mesh is complete; a late request is refused.

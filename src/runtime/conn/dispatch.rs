@@ -31,7 +31,12 @@ impl Connection {
         max: usize,
         inline: bool,
     ) -> usize {
-        let _guard = send.then(|| self.inner.send_poll.lock().expect("poll lock"));
+        let _guard = send.then(|| {
+            self.inner
+                .send_poll
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+        });
         let cq = if send {
             &self.inner.send_cq
         } else {

@@ -580,7 +580,10 @@ impl Connection {
         before: bool,
         copy: bool,
     ) -> Result<StagedMessage> {
-        let peer = st.peer_ring.ok_or(Error::NotConnected)?;
+        // Not `ok_or`: it would build (and drop) the error on every message.
+        let Some(peer) = st.peer_ring else {
+            return Err(Error::NotConnected);
+        };
         let len = data.len()
             + if ext_header.is_some() {
                 EXT_HEADER_LEN

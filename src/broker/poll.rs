@@ -3,7 +3,7 @@
 
 use std::time::{Duration, Instant};
 
-use super::peer::{self, Peer, Slot};
+use super::peer::{self, Peer, Posted, Slot};
 use super::{
     Broker, BrokerError, Callback, Event, EventKind, PollRoom, Result, CM_CHECK, POLL_BATCH,
 };
@@ -91,11 +91,27 @@ impl Broker {
             .callback
             .try_borrow_mut()
             .map_err(|_| BrokerError::Reentrant)?;
-        let mut n = 0;
-        // Kept between polls: finishing operations allocates nothing.
+        let peers = self.targets(server)?;
+        // Kept between polls, and given back however the poll ends:
+        // finishing operations allocates nothing.
         let mut done = self.finished.take();
         let mut room = self.take_room();
-        for peer in self.targets(server)? {
+        let reaped = self.reap_sends(peers, &mut done, &mut room, &mut cb);
+        self.finished.set(done);
+        self.room.set(Some(room));
+        reaped
+    }
+
+    /// [`Broker::poll_sq`]'s work on `peers`, with the kept lists.
+    fn reap_sends<'a>(
+        &'a self,
+        peers: impl Iterator<Item = &'a Peer>,
+        done: &mut Vec<Posted>,
+        room: &mut PollRoom,
+        cb: &mut Callback,
+    ) -> Result<u32> {
+        let mut n = 0;
+        for peer in peers {
             for wc in room.poll(&peer.send_cq)? {
                 let failed = peer::failed(peer, wc);
                 {
@@ -131,15 +147,13 @@ impl Broker {
                         c.set(c.get() + 1);
                     }
                     n += 1;
-                    (cb)(self, &ev);
+                    cb(self, &ev);
                 }
             }
             if peer.failed.get() {
-                self.report_down(peer, &mut cb);
+                self.report_down(peer, cb);
             }
         }
-        self.finished.set(done);
-        self.room.set(Some(room));
         Ok(n)
     }
 
@@ -152,9 +166,25 @@ impl Broker {
             .callback
             .try_borrow_mut()
             .map_err(|_| BrokerError::Reentrant)?;
-        let mut n = 0;
+        let peers = self.targets(server)?;
         let mut room = self.take_room();
-        for peer in self.targets(server)? {
+        let received = self.reap_recvs(peers, &mut room, &mut cb);
+        drop(cb);
+        self.room.set(Some(room));
+        let n = received?;
+        self.flush_all()?;
+        Ok(n)
+    }
+
+    /// [`Broker::poll_rq`]'s work on `peers`, with the kept room.
+    fn reap_recvs<'a>(
+        &'a self,
+        peers: impl Iterator<Item = &'a Peer>,
+        room: &mut PollRoom,
+        cb: &mut Callback,
+    ) -> Result<u32> {
+        let mut n = 0;
+        for peer in peers {
             let wcs = room.poll(&peer.recv_cq)?;
             let mut repost = [0u32; POLL_BATCH];
             let mut reposts = 0;
@@ -180,12 +210,12 @@ impl Broker {
                 let c = &self.shared.stats.recvs;
                 c.set(c.get() + 1);
                 n += 1;
-                (cb)(self, &ev);
+                cb(self, &ev);
                 repost[reposts] = slot;
                 reposts += 1;
             }
             if peer.failed.get() {
-                self.report_down(peer, &mut cb);
+                self.report_down(peer, cb);
             } else if reposts > 0 {
                 peer::post_recvs(
                     &self.shared,
@@ -195,15 +225,13 @@ impl Broker {
                 )?;
             }
         }
-        drop(cb);
-        self.room.set(Some(room));
-        self.flush_all()?;
         Ok(n)
     }
 
     /// The room kept from the last poll, taken out of its cell while a
-    /// poll uses it (a poll that failed drops it: the next one makes a
-    /// new one).
+    /// poll uses it (a nested poll, refused before it gets here, would
+    /// make a new one). A poll that failed leaves the room sound: its next
+    /// poll clears all it offered.
     fn take_room(&self) -> Box<PollRoom> {
         self.room.take().unwrap_or_default()
     }

@@ -97,8 +97,11 @@ impl Connection {
     /// completions when nobody else is polling; callbacks they owe are left
     /// to the completion thread.
     pub(super) fn poll_send_here(&self) -> bool {
-        let Ok(_guard) = self.inner.send_poll.try_lock() else {
-            return false;
+        let _guard = match self.inner.send_poll.try_lock() {
+            Ok(guard) => guard,
+            // It guards no data: a panic while it was held left nothing half-done.
+            Err(TryLockError::Poisoned(p)) => p.into_inner(),
+            Err(TryLockError::WouldBlock) => return false,
         };
         let mut room = CompletionRoom::<4>::new();
         let Ok(wcs) = room.poll(&self.inner.send_cq) else {

@@ -399,7 +399,7 @@ impl Connection {
         st.rc.read_out = true;
         st.rc.read_at = (head, msgs);
         st.sq_used += 1;
-        self.async_posted();
+        self.credit_read_posted();
         Some(CreditRead {
             from: slot.at(0),
             into: [self

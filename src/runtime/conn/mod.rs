@@ -268,6 +268,12 @@ pub(crate) struct ConnInner {
     async_pending: AtomicUsize,
     /// Whether the send CQ may be armed (cleared at its channel events).
     send_armed: AtomicBool,
+    /// Whether the completion thread polls this connection on every pass
+    /// of its spin, unarmed. It clears this before it stops (`ready`, which
+    /// arms the send CQ while `async_pending` is non-zero), so a post that
+    /// sees it set after counting itself in `async_pending` need not arm:
+    /// the spinner polls its completion, or arms for it.
+    spun_on: AtomicBool,
     /// Whether the receive CQ is armed (cleared at its channel events): a
     /// sleeping caller leaves it alone when the completion thread has just
     /// armed it, which saves a system call per wait.

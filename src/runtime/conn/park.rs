@@ -150,13 +150,39 @@ impl Connection {
     /// completion raises an event. Not when the completion thread is
     /// polling this connection (a handler's answer): it polls that CQ while
     /// it spins and arms it at the end of a drain (`drain_and_arm`), and
-    /// arming is a system call each of a handler's posts would pay.
+    /// arming is a system call each of a handler's posts would pay. Nor
+    /// while the completion thread spins on this connection (`spun_on`):
+    /// it polls the CQ on every pass, and clears the flag before it looks
+    /// at `async_pending` to arm (both SeqCst, so one of the two sides
+    /// sees the other).
     pub(super) fn async_posted(&self) {
         self.inner.async_pending.fetch_add(1, Ordering::SeqCst);
         let polling_here = self.inner.rt.cq.is_current()
             && self.inner.recv_poller.load(Ordering::Acquire) == thread_token();
-        if !polling_here {
+        if !polling_here && !self.inner.spun_on.load(Ordering::SeqCst) {
             self.arm_send();
+        }
+    }
+
+    /// A READ of the peer's credit is about to be posted: as
+    /// `async_posted`, but a caller-polled connection's send CQ is not
+    /// armed for it. Nobody is owed a callback, its waiters poll that CQ
+    /// (or arm it as they sleep), and the completion thread looks at it
+    /// every tick, as at every completion of such a connection that
+    /// nobody waits for.
+    pub(super) fn credit_read_posted(&self) {
+        if self.inner.opts.caller_polls {
+            self.inner.async_pending.fetch_add(1, Ordering::SeqCst);
+        } else {
+            self.async_posted();
+        }
+    }
+
+    /// The completion thread starts (true) or stops (false) polling this
+    /// connection on every pass of its spin; see `spun_on`.
+    pub(crate) fn set_spun_on(&self, on: bool) {
+        if self.inner.spun_on.load(Ordering::Relaxed) != on {
+            self.inner.spun_on.store(on, Ordering::SeqCst);
         }
     }
 

@@ -135,6 +135,7 @@ impl Connection {
                 recv_backlog: Mutex::new(VecDeque::with_capacity(MAX_POLL_BATCH)),
                 async_pending: AtomicUsize::new(0),
                 send_armed: AtomicBool::new(false),
+                spun_on: AtomicBool::new(false),
                 recv_armed: AtomicBool::new(false),
                 pd,
                 recv_ring,

@@ -15,7 +15,10 @@ impl crate::runtime::poller::Source for CqSource {
         self.0.inner.recv_cq.channel().map_or(-1, |c| c.fd())
     }
 
+    /// Ends a spin's unarmed polling of the connection first: what
+    /// `async_posted` left unarmed because of it is armed here.
     fn ready(&self) -> bool {
+        self.0.set_spun_on(false);
         self.0.process_completions()
     }
 
@@ -23,6 +26,13 @@ impl crate::runtime::poller::Source for CqSource {
         // A caller-polled connection is left to its waiters (both polling one
         // CQ would only fight over its lock); sleeping ones arm it.
         !self.0.inner.opts.caller_polls && self.0.poll_round()
+    }
+
+    fn spun(&self) {
+        // Not polled, so nothing may be left to the spinner.
+        if !self.0.inner.opts.caller_polls {
+            self.0.set_spun_on(true);
+        }
     }
 
     fn woken(&self) -> bool {

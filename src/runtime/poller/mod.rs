@@ -43,6 +43,11 @@ pub trait Source: Send + Sync {
         self.ready();
         false
     }
+    /// The thread polls the source with `poll_once` on every pass from now
+    /// on, unarmed, and calls `ready` before it stops doing so (unless the
+    /// source leaves the set or the thread stops): what the source would
+    /// arm meanwhile, it may leave to the spinner.
+    fn spun(&self) {}
     /// Called about once per tick, busy or not.
     fn tick(&self) {}
     /// Whether `tick` may have work to do now. While no source's has, an
@@ -99,6 +104,9 @@ impl Source for Guarded {
     }
     fn woken(&self) -> bool {
         self.call("woken", |s| s.woken())
+    }
+    fn spun(&self) {
+        self.call("spun", |s| s.spun())
     }
     fn tick(&self) {
         self.call("tick", |s| s.tick())
@@ -508,6 +516,13 @@ fn spin_passes(
     let hot_for = spin * HOT_FOR_SPINS;
     let mut last_work = hot.iter().map(|h| h.last).max();
     let mut last_look: Option<Instant> = None;
+    // Whatever leaves the polled set below, or is not in `hot` when this
+    // returns, is `ready`d; the rest is polled again at once.
+    if few {
+        watched.values().for_each(|s| s.spun());
+    } else {
+        hot.iter().for_each(|h| h.source.spun());
+    }
     loop {
         let now = Instant::now();
         if few {
@@ -533,6 +548,7 @@ fn spin_passes(
                     let key = ev.u64;
                     match watched.get(&key) {
                         Some(source) if source.woken() => {
+                            source.spun();
                             mark_hot(hot, key, source, now);
                             last_work = Some(now);
                         }

@@ -14,6 +14,8 @@ struct Probe {
     wants_tick: AtomicBool,
     ticks: AtomicUsize,
     needs_looks: AtomicBool,
+    /// Between `spun` and the next `ready`: polled unarmed.
+    spun: AtomicBool,
 }
 
 impl Probe {
@@ -30,6 +32,7 @@ impl Probe {
             wants_tick: AtomicBool::new(false),
             ticks: AtomicUsize::new(0),
             needs_looks: AtomicBool::new(true),
+            spun: AtomicBool::new(false),
         })
     }
 
@@ -55,8 +58,12 @@ impl Source for Probe {
         let mut buf = 0u64;
         // SAFETY: 8 bytes from our eventfd (EAGAIN when unsignalled).
         unsafe { libc::read(self.fd, (&mut buf as *mut u64).cast(), 8) };
+        self.spun.store(false, Ordering::SeqCst);
         self.readies.fetch_add(1, Ordering::SeqCst);
         self.bunched.load(Ordering::SeqCst)
+    }
+    fn spun(&self) {
+        self.spun.store(true, Ordering::SeqCst);
     }
     fn poll_once(&self) -> bool {
         self.polls.fetch_add(1, Ordering::SeqCst);
@@ -131,6 +138,45 @@ fn a_spinning_thread_polls_the_busy_source_and_hears_the_quiet_ones() {
         idle_polls * 100 < busy_polls,
         "an idle source was polled {idle_polls} times, the busy one {busy_polls}"
     );
+}
+
+#[test]
+fn every_source_polled_unarmed_is_made_ready_when_the_spin_ends() {
+    // A connection leaves arming to the spinner while it is polled
+    // unarmed: one the spinner then dropped without `ready` would
+    // raise no event for that work.
+    for n in [2, 2 * FEW] {
+        let probes: Vec<Arc<Probe>> = (0..n).map(|_| Probe::new()).collect();
+        let poller = Poller::start(
+            crate::runtime::spin::ALWAYS_SPINNING_TEST_THREAD,
+            Duration::from_millis(10),
+            Duration::from_millis(20),
+            Duration::ZERO,
+            || {},
+        )
+        .unwrap();
+        for p in &probes {
+            poller.add(p.clone());
+        }
+        let busy = &probes[0];
+        busy.busy.store(true, Ordering::SeqCst);
+        busy.signal();
+        until("the busy source is polled unarmed", || {
+            busy.spun.load(Ordering::SeqCst) && busy.polls.load(Ordering::SeqCst) > 1000
+        });
+        busy.busy.store(false, Ordering::SeqCst);
+        until("the spin ends", || {
+            let before = busy.polls.load(Ordering::SeqCst);
+            std::thread::sleep(Duration::from_millis(100));
+            busy.polls.load(Ordering::SeqCst) == before
+        });
+        for (i, p) in probes.iter().enumerate() {
+            assert!(
+                !p.spun.load(Ordering::SeqCst),
+                "source {i} of {n} was left polled unarmed by a thread that stopped polling it"
+            );
+        }
+    }
 }
 
 #[test]

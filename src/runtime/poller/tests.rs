@@ -97,13 +97,13 @@ fn sleeping_poller(name: &str, tick: Duration) -> Poller {
     Poller::start(name, tick, Duration::ZERO, Duration::ZERO, || {}).unwrap()
 }
 
-/// A poller that spins for good once work came, with `probes` added
+/// A poller that spins `spin` after the last work, with `probes` added
 /// and the first of them busy and being polled.
-fn spinning_for(probes: &[Arc<Probe>]) -> Poller {
+fn spinning_with_busy(probes: &[Arc<Probe>], spin: Duration) -> Poller {
     let poller = Poller::start(
         crate::runtime::spin::ALWAYS_SPINNING_TEST_THREAD,
         Duration::from_millis(10),
-        Duration::from_secs(60),
+        spin,
         Duration::ZERO,
         || {},
     )
@@ -118,6 +118,11 @@ fn spinning_for(probes: &[Arc<Probe>]) -> Poller {
         busy.polls.load(Ordering::SeqCst) > 10_000
     });
     poller
+}
+
+/// A poller that spins for good once work came, as `spinning_with_busy`.
+fn spinning_for(probes: &[Arc<Probe>]) -> Poller {
+    spinning_with_busy(probes, Duration::from_secs(60))
 }
 
 #[test]
@@ -147,22 +152,10 @@ fn every_source_polled_unarmed_is_made_ready_when_the_spin_ends() {
     // raise no event for that work.
     for n in [2, 2 * FEW] {
         let probes: Vec<Arc<Probe>> = (0..n).map(|_| Probe::new()).collect();
-        let poller = Poller::start(
-            crate::runtime::spin::ALWAYS_SPINNING_TEST_THREAD,
-            Duration::from_millis(10),
-            Duration::from_millis(20),
-            Duration::ZERO,
-            || {},
-        )
-        .unwrap();
-        for p in &probes {
-            poller.add(p.clone());
-        }
+        let _poller = spinning_with_busy(&probes, Duration::from_millis(20));
         let busy = &probes[0];
-        busy.busy.store(true, Ordering::SeqCst);
-        busy.signal();
         until("the busy source is polled unarmed", || {
-            busy.spun.load(Ordering::SeqCst) && busy.polls.load(Ordering::SeqCst) > 1000
+            busy.spun.load(Ordering::SeqCst)
         });
         busy.busy.store(false, Ordering::SeqCst);
         until("the spin ends", || {

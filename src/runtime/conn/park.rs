@@ -143,7 +143,6 @@ impl Connection {
         }
     }
 
-    /// Arms the send CQ unless it already is.
     /// An operation whose completion owes something (a callback, a
     /// credit READ's counts) is about to be posted: counted, so the send CQ
     /// is armed while it is out, and armed now, before the post, so its
@@ -166,10 +165,12 @@ impl Connection {
 
     /// A READ of the peer's credit is about to be posted: as
     /// `async_posted`, but a caller-polled connection's send CQ is not
-    /// armed for it. Nobody is owed a callback, its waiters poll that CQ
-    /// (or arm it as they sleep), and the completion thread looks at it
-    /// every tick, as at every completion of such a connection that
-    /// nobody waits for.
+    /// armed for it. Nobody is owed a callback: its waiters poll that CQ
+    /// (or arm it as they sleep), a sender short of credit waits and so
+    /// polls, one that queues arms and polls, and otherwise the completion
+    /// thread's next look at the connection finds it (every tick while the
+    /// thread does not spin; while it spins for other connections, when
+    /// that spin ends). Late credit, never a stall.
     pub(super) fn credit_read_posted(&self) {
         if self.inner.opts.caller_polls {
             self.inner.async_pending.fetch_add(1, Ordering::SeqCst);
@@ -186,6 +187,7 @@ impl Connection {
         }
     }
 
+    /// Arms the send CQ unless it already is.
     pub(super) fn arm_send(&self) {
         if !arm_once(&self.inner.send_armed, &self.inner.send_cq) {
             log::warn!("arming the send CQ failed; its completions wait for the next tick");

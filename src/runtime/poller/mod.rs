@@ -43,10 +43,11 @@ pub trait Source: Send + Sync {
         self.ready();
         false
     }
-    /// The thread polls the source with `poll_once` on every pass from now
-    /// on, unarmed, and calls `ready` before it stops doing so (unless the
-    /// source leaves the set or the thread stops): what the source would
-    /// arm meanwhile, it may leave to the spinner.
+    /// The thread polls the source with `poll_once` on its spin's passes
+    /// from now on, unarmed (between two runs of passes it may handle its
+    /// events and wakes first), and calls `ready` before it stops doing so
+    /// (unless the source leaves the set or the thread stops): what the
+    /// source would arm meanwhile, it may leave to the spinner.
     fn spun(&self) {}
     /// Called about once per tick, busy or not.
     fn tick(&self) {}

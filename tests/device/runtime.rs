@@ -579,6 +579,60 @@ fn callbacks_can_run_sync_operations_and_send_without_deadlock() {
 
 #[test]
 #[ignore = "needs an RDMA device: run `make test`"]
+fn a_write_callback_can_run_sync_operations_and_send_without_deadlock() {
+    // The completion of an async WRITE runs `write_done` on the completion
+    // thread, which then reads synchronously (driving the send CQ itself)
+    // and sends, as a legacy program may from its write callback.
+    #[derive(Default)]
+    struct ReadAfterWrite {
+        mr: Mutex<Option<(u64, u32)>>,
+        result: Mutex<Option<Vec<u8>>>,
+        cond: Condvar,
+    }
+    impl ConnHandler for ReadAfterWrite {
+        fn write_done(&self, conn: &Connection, len: usize) {
+            let (addr, lkey) = self.mr.lock().unwrap().unwrap();
+            let peer = conn.peer_buffer().unwrap();
+            let n = conn.read_sync(addr + 64, lkey, peer.at(0), len as u32);
+            let got = n.map(|n| {
+                unsafe { std::slice::from_raw_parts((addr + 64) as *const u8, n) }.to_vec()
+            });
+            let sent = conn.send(b"after the write");
+            *self.result.lock().unwrap() = Some(match (got, sent) {
+                (Ok(got), Ok(15)) => got,
+                (got, sent) => format!("{got:?} {sent:?}").into_bytes(),
+            });
+            self.cond.notify_all();
+        }
+    }
+    let (server, addr) = echo_server(&blocking());
+    let h = Arc::new(ReadAfterWrite::default());
+    let conn = Connection::connect(addr, &Options::default(), h.clone()).unwrap();
+    let mr = conn.register(128).unwrap();
+    *h.mr.lock().unwrap() = Some((mr.addr(), mr.lkey()));
+    unsafe { std::slice::from_raw_parts_mut(mr.addr() as *mut u8, 16).fill(0x3e) };
+    let remote = conn.peer_buffer().unwrap().at(0);
+    assert_eq!(
+        unsafe { conn.write(mr.addr(), mr.lkey(), remote, 16) }.unwrap(),
+        16
+    );
+    let g = h
+        .cond
+        .wait_timeout_while(h.result.lock().unwrap(), TIMEOUT, |r| r.is_none())
+        .unwrap()
+        .0;
+    assert_eq!(
+        g.as_deref(),
+        Some(&[0x3e; 16][..]),
+        "the callback read back the write"
+    );
+    drop(g);
+    conn.close();
+    server.release();
+}
+
+#[test]
+#[ignore = "needs an RDMA device: run `make test`"]
 fn stopping_a_server_leaves_other_connections_running() {
     let (a, a_addr) = echo_server(&blocking());
     let (b, b_addr) = echo_server(&blocking());

@@ -93,9 +93,9 @@ impl Connection {
         }
     }
 
-    /// A waiting thread (not the completion thread) takes its own send
-    /// completions when nobody else is polling; callbacks they owe are left
-    /// to the completion thread.
+    /// A waiting thread (not the completion thread), or one ending the
+    /// connection, takes send completions when nobody else is polling;
+    /// callbacks they owe are queued for the completion thread.
     pub(super) fn poll_send_here(&self) -> bool {
         let _guard = match self.inner.send_poll.try_lock() {
             Ok(guard) => guard,
@@ -299,7 +299,10 @@ impl Connection {
                 } else {
                     Deferred::ReadDone(low as usize)
                 };
-                self.callback(done, inline);
+                // Queued, run once the send CQ's poll lock is let go: a
+                // callback that waits (a sync READ, a send short of room)
+                // polls that CQ itself.
+                self.callback(done, true);
             }
             K_BIND => self.lock().sq_used -= 1,
             K_CREDIT => self.credit_read_done(),

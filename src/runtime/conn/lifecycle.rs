@@ -39,6 +39,7 @@ impl Connection {
     /// Ends the connection after a failure: state Error, waiters woken,
     /// `disconnected` fired once, the peer told.
     pub(crate) fn fail(&self, reason: &str) {
+        self.take_send_completions();
         {
             let mut st = self.lock();
             if matches!(st.state, ConnState::Closed | ConnState::Error) {
@@ -63,6 +64,25 @@ impl Connection {
         }
     }
 
+    /// Handles what the send CQ already holds (unless another thread is
+    /// at it), before an end gives its reason to the synchronous operations
+    /// still open: one that completed keeps its own outcome. A receive's
+    /// flush error can be polled first, as the QP's error flushes both
+    /// queues at once, while a READ before the failed one sits in the send
+    /// CQ, completed.
+    fn take_send_completions(&self) {
+        let mut took = false;
+        while self.poll_send_here() {
+            took = true;
+        }
+        if took {
+            // Callbacks they owe were queued, perhaps on the completion
+            // thread outside a round that would run them.
+            self.inner.owed.store(true, Ordering::Release);
+            self.inner.rt.cq.wake();
+        }
+    }
+
     pub(super) fn fire_disconnected(&self) {
         if !self.inner.closed_locally.load(Ordering::SeqCst)
             && !self.inner.disconnect_fired.swap(true, Ordering::SeqCst)
@@ -73,6 +93,7 @@ impl Connection {
 
     /// Ends the connection after the peer left.
     pub(super) fn peer_disconnected(&self) {
+        self.take_send_completions();
         let was = {
             let mut st = self.lock();
             let was = st.state;
@@ -209,6 +230,7 @@ impl Connection {
             // landed: disconnecting earlier could flush them unsent.
             self.wait_closing(deadline, |st| st.cmd_free.len() == CMD_SLOTS as usize);
         }
+        self.take_send_completions();
         {
             let mut st = self.lock();
             self.end_state(&mut st, ConnState::Closed);

@@ -41,11 +41,11 @@ port=18600
 perftest() {
     local col=$1 scale=$2 tool=$3
     shift 3
-    timeout 120 "$tool" -d "$dev" -R -F -p "$port" "$@" >/dev/null 2>&1 &
+    timeout -k 10 120 "$tool" -d "$dev" -R -F -p "$port" "$@" >/dev/null 2>&1 &
     local server=$!
     sleep 0.5
     local out
-    out=$(timeout 120 "$tool" -d "$dev" -R -F -p "$port" "$@" "$ip" 2>&1)
+    out=$(timeout -k 10 120 "$tool" -d "$dev" -R -F -p "$port" "$@" "$ip" 2>&1)
     wait "$server" 2>/dev/null
     # The result line starts with the message size and the iteration count.
     echo "$out" | awk -v c="$col" -v s="$scale" '$1 ~ /^[0-9]+$/ && $2 ~ /^[0-9]+$/ && NF >= c { v = $c } END { if (v != "") print v * s }'
@@ -62,7 +62,7 @@ kv_procs() {
     server=$!
     sleep 2
     for i in $(seq 1 "$n"); do
-        timeout 600 target/release/kv_client -a "$ip" -p "$port" "mix $ops 64 $dir/go" \
+        timeout -k 10 600 target/release/kv_client -a "$ip" -p "$port" "mix $ops 64 $dir/go" \
             >"$dir/out.$i" 2>&1 &
     done
     for _ in $(seq 1 600); do
@@ -88,7 +88,7 @@ kv_procs() {
 
 # ours <case> <side>: the side measured in snowrdma-bench.
 ours() {
-    timeout 300 $bench run "$1" "$2" --port "$port"
+    timeout -k 10 300 $bench run "$1" "$2" --port "$port"
 }
 
 # start_server <server command with IP, PORT, BENCH>: starts the server in
@@ -100,7 +100,7 @@ start_server() {
     args=("${args[@]//IP/$ip}")
     args=("${args[@]//BENCH/$bench}")
     log=$(mktemp)
-    timeout 300 "${args[@]}" >"$log" 2>&1 &
+    timeout -k 10 300 "${args[@]}" >"$log" 2>&1 &
     server=$!
     for _ in $(seq 1 100); do
         grep -q "listening on" "$log" && break
@@ -109,9 +109,21 @@ start_server() {
     rm -f "$log"
 }
 
+# The server's `timeout` passes TERM on and follows it with KILL 10 s
+# later (-k); one stuck even so (in the kernel) is reported and left
+# behind rather than stalling the bench.
 stop_server() {
     kill "$server" 2>/dev/null
-    wait "$server" 2>/dev/null
+    for _ in $(seq 1 150); do
+        kill -0 "$server" 2>/dev/null || break
+        sleep 0.1
+    done
+    if kill -0 "$server" 2>/dev/null; then
+        echo "bench: the server (pid $server) did not stop; left behind" >&2
+        ps -o pid,stat,wchan:30,args --ppid "$server" >&2
+    else
+        wait "$server" 2>/dev/null
+    fi
 }
 
 # against_server <case> <side> <server command>: runs the side against the
@@ -133,7 +145,7 @@ run_menu() {
     SNOWRDMA_KV_PORT=18599 $apps/application >/dev/null 2>&1 &
     local app_server=$!
     sleep 3
-    menu=$(echo 3 | timeout 1800 $apps/client "$ip:18599" 2>&1)
+    menu=$(echo 3 | timeout -k 10 1800 $apps/client "$ip:18599" 2>&1)
     kill $app_server 2>/dev/null
     echo "$menu" | grep -E '^(Eager|Rendezvous):'
 }
@@ -192,7 +204,7 @@ under_perf() {
     rm -f "$dir/ctl" "$dir/ack" "$dir/costs" "$dir/perf"
     mkfifo "$dir/ctl" "$dir/ack"
     SNOWRDMA_BENCH_COSTS="$dir/costs" SNOWRDMA_BENCH_PERF_CTL="$dir/ctl" SNOWRDMA_BENCH_PERF_ACK="$dir/ack" \
-        timeout 600 perf stat -x, -o "$dir/perf" -e "raw_syscalls:sys_enter,$named_syscalls" \
+        timeout -k 10 600 perf stat -x, -o "$dir/perf" -e "raw_syscalls:sys_enter,$named_syscalls" \
         -e syscalls:sys_enter_write --filter "fd == $perf_ctl_fd" \
         -e syscalls:sys_enter_read --filter "fd == $perf_ack_fd" \
         --control "fifo:$dir/ctl,$dir/ack" --delay=-1 \
@@ -271,7 +283,7 @@ syscalls() {
             syscalls) perf_syscalls "$case" "$who" "$dir" syscalls ;;
             syscalls_spin) perf_syscalls "$case" "$who" "$dir" syscalls_spin ;;
             strace)
-                SNOWRDMA_BENCH_COSTS=/dev/null timeout 600 strace -f -qq -y -o "$dir/trace" \
+                SNOWRDMA_BENCH_COSTS=/dev/null timeout -k 10 600 strace -f -qq -y -o "$dir/trace" \
                     $bench run "$case" snowrdma --port "$port" >/dev/null 2>&1
                 ;;
         esac
@@ -302,7 +314,7 @@ cgdir=$(mktemp -d)
 instructions() {
     local case=$1 n=$2 counted
     port=$((port + 1))
-    SNOWRDMA_SPIN_US=0 SNOWRDMA_BENCH_COSTS=/dev/null timeout 1200 "${cg[@]}" \
+    SNOWRDMA_SPIN_US=0 SNOWRDMA_BENCH_COSTS=/dev/null timeout -k 10 1200 "${cg[@]}" \
         --callgrind-out-file="$cgdir/cg" --zero-before=snowrdma_cost_window_open \
         --dump-before=snowrdma_cost_window_close \
         $bench run "$case" snowrdma -n "$n" --port "$port" >/dev/null 2>&1
@@ -322,7 +334,7 @@ perftest_instructions() {
     local tool=$1 n=$2 m counted=()
     for m in "$n" $((2 * n)); do
         port=$((port + 1))
-        timeout 1200 "${cg[@]}" --callgrind-out-file="$cgdir/server.$m" \
+        timeout -k 10 1200 "${cg[@]}" --callgrind-out-file="$cgdir/server.$m" \
             "$tool" -d "$dev" -e -p "$port" -s 64 -n "$m" >/dev/null 2>&1 &
         local server=$!
         # Under valgrind the server takes seconds to listen (TCP, for its
@@ -331,7 +343,7 @@ perftest_instructions() {
             ss -ltn | grep -q ":$port " && break
             sleep 0.5
         done
-        timeout 1200 "${cg[@]}" --callgrind-out-file="$cgdir/client.$m" \
+        timeout -k 10 1200 "${cg[@]}" --callgrind-out-file="$cgdir/client.$m" \
             "$tool" -d "$dev" -e -p "$port" -s 64 -n "$m" "$ip" >/dev/null 2>&1
         wait "$server"
         counted+=("$(scripts/callgrind-count.py --poll-from "$cgdir/ours" \

@@ -37,6 +37,35 @@ static void client_recv(RdmaConn *conn, void *data, size_t len)
     got_reply = 1;
 }
 
+/* The write callback follows every rdmaConnSend and rdmaConnWrite, as the
+ * legacy library's did (it signaled each message when one was set), on a
+ * library thread: main holds `mu` around its sends, and the callback takes
+ * it. It writes again from inside, a few times, which must not recurse. */
+#define CHAINED_WRITES 3
+static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_t main_thread;
+static volatile size_t written, write_calls, chained;
+static volatile int write_on_main, write_recursed, in_write;
+
+static void client_write(RdmaConn *conn, size_t len)
+{
+    if (in_write)
+        write_recursed = 1;
+    in_write = 1;
+    if (pthread_equal(pthread_self(), main_thread))
+        write_on_main = 1;
+    pthread_mutex_lock(&mu);
+    written += len;
+    write_calls++;
+    int again = write_calls > 1 && chained < CHAINED_WRITES;
+    if (again)
+        chained++;
+    pthread_mutex_unlock(&mu);
+    if (again)
+        rdmaConnWrite(conn, "chained", 8);
+    in_write = 0;
+}
+
 static void *serve(void *arg)
 {
     (void)arg;
@@ -60,20 +89,38 @@ int main(int argc, char **argv)
     pthread_t t;
     pthread_create(&t, NULL, serve, NULL);
 
+    main_thread = pthread_self();
     RdmaConn *conn = rdmaConn();
     rdmaConnSetRecvCallback(conn, client_recv);
+    rdmaConnSetWriteCallback(conn, client_write);
     if (rdmaConnect(conn, argv[1], atoi(argv[2])) != RDMA_OK) {
         rdmaErr("rdmaConnect failed");
         return 1;
     }
     char msg[] = "hello, snow";
-    if (rdmaConnSend(conn, msg, sizeof msg) != sizeof msg) {
+    pthread_mutex_lock(&mu);
+    size_t sent = rdmaConnSend(conn, msg, sizeof msg);
+    pthread_mutex_unlock(&mu);
+    if (sent != sizeof msg) {
         rdmaErr("rdmaConnSend failed");
         return 1;
     }
     for (int i = 0; i < 1000 && !got_reply; i++)
         usleep(10000);
     int ok = got_reply && strcmp(reply, msg) == 0;
+
+    pthread_mutex_lock(&mu);
+    ok = ok && rdmaConnWrite(conn, "written", 8) == 8;
+    pthread_mutex_unlock(&mu);
+    size_t want = sizeof msg + 8 + CHAINED_WRITES * 8;
+    for (int i = 0; i < 1000 && written < want; i++)
+        usleep(10000);
+    if (written != want || write_calls != 2 + CHAINED_WRITES || write_on_main || write_recursed) {
+        rdmaErr("write callbacks: %zu bytes in %zu calls (want %zu in %d), on main %d, recursed %d",
+                (size_t)written, (size_t)write_calls, want, 2 + CHAINED_WRITES, write_on_main,
+                write_recursed);
+        ok = 0;
+    }
 
     /* Short-form read: the start of the server's receive buffer holds what
      * we sent. */

@@ -614,7 +614,12 @@ void rdmaConnDeregMem(struct RdmaConn *conn, struct ibv_mr *mr);
  * good; `(size_t)-1` on error (NULL, zero length, larger than the peer's
  * buffer, connection ended). `rdmaConnClose` sends what is queued first,
  * waiting up to `rdmaTimeoutms` (at least a second) for room; what is left
- * then is dropped and logged.
+ * then is dropped and logged. With a write callback set, it is called with
+ * `data_len` for each message sent or queued, on the completion thread,
+ * after this call returned and before `rdmaConnClose` returns; never inside
+ * this call. (The legacy library signaled every message when a write
+ * callback was set and called it on the message's completion; here it
+ * means the bytes were accepted, which a failure may still drop.)
  *
  * # Safety
  * `data` must be NULL or readable for `data_len` bytes.
@@ -638,7 +643,7 @@ size_t rdmaConnSendWithImm(struct RdmaConn *conn,
  * Writes `data` into the peer's receive buffer without notifying it; the
  * bytes are copied (`data` may be reused at once) and, when no room is free
  * now, queued in order with the messages, as `rdmaConnSend` does. The write
- * callback fires, on the calling thread, once the bytes are accepted.
+ * callback follows on the completion thread (see `rdmaConnSend`).
  * Returns as `rdmaConnSend`.
  *
  * # Safety

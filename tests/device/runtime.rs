@@ -633,6 +633,95 @@ fn a_write_callback_can_run_sync_operations_and_send_without_deadlock() {
 
 #[test]
 #[ignore = "needs an RDMA device: run `make test`"]
+fn a_silent_write_calls_write_done_later_on_the_completion_thread() {
+    // The caller holds the lock `write_done` takes around its write: a
+    // callback run inside the call would deadlock here.
+    #[derive(Default)]
+    struct Seen {
+        calls: Mutex<Vec<(usize, std::thread::ThreadId)>>,
+        cond: Condvar,
+    }
+    impl ConnHandler for Seen {
+        fn write_done(&self, _conn: &Connection, len: usize) {
+            self.calls
+                .lock()
+                .unwrap()
+                .push((len, std::thread::current().id()));
+            self.cond.notify_all();
+        }
+    }
+    let (server, addr) = echo_server(&blocking());
+    let h = Arc::new(Seen::default());
+    let conn = Connection::connect(addr, &Options::default(), h.clone()).unwrap();
+    let held = h.calls.lock().unwrap();
+    assert_eq!(conn.write_silent(b"written").unwrap(), 7);
+    assert_eq!(conn.write_silent(b"again").unwrap(), 5);
+    let calls = h
+        .cond
+        .wait_timeout_while(held, TIMEOUT, |c| c.len() < 2)
+        .unwrap()
+        .0;
+    let me = std::thread::current().id();
+    assert_eq!(calls.iter().map(|c| c.0).collect::<Vec<_>>(), [7, 5]);
+    assert!(
+        calls.iter().all(|c| c.1 != me),
+        "not on the caller's thread"
+    );
+    drop(calls);
+    // A message after the writes still goes.
+    conn.send(b"after").unwrap();
+    conn.close();
+    server.release();
+}
+
+#[test]
+#[ignore = "needs an RDMA device: run `make test`"]
+fn a_disconnected_handler_that_waits_on_its_connection_does_not_deadlock() {
+    // The caller polls its own connection: the failed READ is found by its
+    // poll of the send CQ, and `disconnected` waits on the connection,
+    // which polls that CQ again.
+    #[derive(Default)]
+    struct WaitsWhenDisconnected(Mutex<bool>);
+    impl ConnHandler for WaitsWhenDisconnected {
+        fn disconnected(&self, conn: &Connection) {
+            conn.wait_for(Instant::now() + Duration::from_millis(50), || false);
+            *self.0.lock().unwrap() = true;
+        }
+    }
+    let (server, addr) = echo_server(&blocking());
+    let h = Arc::new(WaitsWhenDisconnected::default());
+    let opts = Options {
+        caller_polls: true,
+        ..Options::default()
+    };
+    let conn = Connection::connect(addr, &opts, h.clone()).unwrap();
+    let mr = conn.register(64).unwrap();
+    let mut bad = conn.peer_buffer().unwrap().at(0);
+    bad.rkey ^= 0x77;
+    let (tx, rx) = std::sync::mpsc::channel();
+    let reader = conn.clone();
+    let (addr_l, lkey) = (mr.addr(), mr.lkey());
+    std::thread::spawn(move || {
+        let _ = tx.send(reader.read_sync(addr_l, lkey, bad, 64).is_err());
+    });
+    assert_eq!(
+        rx.recv_timeout(TIMEOUT),
+        Ok(true),
+        "the READ failed, in time"
+    );
+    // The completion thread may have found the failure and be running
+    // `disconnected` still.
+    let deadline = Instant::now() + TIMEOUT;
+    while !*h.0.lock().unwrap() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert!(*h.0.lock().unwrap(), "disconnected ran to its end");
+    conn.close();
+    server.release();
+}
+
+#[test]
+#[ignore = "needs an RDMA device: run `make test`"]
 fn stopping_a_server_leaves_other_connections_running() {
     let (a, a_addr) = echo_server(&blocking());
     let (b, b_addr) = echo_server(&blocking());

@@ -63,6 +63,12 @@ impl FfiConn {
         self.raw.get()
     }
 
+    /// Whether C set a write callback on this connection.
+    pub(super) fn wants_write_done(&self) -> bool {
+        // SAFETY: a plain field of our own struct, which C may set.
+        unsafe { std::ptr::read_volatile(addr_of!((*self.ptr()).write_callback)) }.is_some()
+    }
+
     pub(super) fn connection(&self) -> Option<Connection> {
         self.conn.get().and_then(WeakConnection::upgrade)
     }

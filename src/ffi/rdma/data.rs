@@ -37,7 +37,12 @@ pub(super) unsafe fn bytes<'a>(data: *const c_void, len: usize, func: &str) -> O
 /// good; `(size_t)-1` on error (NULL, zero length, larger than the peer's
 /// buffer, connection ended). `rdmaConnClose` sends what is queued first,
 /// waiting up to `rdmaTimeoutms` (at least a second) for room; what is left
-/// then is dropped and logged.
+/// then is dropped and logged. With a write callback set, it is called with
+/// `data_len` for each message sent or queued, on the completion thread,
+/// after this call returned and before `rdmaConnClose` returns; never inside
+/// this call. (The legacy library signaled every message when a write
+/// callback was set and called it on the message's completion; here it
+/// means the bytes were accepted, which a failure may still drop.)
 ///
 /// # Safety
 /// `data` must be NULL or readable for `data_len` bytes.
@@ -47,7 +52,25 @@ pub unsafe extern "C" fn rdmaConnSend(
     data: *mut c_void,
     data_len: usize,
 ) -> usize {
-    send_export("rdmaConnSend", conn, data, data_len, |c, d| c.send(d))
+    send_export(
+        "rdmaConnSend",
+        conn,
+        data,
+        data_len,
+        Written::Tell,
+        |c, d| c.send(d),
+    )
+}
+
+/// Whether a send owes the write callback: the legacy library posted every
+/// message as a signaled WRITE WITH IMM when a write callback was set, so
+/// the callback followed each `rdmaConnSend`; `rdmaConnWrite`'s is owed by
+/// the runtime itself ([`Connection::write_silent`]). The legacy
+/// `rdmaConnWriteWithImm` sent nothing and called nothing, so it owes none.
+#[derive(Clone, Copy, PartialEq)]
+enum Written {
+    Tell,
+    RuntimeTells,
 }
 
 /// The body of the exports that send bytes: the panic boundary, the handle
@@ -61,13 +84,21 @@ unsafe fn send_export(
     conn: *mut RdmaConn,
     data: *const c_void,
     data_len: usize,
+    written: Written,
     op: impl FnOnce(&Connection, &[u8]) -> runtime::Result<usize>,
 ) -> usize {
     guard_or(SIZE_ERR, || {
-        let (Some(c), Some(d)) = (live(conn, func), bytes(data, data_len, func)) else {
+        let Some(ffi) = lookup(conn, func) else {
             return SIZE_ERR;
         };
-        send_result(func, op(&c, d))
+        let (Some(c), Some(d)) = (live_of(&ffi, func), bytes(data, data_len, func)) else {
+            return SIZE_ERR;
+        };
+        let sent = send_result(func, op(&c, d));
+        if written == Written::Tell && sent != SIZE_ERR && sent > 0 && ffi.wants_write_done() {
+            c.notify_written(sent);
+        }
+        sent
     })
 }
 
@@ -84,15 +115,20 @@ pub unsafe extern "C" fn rdmaConnSendWithImm(
     data: *const c_void,
     data_len: usize,
 ) -> usize {
-    send_export("rdmaConnSendWithImm", conn, data, data_len, |c, d| {
-        c.send_with_imm(imm_data, d)
-    })
+    send_export(
+        "rdmaConnSendWithImm",
+        conn,
+        data,
+        data_len,
+        Written::Tell,
+        |c, d| c.send_with_imm(imm_data, d),
+    )
 }
 
 /// Writes `data` into the peer's receive buffer without notifying it; the
 /// bytes are copied (`data` may be reused at once) and, when no room is free
 /// now, queued in order with the messages, as `rdmaConnSend` does. The write
-/// callback fires, on the calling thread, once the bytes are accepted.
+/// callback follows on the completion thread (see `rdmaConnSend`).
 /// Returns as `rdmaConnSend`.
 ///
 /// # Safety
@@ -103,9 +139,14 @@ pub unsafe extern "C" fn rdmaConnWrite(
     data: *const c_void,
     data_len: usize,
 ) -> usize {
-    send_export("rdmaConnWrite", conn, data, data_len, |c, d| {
-        c.write_silent(d)
-    })
+    send_export(
+        "rdmaConnWrite",
+        conn,
+        data,
+        data_len,
+        Written::RuntimeTells,
+        |c, d| c.write_silent(d),
+    )
 }
 
 /// Writes `data` into the peer's buffer with an immediate, delivered to the

@@ -39,7 +39,12 @@ pub(super) fn lookup(conn: *mut RdmaConn, func: &str) -> Option<Arc<FfiConn>> {
 }
 
 pub(super) fn live(conn: *mut RdmaConn, func: &str) -> Option<Connection> {
-    let c = lookup(conn, func)?.connection();
+    live_of(&*lookup(conn, func)?, func)
+}
+
+/// The connection behind a handle already looked up.
+pub(super) fn live_of(ffi: &FfiConn, func: &str) -> Option<Connection> {
+    let c = ffi.connection();
     if c.is_none() {
         log::warn!("{func}: the connection is not connected");
     }

@@ -410,8 +410,9 @@ impl Connection {
     }
 
     /// The READ of the peer's credit slot completed: its counts, read once,
-    /// are taken as a credit command's.
-    pub(super) fn credit_read_done(&self) {
+    /// are taken as a credit command's. An error (the peer broke the
+    /// protocol) is the caller's to end the connection with.
+    pub(super) fn credit_read_done(&self) -> Result<(), String> {
         self.inner.async_pending.fetch_sub(1, Ordering::SeqCst);
         let mut st = self.lock();
         st.sq_used -= 1;
@@ -427,10 +428,9 @@ impl Connection {
         };
         let taken = self.take_credit(&mut st, words.bytes, words.msgs as u32);
         drop(st);
-        match taken {
-            Ok(()) => self.wake(),
-            Err(why) => self.fail(&format!("the peer broke the protocol: {why}")),
-        }
+        taken.map_err(|why| format!("the peer broke the protocol: {why}"))?;
+        self.wake();
+        Ok(())
     }
 
     /// A message of `len` bytes (headers included) found no room: asks a

@@ -12,8 +12,8 @@ use crate::verbs::{Completion, CompletionRoom, RemoteRegion, WcOpcode, WcStatus}
 
 use super::InRing;
 use super::{
-    ConnState, Connection, Deferred, Delivery, State, KIND_SHIFT, K_BIND, K_CMD, K_CREDIT, K_DATA,
-    K_READ, K_RECV, K_SYNC, K_WRITE, LOW_MASK, MAX_POLL_BATCH, PEER_CMD_RESERVE,
+    thread_token, ConnState, Connection, Deferred, Delivery, State, KIND_SHIFT, K_BIND, K_CMD,
+    K_CREDIT, K_DATA, K_READ, K_RECV, K_SYNC, K_WRITE, LOW_MASK, MAX_POLL_BATCH, PEER_CMD_RESERVE,
 };
 
 /// Receives in one drain that tell the completion thread messages come
@@ -51,8 +51,15 @@ impl Connection {
         };
         let n = wcs.len();
         if send {
+            let mut failed = None;
             for wc in wcs {
-                self.dispatch(wc, inline);
+                if let Some(reason) = self.dispatch_held(wc, inline) {
+                    failed.get_or_insert(reason);
+                }
+            }
+            drop(_guard);
+            if let Some(reason) = failed {
+                self.fail(&reason);
             }
             return n;
         }
@@ -97,20 +104,34 @@ impl Connection {
     /// connection, takes send completions when nobody else is polling;
     /// callbacks they owe are queued for the completion thread.
     pub(super) fn poll_send_here(&self) -> bool {
+        let (took, failed) = self.poll_send_batch();
+        if let Some(reason) = failed {
+            self.fail(&reason);
+        }
+        took
+    }
+
+    /// One batch of [`Connection::poll_send_here`]: whether there was
+    /// anything, and the first failure that ends the connection, for the
+    /// caller to act on (the poll lock is let go by then).
+    pub(super) fn poll_send_batch(&self) -> (bool, Option<String>) {
         let _guard = match self.inner.send_poll.try_lock() {
             Ok(guard) => guard,
             // It guards no data: a panic while it was held left nothing half-done.
             Err(TryLockError::Poisoned(p)) => p.into_inner(),
-            Err(TryLockError::WouldBlock) => return false,
+            Err(TryLockError::WouldBlock) => return (false, None),
         };
         let mut room = CompletionRoom::<4>::new();
         let Ok(wcs) = room.poll(&self.inner.send_cq) else {
-            return false;
+            return (false, None);
         };
+        let mut failed = None;
         for wc in wcs {
-            self.dispatch(wc, false);
+            if let Some(reason) = self.dispatch_held(wc, false) {
+                failed.get_or_insert(reason);
+            }
         }
-        !wcs.is_empty()
+        (!wcs.is_empty(), failed)
     }
 
     /// Handles this connection's pending completions from inside a callback;
@@ -233,6 +254,16 @@ impl Connection {
     }
 
     pub(super) fn dispatch(&self, wc: &Completion, inline: bool) {
+        if let Some(reason) = self.dispatch_held(wc, inline) {
+            self.fail(&reason);
+        }
+    }
+
+    /// [`Connection::dispatch`], but a failure that ends the connection is
+    /// returned rather than acted on: the send CQ's poller ends it once it
+    /// let go of that CQ's poll lock, since `disconnected` runs inside the
+    /// end, and a handler that waits there polls that CQ.
+    fn dispatch_held(&self, wc: &Completion, inline: bool) -> Option<String> {
         let kind = wc.wr_id() >> KIND_SHIFT;
         let low = wc.wr_id() & LOW_MASK;
         if !wc.is_ok() {
@@ -243,15 +274,15 @@ impl Connection {
                     *slot = Some(Err(reason));
                 }
             }
-            if !(ending && wc.status() == WcStatus::WR_FLUSH_ERR) {
-                self.fail(&format!(
-                    "work request {:#x} completed with {}",
-                    wc.wr_id(),
-                    wc.status()
-                ));
-            }
             self.wake();
-            return;
+            if ending && wc.status() == WcStatus::WR_FLUSH_ERR {
+                return None;
+            }
+            return Some(format!(
+                "work request {:#x} completed with {}",
+                wc.wr_id(),
+                wc.status()
+            ));
         }
         match kind {
             K_RECV => match wc.opcode() {
@@ -305,7 +336,7 @@ impl Connection {
                 self.callback(done, true);
             }
             K_BIND => self.lock().sq_used -= 1,
-            K_CREDIT => self.credit_read_done(),
+            K_CREDIT => return self.credit_read_done().err(),
             K_SYNC => {
                 let mut st = self.lock();
                 st.sq_used -= 1;
@@ -317,6 +348,7 @@ impl Connection {
             }
             _ => log::error!("completion with unknown work request id {:#x}", wc.wr_id()),
         }
+        None
     }
 
     pub(super) fn handle_cmd(&self, slot: u32, len: usize) {
@@ -468,7 +500,10 @@ impl Connection {
             st.deferred.push_back(cb);
             self.inner.deferred_any.store(true, Ordering::SeqCst);
             drop(st);
-            if !on_cq_thread {
+            // A thread in a round of this connection runs the queue when
+            // the round ends; any other (a caller, or the completion thread
+            // busy with another connection) leaves it to a round it asks for.
+            if self.inner.recv_poller.load(Ordering::Acquire) != thread_token() {
                 self.inner.owed.store(true, Ordering::Release);
                 self.inner.rt.cq.wake();
             }

@@ -71,16 +71,9 @@ impl Connection {
     /// queues at once, while a READ before the failed one sits in the send
     /// CQ, completed.
     fn take_send_completions(&self) {
-        let mut took = false;
-        while self.poll_send_here() {
-            took = true;
-        }
-        if took {
-            // Callbacks they owe were queued, perhaps on the completion
-            // thread outside a round that would run them.
-            self.inner.owed.store(true, Ordering::Release);
-            self.inner.rt.cq.wake();
-        }
+        // Failures found here (the end's own flush) add nothing: it is
+        // ending already, for its own reason. Callbacks owed are queued.
+        while self.poll_send_batch().0 {}
     }
 
     pub(super) fn fire_disconnected(&self) {
@@ -229,6 +222,14 @@ impl Connection {
             // The goodbye completes after every message before it has
             // landed: disconnecting earlier could flush them unsent.
             self.wait_closing(deadline, |st| st.cmd_free.len() == CMD_SLOTS as usize);
+        }
+        if !self.on_callback_thread() {
+            // Callbacks owed for what went before (a write callback per
+            // message) have run when close returns, as the legacy library's
+            // completions came before its close finished.
+            let _ = self.wait_on(Until::At(deadline), |st| {
+                st.deferred.is_empty().then_some(())
+            });
         }
         self.take_send_completions();
         {

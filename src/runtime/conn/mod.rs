@@ -148,7 +148,9 @@ pub trait ConnHandler: Send + Sync {
     /// handler that held back what its `recv` calls answered sends it now,
     /// several messages with one doorbell ([`Connection::send_batch`]).
     fn round_done(&self, _conn: &Connection) {}
-    /// An asynchronous RDMA WRITE of `len` bytes completed.
+    /// An asynchronous RDMA WRITE of `len` bytes completed, or `len` bytes
+    /// of [`Connection::write_silent`] were accepted
+    /// ([`Connection::notify_written`]).
     fn write_done(&self, _conn: &Connection, _len: usize) {}
     /// An asynchronous RDMA READ of `len` bytes completed.
     fn read_done(&self, _conn: &Connection, _len: usize) {}

@@ -15,8 +15,8 @@ use crate::runtime::{Error, Result};
 use crate::verbs::{MemoryRegion, RemoteAddr, SendOp, SendRequest, Sge};
 
 use super::{
-    wr_id, ConnState, Connection, State, CMD_RESERVE, K_CMD, K_DATA, MAX_SEND_WR, PEER_CMD_RESERVE,
-    SIGNAL_EVERY,
+    wr_id, ConnState, Connection, Deferred, State, CMD_RESERVE, K_CMD, K_DATA, MAX_SEND_WR,
+    PEER_CMD_RESERVE, SIGNAL_EVERY,
 };
 
 /// A message as the pieces it is gathered from (a header, a key, a value),
@@ -262,7 +262,8 @@ impl Connection {
     }
 
     /// Writes `data` into the peer's receive buffer without notifying it
-    /// (`rdmaConnWrite`); `write_done` fires when the write completes.
+    /// (`rdmaConnWrite`); `write_done` follows (see
+    /// [`Connection::notify_written`]).
     pub fn write_silent(&self, data: &[u8]) -> Result<usize> {
         let legacy = self.lock().peer_version < 1;
         // A legacy peer's buffer is written as the legacy library did; ours
@@ -274,9 +275,23 @@ impl Connection {
         )
         .inspect(|&n| {
             if n > 0 {
-                self.call_handler("write", |h| h.write_done(self, n));
+                self.notify_written(n);
             }
         })
+    }
+
+    /// Has `write_done(len)` called for bytes this connection just
+    /// accepted (sent, or queued in order), on the completion thread after
+    /// the round or call that accepted them, not inside that call: a
+    /// caller may hold its own lock around the send that the callback
+    /// takes, and a callback that writes again must not recurse. (With
+    /// [`Options::caller_polls`](crate::runtime::Options::caller_polls) it
+    /// runs where that connection's callbacks run: in a call of the caller
+    /// that polls, a later one or a wait of this one.) The legacy library's
+    /// write callback came from its completion thread too. `close` returns
+    /// once it ran.
+    pub fn notify_written(&self, len: usize) {
+        self.callback(Deferred::WriteDone(len), true);
     }
 
     /// Sends a message, after a one-sided write (`before`) when given.

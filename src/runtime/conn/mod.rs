@@ -5,6 +5,7 @@
 
 mod batch;
 mod credit;
+mod deliver;
 mod dispatch;
 mod in_ring;
 mod lifecycle;

@@ -66,6 +66,23 @@ static void client_write(RdmaConn *conn, size_t len)
     in_write = 0;
 }
 
+/* The disconnect callback takes `mu` too, and main holds it around the sync
+ * READ that fails: the legacy library ran this callback on its event thread,
+ * never inside the program's own call. */
+static volatile int disconnects, disconnect_on_main;
+
+static void client_disconnect(RdmaConn *conn)
+{
+    (void)conn;
+    if (pthread_equal(pthread_self(), main_thread)) {
+        disconnect_on_main = 1; /* taking `mu` here would deadlock */
+        return;
+    }
+    pthread_mutex_lock(&mu);
+    disconnects++;
+    pthread_mutex_unlock(&mu);
+}
+
 static void *serve(void *arg)
 {
     (void)arg;
@@ -93,6 +110,7 @@ int main(int argc, char **argv)
     RdmaConn *conn = rdmaConn();
     rdmaConnSetRecvCallback(conn, client_recv);
     rdmaConnSetWriteCallback(conn, client_write);
+    rdmaConnSetDisconnectCallback(conn, client_disconnect);
     if (rdmaConnect(conn, argv[1], atoi(argv[2])) != RDMA_OK) {
         rdmaErr("rdmaConnect failed");
         return 1;
@@ -130,6 +148,20 @@ int main(int argc, char **argv)
     for (int i = 0; i < 1000 && ok && strcmp(buf, msg) != 0; i++)
         usleep(10000);
     ok = ok && strcmp(buf, msg) == 0;
+
+    /* A wrong rkey fails the READ and, as RDMA does, the connection. */
+    pthread_mutex_lock(&mu);
+    int failed = rdmaSyncReadSignaled(conn, (uint64_t)(uintptr_t)buf, mr->lkey,
+                                      (uint64_t)(uintptr_t)conn->tx_addr, conn->tx_key ^ 0x77,
+                                      8) == RDMA_ERR;
+    pthread_mutex_unlock(&mu);
+    for (int i = 0; i < 1000 && !disconnects; i++)
+        usleep(10000);
+    if (!failed || disconnects != 1 || disconnect_on_main) {
+        rdmaErr("failed read: RDMA_ERR %d, %d disconnect callbacks, inside the call %d", failed,
+                disconnects, disconnect_on_main);
+        ok = 0;
+    }
     rdmaConnDeregMem(conn, mr);
 
     rdmaConnClose(conn);

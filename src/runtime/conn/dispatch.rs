@@ -50,12 +50,7 @@ impl Connection {
         };
         let n = wcs.len();
         if send {
-            let mut failed = None;
-            for wc in wcs {
-                if let Some(reason) = self.dispatch_held(wc, inline) {
-                    failed.get_or_insert(reason);
-                }
-            }
+            let failed = self.dispatch_sends(wcs, inline);
             drop(_guard);
             if let Some(reason) = failed {
                 self.fail(&reason);
@@ -124,13 +119,20 @@ impl Connection {
         let Ok(wcs) = room.poll(&self.inner.send_cq) else {
             return (false, None);
         };
+        (!wcs.is_empty(), self.dispatch_sends(wcs, false))
+    }
+
+    /// Dispatches send completions (under the send poll lock); returns the
+    /// first failure that ends the connection, for the caller to act on
+    /// once the lock is let go.
+    fn dispatch_sends(&self, wcs: &[Completion], inline: bool) -> Option<String> {
         let mut failed = None;
         for wc in wcs {
-            if let Some(reason) = self.dispatch_held(wc, false) {
+            if let Some(reason) = self.dispatch_held(wc, inline) {
                 failed.get_or_insert(reason);
             }
         }
-        (!wcs.is_empty(), failed)
+        failed
     }
 
     /// Handles this connection's pending completions from inside a callback;
@@ -478,6 +480,7 @@ impl Connection {
         if self.inner.peer_left.load(Ordering::SeqCst) {
             self.finish_peer_left();
         }
+        self.finish_owed_end();
         self.wake();
     }
 

@@ -37,9 +37,11 @@ impl Connection {
     }
 
     /// Ends the connection after a failure: state Error, waiters woken,
-    /// `disconnected` fired once, the peer told.
+    /// the peer told, `disconnected` fired once (here, or next on the
+    /// completion thread: [`Connection::ends_here`]).
     pub(crate) fn fail(&self, reason: &str) {
         self.take_send_completions();
+        let here = self.ends_here();
         {
             let mut st = self.lock();
             if matches!(st.state, ConnState::Closed | ConnState::Error) {
@@ -48,6 +50,9 @@ impl Connection {
             log::warn!("connection to {:?} failed: {reason}", self.inner.peer);
             self.drop_queued(&mut st, "it failed");
             self.end_state(&mut st, ConnState::Error);
+            // Under the lock that ended it: the peer's disconnect, which
+            // may come next, must see that the end is owed.
+            self.inner.end_owed.store(!here, Ordering::SeqCst);
             st.last_errno = libc::ECONNABORTED;
             for slot in st.sync_ops.outcomes_mut() {
                 slot.get_or_insert_with(|| Err(reason.to_string()));
@@ -56,11 +61,42 @@ impl Connection {
         self.wake();
         self.disconnect_link();
         self.notify_state(ConnState::Error);
+        if here {
+            self.finish_end();
+        } else {
+            self.inner.owed.store(true, Ordering::Release);
+            self.inner.rt.cq.wake();
+        }
+    }
+
+    /// Whether an end's callback runs on this thread: on the runtime's
+    /// threads (or a caller-polled connection's caller), yes; on a
+    /// program's thread, whose own call found the failure, the completion
+    /// thread runs it next ([`Connection::finish_owed_end`]). The program
+    /// may hold its own lock around that call and take it in the callback,
+    /// and the legacy library ran the callback on its event thread only.
+    fn ends_here(&self) -> bool {
+        self.inner.opts.caller_polls
+            || self.on_callback_thread()
+            || self.inner.rt.cm.is_current()
+            || self.inner.cq_source.load(Ordering::SeqCst) == 0
+    }
+
+    /// After an end: `disconnected`, then the runtime lets go of an
+    /// accepted connection.
+    fn finish_end(&self) {
         self.fire_disconnected();
         // Again, for waiters whose answer the callback gave.
         self.wake();
         if self.inner.kind == ConnKind::AcceptedConn {
             self.retire();
+        }
+    }
+
+    /// The end a program's thread left to this one ([`Connection::ends_here`]).
+    pub(super) fn finish_owed_end(&self) {
+        if self.inner.end_owed.swap(false, Ordering::SeqCst) {
+            self.finish_end();
         }
     }
 
@@ -107,7 +143,9 @@ impl Connection {
             self.fire_disconnected();
             self.wake();
         }
-        if self.inner.kind == ConnKind::AcceptedConn {
+        // A failure's owed end retires it, after its callback.
+        if self.inner.kind == ConnKind::AcceptedConn && !self.inner.end_owed.load(Ordering::SeqCst)
+        {
             self.retire();
         }
     }

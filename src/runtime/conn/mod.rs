@@ -156,7 +156,9 @@ pub trait ConnHandler: Send + Sync {
     /// An asynchronous RDMA READ of `len` bytes completed.
     fn read_done(&self, _conn: &Connection, _len: usize) {}
     /// The peer went away or an operation failed; called once, never after a
-    /// local `close`.
+    /// local `close`. It runs on the runtime's threads (or the caller of a
+    /// caller-polled connection), never inside a call of another thread
+    /// that found the failure: that call returns its error first.
     fn disconnected(&self, _conn: &Connection) {}
     /// The state changed (for mirrors of it, such as the C struct).
     fn state_changed(&self, _conn: &Connection, _state: ConnState) {}
@@ -337,6 +339,9 @@ pub(crate) struct ConnInner {
     rx_read: AtomicU32,
     user_mrs: Mutex<FxHashMap<usize, Arc<MemoryRegion>>>,
     disconnect_fired: AtomicBool,
+    /// The connection ended on a program's thread: `disconnected` (and an
+    /// accepted connection's retirement) waits for the completion thread.
+    end_owed: AtomicBool,
     closed_locally: AtomicBool,
     /// A message reached the handler since its last `round_done`.
     delivered: AtomicBool,

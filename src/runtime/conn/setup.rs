@@ -190,6 +190,7 @@ impl Connection {
                 rx_read: AtomicU32::new(0),
                 user_mrs: Mutex::new(FxHashMap::default()),
                 disconnect_fired: AtomicBool::new(false),
+                end_owed: AtomicBool::new(false),
                 closed_locally: AtomicBool::new(false),
                 ended: AtomicBool::new(false),
                 delivered: AtomicBool::new(false),

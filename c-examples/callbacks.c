@@ -13,6 +13,7 @@
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -108,6 +109,11 @@ static void on_disconnect(RdmaConn *conn)
 static void on_accept(RdmaConn *conn)
 {
     int i = atomic_fetch_add(&n_accepted, 1);
+    if (i == 2) {
+        /* The third one is refused: closed before it was accepted. */
+        rdmaConnClose(conn);
+        return;
+    }
     if (i < 2)
         accepted[i] = conn;
     rdmaConnSetRecvImmCallback(conn, on_recv_imm);
@@ -192,15 +198,22 @@ int main(int argc, char **argv)
         fprintf(stderr, "callbacks: second connect failed\n");
         return 1;
     }
+    /* Closing a connection inside the accept callback rejects its peer. */
+    RdmaConn *refused = rdmaConn(NULL);
+    int ok = rdmaConnect(refused, ip, port) != RDMA_OK && errno == ECONNREFUSED;
+    if (!ok)
+        fprintf(stderr, "callbacks: a connection closed in the accept callback was not rejected (%s)\n",
+                strerror(errno));
+    rdmaConnClose(refused);
     const enum kind data_kinds[] = {CONNECTED, RECV, RECV_IMM, WRITE, READ};
-    int ok = wait_done(CLIENT, data_kinds, 5);
+    ok &= wait_done(CLIENT, data_kinds, 5);
     ok &= wait_done(SERVER, data_kinds, 5);
     ok &= wait_done(SERVER, (enum kind[]){ACCEPT}, 1);
     /* The client leaves: the server's disconnect callback. */
     rdmaConnClose(a);
     ok &= wait_done(SERVER, (enum kind[]){DISCONNECT}, 1);
     /* The server ends the other connection: the client's. */
-    if (atomic_load(&n_accepted) == 2)
+    if (atomic_load(&n_accepted) >= 2)
         rdmaConnClose(accepted[1]);
     ok &= wait_done(CLIENT, (enum kind[]){DISCONNECT}, 1);
     rdmaConnClose(b);

@@ -18,9 +18,18 @@ static RdmaListener *server;
 static volatile int got_reply;
 static char reply[64];
 
+/* "stall" keeps the library's completion thread in this callback a while,
+ * so that the program's own call finds its failure (below). */
+static volatile int stalling;
+
 static void server_recv(RdmaConn *conn, void *data, size_t len)
 {
     rdmaInfo("server got %zu bytes from %s:%d", len, conn->ip, conn->port);
+    if (len == 6 && memcmp(data, "stall", 6) == 0) {
+        stalling = 1;
+        usleep(500000);
+        return;
+    }
     rdmaConnSend(conn, data, len);
 }
 
@@ -45,12 +54,15 @@ static void client_recv(RdmaConn *conn, void *data, size_t len)
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_t main_thread;
 static volatile size_t written, write_calls, chained;
-static volatile int write_on_main, write_recursed, in_write;
+static volatile int write_on_main, write_recursed, in_write, write_after_disconnect;
+static volatile int disconnects, disconnect_on_main;
 
 static void client_write(RdmaConn *conn, size_t len)
 {
     if (in_write)
         write_recursed = 1;
+    if (disconnects || disconnect_on_main)
+        write_after_disconnect = 1;
     in_write = 1;
     if (pthread_equal(pthread_self(), main_thread))
         write_on_main = 1;
@@ -68,8 +80,8 @@ static void client_write(RdmaConn *conn, size_t len)
 
 /* The disconnect callback takes `mu` too, and main holds it around the sync
  * READ that fails: the legacy library ran this callback on its event thread,
- * never inside the program's own call. */
-static volatile int disconnects, disconnect_on_main;
+ * never inside the program's own call, and after the write callbacks of
+ * what went before. */
 
 static void client_disconnect(RdmaConn *conn)
 {
@@ -149,7 +161,11 @@ int main(int argc, char **argv)
         usleep(10000);
     ok = ok && strcmp(buf, msg) == 0;
 
-    /* A wrong rkey fails the READ and, as RDMA does, the connection. */
+    /* A wrong rkey fails the READ and, as RDMA does, the connection. The
+     * completion thread is busy, so the READ's own wait finds the failure. */
+    rdmaConnSend(conn, "stall", 6);
+    for (int i = 0; i < 1000 && !stalling; i++)
+        usleep(1000);
     pthread_mutex_lock(&mu);
     int failed = rdmaSyncReadSignaled(conn, (uint64_t)(uintptr_t)buf, mr->lkey,
                                       (uint64_t)(uintptr_t)conn->tx_addr, conn->tx_key ^ 0x77,
@@ -157,9 +173,10 @@ int main(int argc, char **argv)
     pthread_mutex_unlock(&mu);
     for (int i = 0; i < 1000 && !disconnects; i++)
         usleep(10000);
-    if (!failed || disconnects != 1 || disconnect_on_main) {
-        rdmaErr("failed read: RDMA_ERR %d, %d disconnect callbacks, inside the call %d", failed,
-                disconnects, disconnect_on_main);
+    if (!failed || disconnects != 1 || disconnect_on_main || write_after_disconnect) {
+        rdmaErr("failed read: RDMA_ERR %d, %d disconnect callbacks, inside the call %d, a write "
+                "callback after it %d",
+                failed, disconnects, disconnect_on_main, write_after_disconnect);
         ok = 0;
     }
     rdmaConnDeregMem(conn, mr);

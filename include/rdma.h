@@ -481,7 +481,8 @@ void rdmaServerRelease(struct RdmaListener *listener);
 
 /**
  * Sets the callback run (on the CM thread) for each new connection, before
- * it is accepted.
+ * it is accepted. `rdmaConnClose` on the new connection (or
+ * `rdmaServerRelease`) inside the callback rejects the peer.
  *
  * # Safety
  * As `rdmaServerStart`.

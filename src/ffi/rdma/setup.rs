@@ -67,6 +67,18 @@ pub unsafe extern "C" fn rdmaServer(
             if let Some(cb) = unsafe { (*lraw).accept_callback } {
                 guard_callback("accept_callback", || unsafe { cb(ffi.ptr().cast()) });
             }
+            // A program that closed the connection, or released the
+            // listener, inside its accept callback refused the peer: it is
+            // rejected rather than served behind a handle nobody holds.
+            if CONNS.get(ffi.ptr()).is_none()
+                || LISTENERS.get(raw_addr as *const RdmaListener).is_none()
+            {
+                log::info!("the accept callback closed the connection: rejecting the peer");
+                if CONNS.remove(ffi.ptr()).is_some() {
+                    conn.close();
+                }
+                return None;
+            }
             Some(ffi)
         });
         let l = match Listener::bind(addr, &opts, hook) {
@@ -136,7 +148,8 @@ pub unsafe extern "C" fn rdmaServerRelease(listener: *mut RdmaListener) {
 }
 
 /// Sets the callback run (on the CM thread) for each new connection, before
-/// it is accepted.
+/// it is accepted. `rdmaConnClose` on the new connection (or
+/// `rdmaServerRelease`) inside the callback rejects the peer.
 ///
 /// # Safety
 /// As `rdmaServerStart`.

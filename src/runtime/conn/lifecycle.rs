@@ -69,17 +69,18 @@ impl Connection {
         }
     }
 
-    /// Whether an end's callback runs on this thread: on the runtime's
-    /// threads (or a caller-polled connection's caller), yes; on a
-    /// program's thread, whose own call found the failure, the completion
-    /// thread runs it next ([`Connection::finish_owed_end`]). The program
-    /// may hold its own lock around that call and take it in the callback,
-    /// and the legacy library ran the callback on its event thread only.
+    /// Whether an end's callback runs on this thread. Only where nobody
+    /// else would: on a caller-polled connection (its caller runs every
+    /// callback), or one the completion thread does not watch. Otherwise
+    /// the completion thread runs it at the end of its next round of the
+    /// connection ([`Connection::finish_owed_end`]), after the callbacks
+    /// queued before: never inside a program's call that found the failure
+    /// (the program may hold its own lock around that call and take it in
+    /// the callback, and the legacy library ran the callback on its event
+    /// thread only), nor inside another callback, and no write callback
+    /// comes after it.
     fn ends_here(&self) -> bool {
-        self.inner.opts.caller_polls
-            || self.on_callback_thread()
-            || self.inner.rt.cm.is_current()
-            || self.inner.cq_source.load(Ordering::SeqCst) == 0
+        self.inner.opts.caller_polls || self.inner.cq_source.load(Ordering::SeqCst) == 0
     }
 
     /// After an end: `disconnected`, then the runtime lets go of an

@@ -25,6 +25,9 @@ static atomic_int entered[SIDES][KINDS], done[SIDES][KINDS];
 static RdmaListener *listener;
 static RdmaConn *accepted[2];
 static atomic_int n_accepted;
+/* The connection the accept callback closed: no other callback may see it. */
+static RdmaConn *volatile refused_here;
+static atomic_int refused_called;
 
 static void on_recv(RdmaConn *conn, void *data, size_t len);
 static void on_recv_imm(RdmaConn *conn, uint32_t imm, void *data, size_t len);
@@ -42,6 +45,8 @@ static void on_accept(RdmaConn *conn);
 static void call_everything(RdmaConn *conn, enum kind k)
 {
     enum side s = conn->type == ACCEPTED_CONN ? SERVER : CLIENT;
+    if (conn == refused_here)
+        atomic_store(&refused_called, 1);
     if (atomic_exchange(&entered[s][k], 1))
         return;
     rdmaConnSetRecvCallback(conn, on_recv);
@@ -111,6 +116,7 @@ static void on_accept(RdmaConn *conn)
     int i = atomic_fetch_add(&n_accepted, 1);
     if (i == 2) {
         /* The third one is refused: closed before it was accepted. */
+        refused_here = conn;
         rdmaConnClose(conn);
         return;
     }
@@ -216,6 +222,10 @@ int main(int argc, char **argv)
     if (atomic_load(&n_accepted) >= 2)
         rdmaConnClose(accepted[1]);
     ok &= wait_done(CLIENT, (enum kind[]){DISCONNECT}, 1);
+    if (atomic_load(&refused_called)) {
+        fprintf(stderr, "callbacks: a callback ran for the connection refused in accept\n");
+        ok = 0;
+    }
     rdmaConnClose(b);
     rdmaServerStop(listener);
     pthread_join(t, NULL);

@@ -108,6 +108,7 @@ int main(int argc, char **argv)
         rdmaErr("usage: %s <ip> <port>", argv[0]);
         return 2;
     }
+    alarm(120); /* a hang fails the program */
     rdmaListenBacklog = 64;
     rdmaInfo("timeout %d ms, recv depth %d", rdmaTimeoutms, rdmaRecvDepth);
     if (rdmaServer(&server, argv[1], atoi(argv[2])) != RDMA_OK) {
@@ -173,6 +174,7 @@ int main(int argc, char **argv)
     pthread_mutex_unlock(&mu);
     for (int i = 0; i < 1000 && !disconnects; i++)
         usleep(10000);
+    usleep(200000); /* a second disconnect or a late write callback shows */
     if (!failed || disconnects != 1 || disconnect_on_main || write_after_disconnect) {
         rdmaErr("failed read: RDMA_ERR %d, %d disconnect callbacks, inside the call %d, a write "
                 "callback after it %d",

@@ -472,6 +472,9 @@ fn sync_read_and_write_move_the_bytes_and_a_wrong_rkey_fails() {
     let mr = conn.register(8192).unwrap();
     let (addr_l, lkey, len) = (mr.addr(), mr.lkey(), mr.len());
     assert_eq!(len, 8192);
+    // The pick runs outside the connection's locks: it may call it.
+    let found = conn.find_registered(|r| conn.registered_lkey(r.addr(), 1) == Some(lkey));
+    assert_eq!(found.map(|r| r.lkey()), Some(lkey));
     // The peer's ring is remote memory we may read and write.
     let remote = conn.peer_buffer().unwrap();
     unsafe { std::slice::from_raw_parts_mut(addr_l as *mut u8, 4096).fill(0x5c) };

@@ -72,6 +72,13 @@ impl Connection {
     }
 
     pub(super) fn run_callback(&self, cb: Deferred) {
+        // Nothing follows `disconnected`: what completes after it (taken
+        // from the CQ by another thread meanwhile) goes unreported, as the
+        // connection, and every operation on it, is over.
+        if !matches!(cb, Deferred::Message(_)) && self.inner.disconnect_fired.load(Ordering::SeqCst)
+        {
+            return;
+        }
         match cb {
             Deferred::Message(d) => self.deliver(d),
             Deferred::WriteDone(len) => self.call_handler("write", |h| h.write_done(self, len)),

@@ -32,6 +32,8 @@ impl Connection {
     pub(super) fn finish_peer_left(&self) {
         let mut room = CompletionRoom::<16>::new();
         while self.poll_cq(false, &mut room, usize::MAX, false) > 0 {}
+        // Write and read callbacks owed for what completed come first too.
+        self.take_send_completions();
         self.deliver_deferred();
         self.peer_disconnected();
     }
@@ -64,6 +66,8 @@ impl Connection {
         if here {
             self.finish_end();
         } else {
+            // Only now: `disconnected` sees the state the handler was told.
+            self.inner.end_ready.store(true, Ordering::SeqCst);
             self.inner.owed.store(true, Ordering::Release);
             self.inner.rt.cq.wake();
         }
@@ -96,7 +100,7 @@ impl Connection {
 
     /// The end a program's thread left to this one ([`Connection::ends_here`]).
     pub(super) fn finish_owed_end(&self) {
-        if self.inner.end_owed.swap(false, Ordering::SeqCst) {
+        if self.inner.end_ready.swap(false, Ordering::SeqCst) {
             self.finish_end();
         }
     }
@@ -284,9 +288,15 @@ impl Connection {
             self.disconnect_link();
         }
         self.notify_state(ConnState::Closed);
-        self.unwatch();
         if self.inner.kind == ConnKind::AcceptedConn {
+            if self.inner.end_owed.load(Ordering::SeqCst) {
+                // A failure left its end to the completion thread, which
+                // will not see this connection again: its retirement
+                // happens here (its `disconnected` does not, after a close).
+                self.retire();
+            }
             self.inner.rt.forget_accepted(self);
         }
+        self.unwatch();
     }
 }

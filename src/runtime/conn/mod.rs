@@ -156,9 +156,11 @@ pub trait ConnHandler: Send + Sync {
     /// An asynchronous RDMA READ of `len` bytes completed.
     fn read_done(&self, _conn: &Connection, _len: usize) {}
     /// The peer went away or an operation failed; called once, never after a
-    /// local `close`. It runs on the runtime's threads (or the caller of a
-    /// caller-polled connection), never inside a call of another thread
-    /// that found the failure: that call returns its error first.
+    /// local `close`. It runs on the completion thread at the end of a round
+    /// of the connection, never inside a call of another thread that found
+    /// the failure (that call returns its error first), and no write or
+    /// read callback follows it. On a caller-polled connection it runs on
+    /// the thread that found the end.
     fn disconnected(&self, _conn: &Connection) {}
     /// The state changed (for mirrors of it, such as the C struct).
     fn state_changed(&self, _conn: &Connection, _state: ConnState) {}
@@ -339,9 +341,13 @@ pub(crate) struct ConnInner {
     rx_read: AtomicU32,
     user_mrs: Mutex<FxHashMap<usize, Arc<MemoryRegion>>>,
     disconnect_fired: AtomicBool,
-    /// The connection ended on a program's thread: `disconnected` (and an
-    /// accepted connection's retirement) waits for the completion thread.
+    /// The connection's end was left to the completion thread:
+    /// `disconnected` and an accepted connection's retirement are its
+    /// (set under the state lock that ended the connection).
     end_owed: AtomicBool,
+    /// The thread that ended it is done with its part (the state's
+    /// handler told): the completion thread may run the owed end.
+    end_ready: AtomicBool,
     closed_locally: AtomicBool,
     /// A message reached the handler since its last `round_done`.
     delivered: AtomicBool,

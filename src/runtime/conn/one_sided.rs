@@ -99,13 +99,22 @@ impl Connection {
             .is_some()
     }
 
-    /// The registration of this connection that `pick` chooses.
+    /// The registration of this connection that `pick` chooses. `pick`
+    /// runs without the connection's locks: it may call the connection
+    /// (register, deregister), and a panic in it leaves nothing poisoned.
     pub fn find_registered(
         &self,
         pick: impl Fn(&MemoryRegion) -> bool,
     ) -> Option<Arc<MemoryRegion>> {
-        let mrs = self.inner.user_mrs.lock().expect("mr lock");
-        mrs.values().find(|mr| pick(mr)).cloned()
+        let mrs: Vec<Arc<MemoryRegion>> = self
+            .inner
+            .user_mrs
+            .lock()
+            .expect("mr lock")
+            .values()
+            .cloned()
+            .collect();
+        mrs.into_iter().find(|mr| pick(mr))
     }
 
     /// Checks that `[addr, addr+len)` lies in a buffer registered on this

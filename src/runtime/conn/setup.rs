@@ -191,6 +191,7 @@ impl Connection {
                 user_mrs: Mutex::new(FxHashMap::default()),
                 disconnect_fired: AtomicBool::new(false),
                 end_owed: AtomicBool::new(false),
+                end_ready: AtomicBool::new(false),
                 closed_locally: AtomicBool::new(false),
                 ended: AtomicBool::new(false),
                 delivered: AtomicBool::new(false),

@@ -39,8 +39,9 @@ pub(super) unsafe fn bytes<'a>(data: *const c_void, len: usize, func: &str) -> O
 /// waiting up to `rdmaTimeoutms` (at least a second) for room; what is left
 /// then is dropped and logged. With a write callback set, it is called with
 /// `data_len` for each message sent or queued, on the completion thread,
-/// after this call returned and before `rdmaConnClose` returns; never inside
-/// this call. (The legacy library signaled every message when a write
+/// after this call returned and before `rdmaConnClose` returns (unless the
+/// connection ended first: none follows the disconnect callback); never
+/// inside this call. (The legacy library signaled every message when a write
 /// callback was set and called it on the message's completion; here it
 /// means the bytes were accepted, which a failure may still drop.)
 ///

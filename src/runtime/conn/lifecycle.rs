@@ -101,6 +101,11 @@ impl Connection {
     /// The end a program's thread left to this one ([`Connection::ends_here`]).
     pub(super) fn finish_owed_end(&self) {
         if self.inner.end_ready.swap(false, Ordering::SeqCst) {
+            // Callbacks owed for what completed before the end, queued by
+            // other threads since this round delivered the queue, come
+            // first: none runs after `disconnected`.
+            self.take_send_completions();
+            self.deliver_deferred();
             self.finish_end();
         }
     }

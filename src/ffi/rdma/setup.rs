@@ -73,7 +73,7 @@ pub unsafe extern "C" fn rdmaServer(
             if CONNS.get(ffi.ptr()).is_none()
                 || LISTENERS.get(raw_addr as *const RdmaListener).is_none()
             {
-                log::info!("the accept callback closed the connection: rejecting the peer");
+                log::info!("the accept callback closed the connection or released the listener: rejecting the peer");
                 if CONNS.remove(ffi.ptr()).is_some() {
                     conn.close();
                 }

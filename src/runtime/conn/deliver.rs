@@ -56,8 +56,7 @@ impl Connection {
             // the round ends; any other (a caller, or the completion thread
             // busy with another connection) leaves it to a round it asks for.
             if self.inner.recv_poller.load(Ordering::Acquire) != thread_token() {
-                self.inner.owed.store(true, Ordering::Release);
-                self.inner.rt.cq.wake();
+                self.ask_for_round();
             }
             return;
         }
@@ -69,6 +68,14 @@ impl Connection {
                 self.run_callback(other);
             }
         }
+    }
+
+    /// Has the completion thread run a round of this connection soon
+    /// (`after_round`: queued callbacks, a peer's leaving, an owed end),
+    /// even when its CQs bring nothing.
+    pub(super) fn ask_for_round(&self) {
+        self.inner.owed.store(true, Ordering::Release);
+        self.inner.rt.cq.wake();
     }
 
     pub(super) fn run_callback(&self, cb: Deferred) {

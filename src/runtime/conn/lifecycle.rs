@@ -22,8 +22,7 @@ impl Connection {
             // Nobody polls: end it here.
             return self.peer_disconnected();
         }
-        self.inner.owed.store(true, Ordering::Release);
-        self.inner.rt.cq.wake();
+        self.ask_for_round();
         self.wake();
     }
 
@@ -32,9 +31,7 @@ impl Connection {
     pub(super) fn finish_peer_left(&self) {
         let mut room = CompletionRoom::<16>::new();
         while self.poll_cq(false, &mut room, usize::MAX, false) > 0 {}
-        // Write and read callbacks owed for what completed come first too.
-        self.take_send_completions();
-        self.deliver_deferred();
+        self.deliver_before_end();
         self.peer_disconnected();
     }
 
@@ -68,8 +65,7 @@ impl Connection {
         } else {
             // Only now: `disconnected` sees the state the handler was told.
             self.inner.end_ready.store(true, Ordering::SeqCst);
-            self.inner.owed.store(true, Ordering::Release);
-            self.inner.rt.cq.wake();
+            self.ask_for_round();
         }
     }
 
@@ -100,14 +96,21 @@ impl Connection {
 
     /// The end a program's thread left to this one ([`Connection::ends_here`]).
     pub(super) fn finish_owed_end(&self) {
-        if self.inner.end_ready.swap(false, Ordering::SeqCst) {
-            // Callbacks owed for what completed before the end, queued by
-            // other threads since this round delivered the queue, come
-            // first: none runs after `disconnected`.
-            self.take_send_completions();
-            self.deliver_deferred();
+        // Looked at first: this runs at the end of every round.
+        if self.inner.end_ready.load(Ordering::Relaxed)
+            && self.inner.end_ready.swap(false, Ordering::SeqCst)
+        {
+            self.deliver_before_end();
             self.finish_end();
         }
+    }
+
+    /// Runs the callbacks owed for what completed before an end, including
+    /// those another thread queued since this round delivered the queue:
+    /// none runs after `disconnected` (thread in a round of the connection).
+    fn deliver_before_end(&self) {
+        self.take_send_completions();
+        self.deliver_deferred();
     }
 
     /// Handles what the send CQ already holds (unless another thread is

@@ -14,6 +14,7 @@ use snowrdma::safe::{
     Rc, Rts, Uc, WcStatus,
 };
 
+use crate::c_programs::Proc;
 use crate::{device_ip, TIMEOUT};
 
 /// Two connected queue pairs of transport `T` on one device, each with its
@@ -525,18 +526,18 @@ fn example(name: &str) -> std::process::Command {
 #[ignore = "needs an RDMA device: run `make test`"]
 fn safe_the_greeter_examples_greet() {
     let addr = SocketAddr::new(IpAddr::V4(device_ip()), 18711).to_string();
-    let server = example("greeter_server").arg(&addr).output_async();
-    std::thread::sleep(Duration::from_millis(500));
+    let mut cmd = example("greeter_server");
+    cmd.arg(&addr);
+    let mut server = Proc::start(cmd);
+    // A client that comes before the listen is rejected (a fixed sleep here
+    // lost that race once under emulation).
+    server.expect_line("listening on", TIMEOUT);
     let client = example("greeter_client").arg(&addr).output().unwrap();
     assert!(client.status.success(), "{client:?}");
-    let server = server.join().unwrap();
-    let out = String::from_utf8_lossy(&server.stdout);
-    assert!(server.status.success(), "{server:?}");
-    assert!(out.contains("Hello, SafeVerbs"), "{out}");
-    assert!(
-        out.contains("(success)"),
-        "the completion is printed: {out}"
-    );
+    let completion = server.expect_line("(success)", TIMEOUT);
+    println!("server printed {completion}");
+    server.expect_line("Hello, SafeVerbs", TIMEOUT);
+    assert!(server.wait(TIMEOUT).success());
 }
 
 #[test]

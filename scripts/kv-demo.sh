@@ -16,11 +16,12 @@ log=$(mktemp)
 "$bin/kv_server" -a "$ip" -p 12345 -m 256 --stats-interval 0 >"$log" 2>&1 &
 server=$!
 trap 'kill $server 2>/dev/null || true; rm -f "$log"' EXIT
-for _ in $(seq 100); do
+for _ in $(seq 300); do
     grep -q "listening on" "$log" && break
     kill -0 $server 2>/dev/null || { cat "$log" >&2; exit 1; }
     sleep 0.2
 done
+grep -q "listening on" "$log" || { cat "$log" >&2; echo "kv-demo: kv_server did not listen within 60 s" >&2; exit 1; }
 cat "$log"
 echo "kv_client -a $ip bench $ops $size"
 "$bin/kv_client" -a "$ip" -p 12345 "bench $ops $size" "put hello world" "get hello"

@@ -143,7 +143,7 @@ fn echo_server(port: u16) -> Proc {
 
 fn echo_server_at(path: PathBuf, port: u16) -> Proc {
     let server = Proc::spawn_path(path, &[device_ip().to_string(), port.to_string()]);
-    server.expect_line("listening on", Duration::from_secs(10));
+    server.expect_line("listening on", Duration::from_secs(60));
     server
 }
 
@@ -250,7 +250,7 @@ fn c_server_survives_a_client_killed_mid_stream() {
         "client",
         &[ip, "7606".into(), "-b".into(), "1073741824".into()],
     );
-    server.expect_line("connected", Duration::from_secs(10));
+    server.expect_line("connected", Duration::from_secs(60));
     thread::sleep(Duration::from_millis(1500));
     victim.kill();
     server.expect_line("disconnected", Duration::from_secs(30));
@@ -271,7 +271,7 @@ fn c_client_learns_of_a_server_killed_mid_stream() {
         "client",
         &[ip, "7607".into(), "-b".into(), "1073741824".into()],
     );
-    server.expect_line("connected", Duration::from_secs(10));
+    server.expect_line("connected", Duration::from_secs(60));
     thread::sleep(Duration::from_millis(1500));
     server.kill();
     let start = Instant::now();

@@ -249,7 +249,7 @@ fn legacy_echo(port: u16, blocking: bool) -> (Proc, SocketAddr) {
     // Info: each connection's end says how much its send queue was used.
     cmd.env("SNOWRDMA_LOG", "info");
     let server = Proc::start(cmd);
-    server.expect_line("listening on", TIMEOUT);
+    server.expect_line("listening on", Duration::from_secs(60));
     (server, SocketAddr::new(IpAddr::V4(device_ip()), port))
 }
 
@@ -628,6 +628,9 @@ fn closing_inside_a_callback_sends_what_is_queued_first() {
     println!("close inside the callback took {took:?}; {stats:?}");
     assert!(stats.queued > 0, "the ring filled, so messages waited");
     assert_eq!(stats.dropped, 0);
+    // The server delivers every message the client sent before it left,
+    // then reports the disconnect: only then is its count complete.
+    server.expect_line("disconnected", Duration::from_secs(60));
     // SAFETY: plain kill(2) on our child.
     unsafe { libc::kill(server.child.id() as i32, libc::SIGTERM) };
     let status = server.wait(TIMEOUT);

@@ -526,16 +526,18 @@ fn kv_eight_clients_match_a_sequential_model() {
 #[ignore]
 fn kv_one_sided_gets_never_see_torn_values() {
     let (server, addr) = kv_server(false);
+    // Both connected before the writer starts, so the reader runs beside
+    // every one of its writes.
+    let c = Client::connect(addr).unwrap();
+    let w = Client::connect(addr).unwrap();
     let writer = thread::spawn(move || {
-        let c = Client::connect(addr).unwrap();
         for round in 0..250u32 {
             // Every byte of a value is its round number, with a length that
             // changes too, so a torn read would show mixed bytes or lengths.
             let len = 1000 + (round as usize % 7) * 900;
-            c.put(b"hot", &vec![round as u8; len]).unwrap();
+            w.put(b"hot", &vec![round as u8; len]).unwrap();
         }
     });
-    let c = Client::connect(addr).unwrap();
     let mut seen = 0;
     let mut newest = 0;
     while !writer.is_finished() {

@@ -7,12 +7,15 @@
 
 #include <errno.h>
 #include <pthread.h>
+#include <signal.h>
+#include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 static int failures, checks;
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
@@ -60,6 +63,32 @@ static int wait_count(int *counter, int want)
     return ok;
 }
 
+/* A server whose accept callback releases the server itself. */
+static struct RdmaListener *self_releasing;
+static atomic_int releases;
+
+static void release_in_accept(RdmaConn *conn)
+{
+    (void)conn;
+    atomic_fetch_add(&releases, 1);
+    rdmaServerRelease(self_releasing);
+}
+
+static void *serve(void *l)
+{
+    rdmaServerStart(l);
+    return NULL;
+}
+
+static void on_alarm(int sig)
+{
+    (void)sig;
+    static const char msg[] = "misuse: timed out (a call hangs)\n";
+    ssize_t n = write(STDOUT_FILENO, msg, sizeof msg - 1);
+    (void)n;
+    _exit(3);
+}
+
 static RdmaConn *connect_to(char *ip, int port)
 {
     RdmaConnOptions opt = {0};
@@ -92,6 +121,8 @@ int main(int argc, char **argv)
     int port = atoi(argv[2]), closed = atoi(argv[3]);
     char buf[64] = "data";
     const size_t err = (size_t)-1;
+    signal(SIGALRM, on_alarm);
+    alarm(100);
 
     /* Connecting where nothing listens fails, within about rdmaTimeoutms. */
     rdmaTimeoutms = 1000;
@@ -180,6 +211,27 @@ int main(int argc, char **argv)
     CHECK(echo_works(b), "the other connection is still intact after the double close");
     RdmaConn *c = connect_to(ip, port);
     CHECK(c && echo_works(c), "a new connection works");
+
+    /* A server released inside its own accept callback: the peer is
+     * refused, rdmaServerStart returns, and the runtime carries on. */
+    RdmaServerOptions sopt = {0};
+    sopt.accept_callback = release_in_accept;
+    CHECK(rdmaServer(&self_releasing, ip, closed, &sopt) == RDMA_OK, "a server on the closed port");
+    pthread_t server_thread;
+    pthread_create(&server_thread, NULL, serve, self_releasing);
+    RdmaConn *refused = rdmaConn(NULL);
+    errno = 0;
+    CHECK(rdmaConnect(refused, ip, closed) == RDMA_ERR && errno == ECONNREFUSED,
+          "the server released in its accept callback refuses the peer (ECONNREFUSED)");
+    rdmaConnClose(refused);
+    pthread_join(server_thread, NULL);
+    CHECK(atomic_load(&releases) == 1, "... and rdmaServerStart returned");
+    RdmaConn *again = rdmaConn(NULL);
+    errno = 0;
+    CHECK(rdmaConnect(again, ip, closed) == RDMA_ERR && errno == ECONNREFUSED && atomic_load(&releases) == 1,
+          "... and nothing listens there any more");
+    rdmaConnClose(again);
+    CHECK(c && echo_works(c), "the runtime carries on after the release");
     rdmaConnClose(b);
     if (c)
         rdmaConnClose(c);

@@ -725,6 +725,47 @@ fn a_disconnected_handler_that_waits_on_its_connection_does_not_deadlock() {
 
 #[test]
 #[ignore = "needs an RDMA device: run `make test`"]
+fn a_caller_polled_connection_runs_its_write_callbacks_before_disconnected() {
+    // The caller's own failing READ ends the connection, on its thread:
+    // the write callbacks its earlier writes owe run first, none is lost.
+    #[derive(Default)]
+    struct Order(Mutex<Vec<&'static str>>);
+    impl ConnHandler for Order {
+        fn write_done(&self, _conn: &Connection, _len: usize) {
+            self.0.lock().unwrap().push("write");
+        }
+        fn disconnected(&self, _conn: &Connection) {
+            self.0.lock().unwrap().push("disconnected");
+        }
+    }
+    let (server, addr) = echo_server(&blocking());
+    let h = Arc::new(Order::default());
+    let opts = Options {
+        caller_polls: true,
+        ..Options::default()
+    };
+    let conn = Connection::connect(addr, &opts, h.clone()).unwrap();
+    let mr = conn.register(64).unwrap();
+    let mut bad = conn.peer_buffer().unwrap().at(0);
+    bad.rkey ^= 0x77;
+    for _ in 0..3 {
+        assert_eq!(conn.write_silent(b"abc").unwrap(), 3);
+    }
+    assert!(conn.read_sync(mr.addr(), mr.lkey(), bad, 64).is_err());
+    let deadline = Instant::now() + TIMEOUT;
+    while !h.0.lock().unwrap().contains(&"disconnected") && Instant::now() < deadline {
+        conn.wait_for(Instant::now() + Duration::from_millis(10), || false);
+    }
+    assert_eq!(
+        *h.0.lock().unwrap(),
+        ["write", "write", "write", "disconnected"]
+    );
+    conn.close();
+    server.release();
+}
+
+#[test]
+#[ignore = "needs an RDMA device: run `make test`"]
 fn stopping_a_server_leaves_other_connections_running() {
     let (a, a_addr) = echo_server(&blocking());
     let (b, b_addr) = echo_server(&blocking());

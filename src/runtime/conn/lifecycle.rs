@@ -61,6 +61,10 @@ impl Connection {
         self.disconnect_link();
         self.notify_state(ConnState::Error);
         if here {
+            // This thread runs the connection's callbacks: those owed for
+            // what completed before the end run first, as the completion
+            // thread's owed end does (none is dropped after `disconnected`).
+            self.deliver_deferred();
             self.finish_end();
         } else {
             // Only now: `disconnected` sees the state the handler was told.

@@ -10,6 +10,7 @@ use snowrdma::runtime::{
     CommMode, ConnHandler, ConnState, Connection, Listener, Options, CHOSEN_INLINE_DATA,
 };
 use snowrdma::verbs::selftest::fill_pattern;
+use snowrdma::verbs::{MemoryRegion, RemoteAddr};
 
 use crate::{device_ip, TIMEOUT};
 
@@ -677,6 +678,23 @@ fn a_silent_write_calls_write_done_later_on_the_completion_thread() {
     server.release();
 }
 
+/// A caller-polled connection to an echo server, a registered buffer, and
+/// the peer's buffer under a wrong rkey (a READ of it fails the connection).
+fn caller_polled_with_a_wrong_rkey(
+    h: Arc<dyn ConnHandler>,
+) -> (Listener, Connection, Arc<MemoryRegion>, RemoteAddr) {
+    let (server, addr) = echo_server(&blocking());
+    let opts = Options {
+        caller_polls: true,
+        ..Options::default()
+    };
+    let conn = Connection::connect(addr, &opts, h).unwrap();
+    let mr = conn.register(64).unwrap();
+    let mut bad = conn.peer_buffer().unwrap().at(0);
+    bad.rkey ^= 0x77;
+    (server, conn, mr, bad)
+}
+
 #[test]
 #[ignore = "needs an RDMA device: run `make test`"]
 fn a_disconnected_handler_that_waits_on_its_connection_does_not_deadlock() {
@@ -691,16 +709,8 @@ fn a_disconnected_handler_that_waits_on_its_connection_does_not_deadlock() {
             *self.0.lock().unwrap() = true;
         }
     }
-    let (server, addr) = echo_server(&blocking());
     let h = Arc::new(WaitsWhenDisconnected::default());
-    let opts = Options {
-        caller_polls: true,
-        ..Options::default()
-    };
-    let conn = Connection::connect(addr, &opts, h.clone()).unwrap();
-    let mr = conn.register(64).unwrap();
-    let mut bad = conn.peer_buffer().unwrap().at(0);
-    bad.rkey ^= 0x77;
+    let (server, conn, mr, bad) = caller_polled_with_a_wrong_rkey(h.clone());
     let (tx, rx) = std::sync::mpsc::channel();
     let reader = conn.clone();
     let (addr_l, lkey) = (mr.addr(), mr.lkey());
@@ -738,16 +748,8 @@ fn a_caller_polled_connection_runs_its_write_callbacks_before_disconnected() {
             self.0.lock().unwrap().push("disconnected");
         }
     }
-    let (server, addr) = echo_server(&blocking());
     let h = Arc::new(Order::default());
-    let opts = Options {
-        caller_polls: true,
-        ..Options::default()
-    };
-    let conn = Connection::connect(addr, &opts, h.clone()).unwrap();
-    let mr = conn.register(64).unwrap();
-    let mut bad = conn.peer_buffer().unwrap().at(0);
-    bad.rkey ^= 0x77;
+    let (server, conn, mr, bad) = caller_polled_with_a_wrong_rkey(h.clone());
     for _ in 0..3 {
         assert_eq!(conn.write_silent(b"abc").unwrap(), 3);
     }

@@ -842,3 +842,64 @@ fn a_legacy_peer_gets_the_legacy_protocol_and_no_extension() {
     drop(peer);
     server.release();
 }
+
+/// Sends a greeting from `connected`, the first moment data may flow, and
+/// collects what arrives.
+#[derive(Default)]
+struct Greeter {
+    got: Collect,
+}
+impl ConnHandler for Greeter {
+    fn connected(&self, conn: &Connection) {
+        conn.send(b"hello").unwrap();
+    }
+    fn recv(&self, conn: &Connection, data: &[u8], imm: Option<u32>) {
+        self.got.recv(conn, data, imm)
+    }
+    fn disconnected(&self, conn: &Connection) {
+        self.got.disconnected(conn)
+    }
+}
+
+/// The peer's advertisement can be handled before this side's CM thread has
+/// seen ESTABLISHED, or before a client posted its own: a greeting sent from
+/// `connected` then must still follow this side's advertisement on the
+/// wire, or the peer is right to cut the connection off. Many clients at
+/// once keep the server's CM thread busy while their advertisements arrive.
+#[test]
+#[ignore = "needs an RDMA device: run `make test`"]
+fn a_greeting_from_connected_follows_the_advertisement_on_both_sides() {
+    const CLIENTS: usize = 16;
+    let server_side = Arc::new(Greeter::default());
+    let (server, addr) = serve(&blocking(), server_side.clone());
+    let clients: Vec<_> = (0..CLIENTS)
+        .map(|_| {
+            std::thread::spawn(move || {
+                let greeter = Arc::new(Greeter::default());
+                let conn = Connection::connect(addr, &blocking(), greeter.clone()).unwrap();
+                (conn, greeter)
+            })
+        })
+        .collect();
+    let clients: Vec<_> = clients.into_iter().map(|t| t.join().unwrap()).collect();
+    for (i, (_conn, greeter)) in clients.iter().enumerate() {
+        assert_eq!(greeter.got.wait_bytes(5, TIMEOUT), b"hello", "client {i}");
+    }
+    let all = server_side.got.wait_bytes(5 * CLIENTS, TIMEOUT);
+    assert_eq!(all, b"hello".repeat(CLIENTS));
+    for (i, (conn, greeter)) in clients.iter().enumerate() {
+        assert!(
+            !greeter.got.ended_within(Duration::ZERO),
+            "client {i} was cut off"
+        );
+        assert_eq!(conn.state(), ConnState::MrReady, "client {i}");
+    }
+    assert!(
+        !server_side.got.ended_within(Duration::ZERO),
+        "the server cut a client off"
+    );
+    for (conn, _) in clients {
+        conn.close();
+    }
+    server.release();
+}

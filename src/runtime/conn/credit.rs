@@ -87,6 +87,11 @@ impl ReadCredit {
     pub(super) fn ring_advertised(&mut self) {
         self.ring_advertised = true;
     }
+
+    /// Whether our ring's advertisement is posted.
+    pub(super) fn is_ring_advertised(&self) -> bool {
+        self.ring_advertised
+    }
 }
 
 impl Connection {

@@ -404,8 +404,19 @@ impl Connection {
                     st.tx
                         .reset((cmd.length as usize).min(self.inner.staging.len()));
                     // On the accepting side the peer's advertisement can be
-                    // handled before the CM thread has seen ESTABLISHED.
+                    // handled before the CM thread has seen ESTABLISHED, and
+                    // on the connecting side before the connecting thread
+                    // posted ours: ours goes now, ahead of anything
+                    // `connected` sends (the QP is ready to send once the
+                    // peer could reach it).
                     let first = matches!(st.state, ConnState::Connected | ConnState::Accepting);
+                    if first {
+                        if let Err(e) = self.advertise_ring(&mut st) {
+                            drop(st);
+                            self.fail(&format!("advertising the receive buffer: {e}"));
+                            return Ok(());
+                        }
+                    }
                     if let Err(e) = self.offer_credit_slot(&mut st) {
                         log::warn!(
                             "connection to {:?}: offering the credit slot: {e}",

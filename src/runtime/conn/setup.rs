@@ -417,12 +417,24 @@ impl Connection {
         })
     }
 
+    /// Advertises our receive ring, unless it went already: the peer's
+    /// advertisement, handled first, sends ours before its `connected`.
     pub(super) fn send_reg_local_addr(&self) -> Result<()> {
-        let mut st = self.lock();
+        self.advertise_ring(&mut self.lock())
+    }
+
+    /// [`Connection::send_reg_local_addr`], the state lock held: posted at
+    /// most once, and before anything of ours that needs it (a message
+    /// written into the peer's ring before the peer knows ours is refused
+    /// there).
+    pub(super) fn advertise_ring(&self, st: &mut State) -> Result<()> {
+        if st.rc.is_ring_advertised() {
+            return Ok(());
+        }
         let ring = match &self.inner.ring_window {
             None => self.inner.recv_ring.remote(),
             Some(window) => self.bind_window(
-                &mut st,
+                st,
                 window,
                 &self.inner.recv_ring,
                 0..self.inner.recv_ring.len(),
@@ -432,14 +444,14 @@ impl Connection {
         let mut cmd = Cmd::new(Opcode::RegLocalAddr, ring.addr, ring.len as u32, ring.rkey);
         cmd.recv_depth = self.inner.opts.recv_depth.max(2 * PEER_CMD_RESERVE as u32);
         cmd.ring_use = self.inner.staging.len() as u32;
-        if !self.post_cmd(&mut st, cmd)? {
+        if !self.post_cmd(st, cmd)? {
             return Err(Error::InvalidArgument(
                 "no room to advertise the receive buffer".into(),
             ));
         }
         st.rc.ring_advertised();
         // The peer's advertisement may have come first.
-        self.offer_credit_slot(&mut st)
+        self.offer_credit_slot(st)
     }
 
     /// The QPs are connected: an accepted connection moves on, and each

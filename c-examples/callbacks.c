@@ -215,6 +215,15 @@ int main(int argc, char **argv)
     ok &= wait_done(CLIENT, data_kinds, 5);
     ok &= wait_done(SERVER, data_kinds, 5);
     ok &= wait_done(SERVER, (enum kind[]){ACCEPT}, 1);
+    /* Every side of a connection that is up reads MR_READY, whichever of
+     * the library's threads reported its last change. */
+    RdmaConn *up[] = {a, b, accepted[0], accepted[1]};
+    for (int i = 0; i < 4; i++)
+        if (up[i] == NULL || up[i]->state != RDMA_CONN_STATE_MR_READY) {
+            fprintf(stderr, "callbacks: connection %d reads state %d, not MR_READY\n", i,
+                    up[i] == NULL ? -1 : (int)up[i]->state);
+            ok = 0;
+        }
     /* The client leaves: the server's disconnect callback. */
     rdmaConnClose(a);
     ok &= wait_done(SERVER, (enum kind[]){DISCONNECT}, 1);

@@ -383,6 +383,11 @@ impl ListenerInner {
     /// Drops a connection whose setup took too long (CM thread).
     fn expire(&self, conn: &Connection, what: &str) {
         let deadline = self.opts.setup_deadline;
+        // Checked again where it ends: it may have finished since it was
+        // found late.
+        if !conn.fail_setup(&format!("{what} within {deadline:?}")) {
+            return;
+        }
         if !self.timeout_logged.swap(true, Ordering::Relaxed) {
             log::warn!(
                 "dropping {:?}: {what} within {deadline:?} (further ones are not logged until a \
@@ -395,7 +400,6 @@ impl ListenerInner {
                 conn.peer_addr()
             );
         }
-        conn.fail(&format!("{what} within {deadline:?}"));
         // Counted once it is gone, so whoever sees the count sees it gone.
         self.setup_timeouts.fetch_add(1, Ordering::Relaxed);
     }

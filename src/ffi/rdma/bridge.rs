@@ -3,7 +3,7 @@
 
 use std::ffi::{c_char, c_int, c_uint, c_void, CString};
 use std::ptr::{addr_of, addr_of_mut};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
@@ -26,6 +26,8 @@ pub(super) struct FfiConn {
     /// call on the handle.
     pub(super) conn: OnceLock<WeakConnection>,
     pub(super) opts: Options,
+    /// Held while `state` is read from the connection and written here.
+    state_mirror: Mutex<()>,
 }
 
 impl FfiConn {
@@ -56,6 +58,7 @@ impl FfiConn {
             imm_callback: Mutex::new(None),
             conn: OnceLock::new(),
             opts,
+            state_mirror: Mutex::new(()),
         })
     }
 
@@ -162,8 +165,17 @@ impl ConnHandler for FfiConn {
         }
     }
 
-    fn state_changed(&self, conn: &Connection, state: ConnState) {
+    fn state_changed(&self, conn: &Connection, _state: ConnState) {
         self.bind(conn);
+        // Reports come from several threads (the CM thread's CONNECTED can
+        // come after the completion thread's MR_READY): the struct gets the
+        // state as it is now, read and written under one lock, so a late
+        // report cannot put an older state back.
+        let _mirror = self
+            .state_mirror
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        let state = conn.state();
         // SAFETY: a plain field of our own struct.
         unsafe {
             std::ptr::write_volatile(addr_of_mut!((*self.ptr()).state), state);

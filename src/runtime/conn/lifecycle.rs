@@ -39,12 +39,24 @@ impl Connection {
     /// the peer told, `disconnected` fired once (here, or next on the
     /// completion thread: [`Connection::ends_here`]).
     pub(crate) fn fail(&self, reason: &str) {
+        self.fail_unless(reason, |_| false);
+    }
+
+    /// Ends a connection that has not finished connecting by its deadline;
+    /// false when it has meanwhile (its `connected` may have sent already).
+    pub(crate) fn fail_setup(&self, reason: &str) -> bool {
+        self.fail_unless(reason, |state| state == ConnState::MrReady)
+    }
+
+    /// [`Connection::fail`], unless the state, checked under the lock that
+    /// ends it, is one `spared` keeps: whether it failed it.
+    fn fail_unless(&self, reason: &str, spared: impl Fn(ConnState) -> bool) -> bool {
         self.take_send_completions();
         let here = self.ends_here();
         {
             let mut st = self.lock();
-            if matches!(st.state, ConnState::Closed | ConnState::Error) {
-                return;
+            if matches!(st.state, ConnState::Closed | ConnState::Error) || spared(st.state) {
+                return false;
             }
             log::warn!("connection to {:?} failed: {reason}", self.inner.peer);
             self.drop_queued(&mut st, "it failed");
@@ -71,6 +83,7 @@ impl Connection {
             self.inner.end_ready.store(true, Ordering::SeqCst);
             self.ask_for_round();
         }
+        true
     }
 
     /// Whether an end's callback runs on this thread. Only where nobody

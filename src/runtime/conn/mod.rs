@@ -162,7 +162,10 @@ pub trait ConnHandler: Send + Sync {
     /// read callback follows it. On a caller-polled connection it runs on
     /// the thread that found the end.
     fn disconnected(&self, _conn: &Connection) {}
-    /// The state changed (for mirrors of it, such as the C struct).
+    /// The state changed (for mirrors of it, such as the C struct). Reports
+    /// come from the thread that made each change, outside the connection's
+    /// lock, so two can arrive out of order: a mirror reads
+    /// [`Connection::state`] rather than trust the order.
     fn state_changed(&self, _conn: &Connection, _state: ConnState) {}
     /// The peer advertised its receive buffer.
     fn peer_buffer(&self, _conn: &Connection, _buf: RemoteRegion) {}

@@ -279,7 +279,10 @@ impl Connection {
         let cm_key = self.inner.rt.cm.add(watch);
         self.inner.cm_source.store(cm_key, Ordering::SeqCst);
         self.start_completions();
-        self.send_reg_local_addr()?;
+        if let Err(e) = self.send_reg_local_addr() {
+            self.close();
+            return Err(e);
+        }
         let waited = self.wait_on(Until::Within(setup), |st| match st.state {
             ConnState::MrReady => Some(Ok(())),
             ConnState::Closed | ConnState::Error => Some(Err(Error::Disconnected)),
@@ -431,6 +434,9 @@ impl Connection {
         if st.rc.is_ring_advertised() {
             return Ok(());
         }
+        if matches!(st.state, ConnState::Closed | ConnState::Error) {
+            return Err(Error::Disconnected);
+        }
         let ring = match &self.inner.ring_window {
             None => self.inner.recv_ring.remote(),
             Some(window) => self.bind_window(
@@ -454,21 +460,25 @@ impl Connection {
         self.offer_credit_slot(st)
     }
 
-    /// The QPs are connected: an accepted connection moves on, and each
-    /// side advertises its ring.
+    /// An accepted connection's QPs are connected (CM thread): it moves on
+    /// and advertises its ring, unless the peer's advertisement, handled
+    /// first, sent ours already.
     pub(super) fn established(&self) {
-        let upgraded = {
+        let (upgraded, advertised) = {
             let mut st = self.lock();
+            if matches!(st.state, ConnState::Closed | ConnState::Error) {
+                return;
+            }
             let accepting = st.state == ConnState::Accepting;
             if accepting {
                 st.state = ConnState::Connected;
             }
-            accepting
+            (accepting, self.advertise_ring(&mut st))
         };
         if upgraded {
             self.notify_state(ConnState::Connected);
         }
-        if let Err(e) = self.send_reg_local_addr() {
+        if let Err(e) = advertised {
             self.fail(&format!("advertising the receive buffer: {e}"));
         }
     }

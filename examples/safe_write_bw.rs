@@ -153,9 +153,10 @@ fn report(args: &Args, took: Duration) {
     println!("{line}");
 }
 
-/// The receiver may still be starting: try for ten seconds.
+/// The receiver may still be starting (slowly, on a loaded emulator): try
+/// for a minute.
 fn connect_retrying(host: &str, port: u16) -> Res<TcpStream> {
-    let deadline = Instant::now() + Duration::from_secs(10);
+    let deadline = Instant::now() + Duration::from_secs(60);
     loop {
         match TcpStream::connect((host, port)) {
             Ok(s) => return Ok(s),

@@ -153,6 +153,28 @@ impl Shared {
                 } else {
                     // A failed accept: the peer will try again.
                     accepting.retain(|(id, _)| id.id_ref() != ev.id);
+                    // An accepted peer that left while we still wait for
+                    // others (it gave up on its own setup) is forgotten:
+                    // accepted afresh when it comes back, never handed on
+                    // dead.
+                    if matches!(
+                        ev.kind,
+                        CmEventKind::DISCONNECTED | CmEventKind::DEVICE_REMOVAL
+                    ) {
+                        let left = peers.iter_mut().find(|p| {
+                            p.as_ref()
+                                .and_then(|p| p.cm_id.as_ref())
+                                .is_some_and(|id| id.id_ref() == ev.id)
+                        });
+                        if let Some(slot) = left {
+                            log::warn!(
+                                "broker: server {} left before the mesh was complete; \
+                                 waiting for it again",
+                                slot.as_ref().map_or(0, |p| p.server)
+                            );
+                            *slot = None;
+                        }
+                    }
                 }
             }
             // Our own attempts.
@@ -228,6 +250,18 @@ impl Shared {
         while !self.missing(&peers).is_empty() {
             if Instant::now() >= deadline {
                 return Err(self.timed_out(&peers));
+            }
+            // A peer that left while we still wait for others (its own
+            // setup gave up) is forgotten, to be connected afresh.
+            for slot in peers.iter_mut() {
+                if let Some(why) = slot.as_ref().and_then(Peer::socket_end) {
+                    log::warn!(
+                        "broker: server {} left before the mesh was complete ({why}); \
+                         waiting for it again",
+                        slot.as_ref().map_or(0, |p| p.server)
+                    );
+                    *slot = None;
+                }
             }
             while let Ok((tcp, _)) = listener.accept() {
                 if let Err(e) = self.handshake(tcp, None, deadline, &mut peers) {

@@ -68,6 +68,22 @@ pub(crate) struct Peer {
     pub tcp: Option<std::net::TcpStream>,
 }
 
+impl Peer {
+    /// Why the handshake's socket (socket mode) says the peer is gone, if
+    /// it does: its end, an error, or bytes it may not send after the
+    /// handshake. Does not block.
+    pub(crate) fn socket_end(&self) -> Option<String> {
+        use std::io::Read;
+        let mut tcp = self.tcp.as_ref()?;
+        match tcp.read(&mut [0u8; 1]) {
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => None,
+            Ok(0) => Some("its socket closed".into()),
+            Ok(_) => Some("it sent bytes after the handshake".into()),
+            Err(e) => Some(format!("its socket: {e}")),
+        }
+    }
+}
+
 /// A manually connected peer's QP before the handshake ends.
 pub(crate) struct ManualPeer {
     qp: PreparedQp,

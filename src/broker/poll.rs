@@ -24,14 +24,8 @@ impl Broker {
                 .find(|p| p.cm_id.as_ref().is_some_and(|c| c.id_ref() == id))
         };
         for p in self.all().iter().flatten() {
-            if let Some(mut tcp) = p.tcp.as_ref() {
-                use std::io::Read;
-                match tcp.read(&mut [0u8; 1]) {
-                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
-                    Ok(0) => p.fail("its socket closed"),
-                    Ok(_) => p.fail("it sent bytes after the handshake"),
-                    Err(e) => p.fail(&format!("its socket: {e}")),
-                }
+            if let Some(why) = p.socket_end() {
+                p.fail(&why);
             }
         }
         // Peers may share a channel: each is drained once, where it first

@@ -35,6 +35,10 @@ impl Listener {
     /// request came in on).
     pub fn accept(&self, builder: QpBuilder<Rc>, timeout: Duration) -> Result<CmQp> {
         let (id, ev) = self.id.get_request(timeout)?;
+        // Its own events on a channel of its own: another client's connect
+        // request, coming in before this one is established, stays on the
+        // listener's for the next `accept`.
+        let id = id.on_own_channel()?;
         let core = builder.build_on(&id)?;
         Ok(CmQp {
             core,

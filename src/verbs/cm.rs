@@ -297,6 +297,35 @@ impl CmId {
         })
     }
 
+    /// This id moved to an event channel of its own (`rdma_migrate_id`):
+    /// a connection taken from a listener's channel then gets its own
+    /// events (ESTABLISHED, DISCONNECTED) there, apart from the listener's
+    /// later connect requests and from the other connections' events. Only
+    /// for an id nothing else holds (a fresh one, before its QP); an error
+    /// otherwise, and if the move fails the id is gone (a connect request
+    /// is then rejected).
+    pub fn on_own_channel(self) -> Result<CmId> {
+        let inner = Arc::try_unwrap(self.inner)
+            .map_err(|_| Error::invalid("only an id held nowhere else can change its channel"))?;
+        let channel = EventChannel::new()?;
+        // SAFETY: both are alive; each event of the id was acknowledged when
+        // it was taken, so the call does not wait.
+        check_errno("rdma_migrate_id", unsafe {
+            sys::rdma_migrate_id(inner.id.as_ptr(), channel.inner.ch.as_ptr())
+        })?;
+        // The id lives on in the new inner: the old one's drop must not
+        // destroy it, only let go of the old channel.
+        let old = std::mem::ManuallyDrop::new(inner);
+        // SAFETY: read once, from a value that is never dropped or used again.
+        drop(unsafe { std::ptr::read(&old.channel) });
+        Ok(CmId {
+            inner: Arc::new(CmIdInner {
+                id: old.id,
+                channel,
+            }),
+        })
+    }
+
     /// The raw `rdma_cm_id`.
     pub fn as_raw(&self) -> *mut sys::rdma_cm_id {
         self.inner.id.as_ptr()

@@ -413,3 +413,77 @@ fn dead_peer(mode: ConnectMode, port: u16) {
         .iter()
         .all(|e| e.kind != EventKind::Failed || e.peer == 2));
 }
+
+/// Server 2 reaches server 0 but gives up on server 1 and goes; server 0,
+/// still waiting for 1, must forget it, accept it again when it comes
+/// back, and end up with a live connection to it.
+#[test]
+#[ignore = "needs an RDMA device: run `make test`"]
+fn broker_a_peer_that_leaves_during_setup_is_accepted_again() {
+    leaves_during_setup(ConnectMode::Cm, 19700);
+    leaves_during_setup(ConnectMode::Socket, 19800);
+}
+
+fn leaves_during_setup(mode: ConnectMode, port: u16) {
+    let (seen0, cb0) = recorder();
+    let zero = std::thread::spawn(move || {
+        let b = Broker::new(config(3, 0, 0, port, mode), cb0).unwrap();
+        b.init(INIT).unwrap();
+        b
+    });
+    // Server 1 is not there yet: server 2 reaches only server 0.
+    {
+        let (_seen, cb) = recorder();
+        let early = Broker::new(config(3, 2, 0, port, mode), cb).unwrap();
+        match early.init(Duration::from_secs(5)) {
+            Err(BrokerError::InitTimeout { missing }) => assert_eq!(missing, [1]),
+            other => panic!("server 2 without server 1: {other:?}"),
+        }
+    }
+    // Server 0 reads that server 2 left while it still waits for server 1.
+    std::thread::sleep(Duration::from_millis(500));
+    let (seen2, cb2) = recorder();
+    let two = std::thread::spawn(move || {
+        let b = Broker::new(config(3, 2, 0, port, mode), cb2).unwrap();
+        b.init(Duration::from_secs(20)).map(|()| b)
+    });
+    let one = std::thread::spawn(move || {
+        let (_seen, cb) = recorder();
+        let b = Broker::new(config(3, 1, 0, port, mode), cb).unwrap();
+        b.init(INIT).unwrap();
+        b
+    });
+    let mut b2 = two
+        .join()
+        .unwrap()
+        .unwrap_or_else(|e| panic!("server 2 came back: {e}"));
+    let mut b0 = zero.join().unwrap();
+    let _b1 = one.join().unwrap();
+    b0.take_ownership();
+    b2.take_ownership();
+    b0.send_buf_wait(2, WAIT).unwrap().send(3, 7).unwrap();
+    b0.flush(2).unwrap();
+    b2.send_buf_wait(0, WAIT).unwrap().send(3, 8).unwrap();
+    b2.flush(0).unwrap();
+    let got = |seen: &Log, imm: u32| {
+        seen.lock()
+            .unwrap()
+            .iter()
+            .any(|e| e.kind == EventKind::Recv && e.imm == Some(imm))
+    };
+    let start = Instant::now();
+    while !(got(&seen2, 7) && got(&seen0, 8)) {
+        for b in [&b0, &b2] {
+            b.poll_rq(None).unwrap();
+            b.poll_sq(None).unwrap();
+        }
+        assert!(start.elapsed() < WAIT, "the two did not exchange messages");
+    }
+    for seen in [&seen0, &seen2] {
+        assert!(seen
+            .lock()
+            .unwrap()
+            .iter()
+            .all(|e| e.kind != EventKind::Failed));
+    }
+}

@@ -414,6 +414,55 @@ fn safe_rdma_cm_yields_rts_queue_pairs() {
     assert_eq!(server.join().unwrap(), b"Hello, SafeVerbs");
 }
 
+/// A second client's connect request that reaches the listener before the
+/// first connection is established waits for the next `accept`: each
+/// accepted connection gets its events apart from the listener's.
+#[test]
+#[ignore = "needs an RDMA device: run `make test`"]
+fn safe_a_second_client_connecting_meanwhile_is_accepted_next() {
+    let pd = ProtectionDomain::open(None).unwrap();
+    let listener = safe::Listener::bind(SocketAddr::new(IpAddr::V4(device_ip()), 0)).unwrap();
+    let addr = listener.local_addr().unwrap();
+    // Connects with `tag`, sends it once established, returns the welcome.
+    let client = |pd: ProtectionDomain, tag: &'static [u8; 5]| {
+        std::thread::spawn(move || {
+            let cq = pd.create_cq(16, Progress::Thread).unwrap();
+            let pending = safe::connect(addr, pd.qp(&cq, &cq), TIMEOUT).unwrap();
+            let (qp, welcome) = pending.establish(tag, TIMEOUT).unwrap();
+            let mem = pd.allocate::<u8>(64, AccessFlags::empty()).unwrap();
+            let mut m = mem.rw(..5).unwrap();
+            m.as_mut_slice().copy_from_slice(tag);
+            block_on(qp.send(m).unwrap()).unwrap();
+            welcome[..5].to_vec()
+        })
+    };
+    let receive = |pending: &safe::CmQp| {
+        let mem = pd.allocate::<u8>(64, AccessFlags::empty()).unwrap();
+        pending.recv(mem.rw(..).unwrap()).unwrap()
+    };
+    let cq = pd.create_cq(16, Progress::Thread).unwrap();
+    let first_client = client(pd.clone(), b"first");
+    let first = listener.accept(pd.qp(&cq, &cq), TIMEOUT).unwrap();
+    assert_eq!(&first.peer_data()[..5], b"first");
+    let first_recv = receive(&first);
+    let second_client = client(pd.clone(), b"other");
+    // Room for the second request to arrive before the first is
+    // established (were it later, the test would pass without showing it).
+    std::thread::sleep(Duration::from_millis(500));
+    let (_first_qp, _) = first.establish(b"hello", TIMEOUT).unwrap();
+    let cq2 = pd.create_cq(16, Progress::Thread).unwrap();
+    let second = listener.accept(pd.qp(&cq2, &cq2), TIMEOUT).unwrap();
+    assert_eq!(&second.peer_data()[..5], b"other");
+    let second_recv = receive(&second);
+    let (_second_qp, _) = second.establish(b"howdy", TIMEOUT).unwrap();
+    for (recv, tag) in [(first_recv, b"first"), (second_recv, b"other")] {
+        let got = block_on(recv).unwrap();
+        assert_eq!(&got.memory().as_slice()[..got.byte_len() as usize], tag);
+    }
+    assert_eq!(first_client.join().unwrap(), b"hello");
+    assert_eq!(second_client.join().unwrap(), b"howdy");
+}
+
 #[test]
 #[ignore = "needs an RDMA device: run `make test`"]
 fn safe_ud_datagrams_carry_the_grh() {

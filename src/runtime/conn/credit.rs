@@ -278,8 +278,20 @@ impl Connection {
     }
 
     /// Our ring is advertised: tells a version-2 peer where our credit
-    /// slot is (once), the slot's window bound first in a shared PD.
-    pub(super) fn offer_credit_slot(&self, st: &mut State) -> Result<()> {
+    /// slot is (once), the slot's window bound first in a shared PD. A
+    /// peer never told goes on getting credit as a version-1 peer does, so
+    /// a failure here is logged, not fatal (one that broke the QP shows in
+    /// the next post or completion).
+    pub(super) fn offer_credit_slot(&self, st: &mut State) {
+        if let Err(e) = self.try_offer_credit_slot(st) {
+            log::warn!(
+                "connection to {:?}: offering the credit slot: {e}",
+                self.inner.peer
+            );
+        }
+    }
+
+    fn try_offer_credit_slot(&self, st: &mut State) -> Result<()> {
         if st.rc.offered || st.peer_version < 2 || !st.rc.ring_advertised {
             return Ok(());
         }

@@ -417,12 +417,7 @@ impl Connection {
                             return Ok(());
                         }
                     }
-                    if let Err(e) = self.offer_credit_slot(&mut st) {
-                        log::warn!(
-                            "connection to {:?}: offering the credit slot: {e}",
-                            self.inner.peer
-                        );
-                    }
+                    self.offer_credit_slot(&mut st);
                     if first {
                         st.state = ConnState::MrReady;
                         // The peer wraps where its staging buffer ends, when

@@ -457,7 +457,8 @@ impl Connection {
         }
         st.rc.ring_advertised();
         // The peer's advertisement may have come first.
-        self.offer_credit_slot(st)
+        self.offer_credit_slot(st);
+        Ok(())
     }
 
     /// An accepted connection's QPs are connected (CM thread): it moves on

@@ -14,7 +14,8 @@ use std::time::{Duration, Instant};
 use super::peer::Peer;
 use super::{BrokerError, ConnectMode, Result, Shared};
 use crate::verbs::{
-    CmEventKind, CmId, ConnParam, QpInfo, RemoteRegion, QP_INFO_WIRE_LEN, REMOTE_REGION_WIRE_LEN,
+    CmEvent, CmEventKind, CmId, ConnParam, QpInfo, RemoteRegion, QP_INFO_WIRE_LEN,
+    REMOTE_REGION_WIRE_LEN,
 };
 
 const HELLO_MAGIC: [u8; 4] = *b"SNBK";
@@ -153,28 +154,17 @@ impl Shared {
                 } else {
                     // A failed accept: the peer will try again.
                     accepting.retain(|(id, _)| id.id_ref() != ev.id);
-                    // An accepted peer that left while we still wait for
-                    // others (it gave up on its own setup) is forgotten:
-                    // accepted afresh when it comes back, never handed on
-                    // dead.
-                    if matches!(
-                        ev.kind,
-                        CmEventKind::DISCONNECTED | CmEventKind::DEVICE_REMOVAL
-                    ) {
-                        let left = peers.iter_mut().find(|p| {
-                            p.as_ref()
-                                .and_then(|p| p.cm_id.as_ref())
-                                .is_some_and(|id| id.id_ref() == ev.id)
-                        });
-                        if let Some(slot) = left {
-                            log::warn!(
-                                "broker: server {} left before the mesh was complete; \
-                                 waiting for it again",
-                                slot.as_ref().map_or(0, |p| p.server)
-                            );
-                            *slot = None;
-                        }
-                    }
+                    forget_if_left(&mut peers, &ev);
+                }
+            }
+            // Peers we connected to report on channels of their own.
+            for s in 0..me {
+                let ev = match peers[s].as_ref().and_then(|p| p.cm_id.as_ref()) {
+                    Some(id) => id.channel().get_event(Duration::ZERO),
+                    None => continue,
+                };
+                if let Ok(ev) = ev {
+                    forget_if_left(&mut peers, &ev);
                 }
             }
             // Our own attempts.
@@ -324,5 +314,29 @@ impl Shared {
         peer.tcp = Some(tcp);
         peers[hello.server_id as usize] = Some(peer);
         Ok(())
+    }
+}
+
+/// A peer that left while we still wait for others (its own setup gave up)
+/// is forgotten, to be connected or accepted afresh when it comes back,
+/// never handed on dead.
+fn forget_if_left(peers: &mut [Option<Peer>], ev: &CmEvent) {
+    if !matches!(
+        ev.kind,
+        CmEventKind::DISCONNECTED | CmEventKind::DEVICE_REMOVAL
+    ) {
+        return;
+    }
+    let left = peers.iter_mut().find(|p| {
+        p.as_ref()
+            .and_then(|p| p.cm_id.as_ref())
+            .is_some_and(|id| id.id_ref() == ev.id)
+    });
+    if let Some(slot) = left {
+        log::warn!(
+            "broker: server {} left before the mesh was complete; waiting for it again",
+            slot.as_ref().map_or(0, |p| p.server)
+        );
+        *slot = None;
     }
 }

@@ -414,38 +414,47 @@ fn dead_peer(mode: ConnectMode, port: u16) {
         .all(|e| e.kind != EventKind::Failed || e.peer == 2));
 }
 
-/// Server 2 reaches server 0 but gives up on server 1 and goes; server 0,
-/// still waiting for 1, must forget it, accept it again when it comes
-/// back, and end up with a live connection to it.
+/// A server reaches another but gives up on server 1 and goes; the other,
+/// still waiting for server 1, must forget it, take it again when it comes
+/// back, and end up with a live connection to it. Server 2 leaving server
+/// 0 leaves a peer that was accepted; server 0 leaving server 2, one that
+/// was connected to.
 #[test]
 #[ignore = "needs an RDMA device: run `make test`"]
-fn broker_a_peer_that_leaves_during_setup_is_accepted_again() {
-    leaves_during_setup(ConnectMode::Cm, 19700);
-    leaves_during_setup(ConnectMode::Socket, 19800);
+fn broker_a_peer_that_leaves_during_setup_is_taken_again() {
+    let mut port = 19700;
+    for mode in [ConnectMode::Cm, ConnectMode::Socket] {
+        for (leaver, stayer) in [(2, 0), (0, 2)] {
+            leaves_during_setup(mode, port, leaver, stayer);
+            port += 50;
+        }
+    }
 }
 
-fn leaves_during_setup(mode: ConnectMode, port: u16) {
-    let (seen0, cb0) = recorder();
-    let zero = std::thread::spawn(move || {
-        let b = Broker::new(config(3, 0, 0, port, mode), cb0).unwrap();
+fn leaves_during_setup(mode: ConnectMode, port: u16, leaver: usize, stayer: usize) {
+    let (seen_s, cb_s) = recorder();
+    let (ready_tx, ready_rx) = mpsc::channel();
+    let stays = std::thread::spawn(move || {
+        let b = Broker::new(config(3, stayer, 0, port, mode), cb_s).unwrap();
+        ready_tx.send(()).unwrap();
         b.init(INIT).unwrap();
         b
     });
-    // Server 1 is not there yet: server 2 reaches only server 0.
+    ready_rx.recv_timeout(WAIT).unwrap();
+    // Server 1 is not there yet: the leaver reaches only the stayer, and
+    // gives up in time.
     {
         let (_seen, cb) = recorder();
-        let early = Broker::new(config(3, 2, 0, port, mode), cb).unwrap();
-        match early.init(Duration::from_secs(5)) {
-            Err(BrokerError::InitTimeout { missing }) => assert_eq!(missing, [1]),
-            other => panic!("server 2 without server 1: {other:?}"),
+        let early = Broker::new(config(3, leaver, 0, port, mode), cb).unwrap();
+        match early.init(Duration::from_secs(8)) {
+            Err(BrokerError::InitTimeout { missing }) => assert_eq!(missing, [1], "{mode:?}"),
+            other => panic!("server {leaver} without server 1: {other:?}"),
         }
     }
-    // Server 0 reads that server 2 left while it still waits for server 1.
-    std::thread::sleep(Duration::from_millis(500));
-    let (seen2, cb2) = recorder();
-    let two = std::thread::spawn(move || {
-        let b = Broker::new(config(3, 2, 0, port, mode), cb2).unwrap();
-        b.init(Duration::from_secs(20)).map(|()| b)
+    let (seen_l, cb_l) = recorder();
+    let comes_back = std::thread::spawn(move || {
+        let b = Broker::new(config(3, leaver, 0, port, mode), cb_l).unwrap();
+        b.init(INIT).map(|()| b)
     });
     let one = std::thread::spawn(move || {
         let (_seen, cb) = recorder();
@@ -453,18 +462,18 @@ fn leaves_during_setup(mode: ConnectMode, port: u16) {
         b.init(INIT).unwrap();
         b
     });
-    let mut b2 = two
+    let mut bl = comes_back
         .join()
         .unwrap()
-        .unwrap_or_else(|e| panic!("server 2 came back: {e}"));
-    let mut b0 = zero.join().unwrap();
+        .unwrap_or_else(|e| panic!("{mode:?}: server {leaver} came back: {e}"));
+    let mut bs = stays.join().unwrap();
     let _b1 = one.join().unwrap();
-    b0.take_ownership();
-    b2.take_ownership();
-    b0.send_buf_wait(2, WAIT).unwrap().send(3, 7).unwrap();
-    b0.flush(2).unwrap();
-    b2.send_buf_wait(0, WAIT).unwrap().send(3, 8).unwrap();
-    b2.flush(0).unwrap();
+    bs.take_ownership();
+    bl.take_ownership();
+    bs.send_buf_wait(leaver, WAIT).unwrap().send(3, 7).unwrap();
+    bs.flush(leaver).unwrap();
+    bl.send_buf_wait(stayer, WAIT).unwrap().send(3, 8).unwrap();
+    bl.flush(stayer).unwrap();
     let got = |seen: &Log, imm: u32| {
         seen.lock()
             .unwrap()
@@ -472,14 +481,17 @@ fn leaves_during_setup(mode: ConnectMode, port: u16) {
             .any(|e| e.kind == EventKind::Recv && e.imm == Some(imm))
     };
     let start = Instant::now();
-    while !(got(&seen2, 7) && got(&seen0, 8)) {
-        for b in [&b0, &b2] {
+    while !(got(&seen_l, 7) && got(&seen_s, 8)) {
+        for b in [&bs, &bl] {
             b.poll_rq(None).unwrap();
             b.poll_sq(None).unwrap();
         }
-        assert!(start.elapsed() < WAIT, "the two did not exchange messages");
+        assert!(
+            start.elapsed() < WAIT,
+            "{mode:?}: servers {stayer} and {leaver} did not exchange messages"
+        );
     }
-    for seen in [&seen0, &seen2] {
+    for seen in [&seen_s, &seen_l] {
         assert!(seen
             .lock()
             .unwrap()

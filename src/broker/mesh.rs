@@ -245,12 +245,7 @@ impl Shared {
             // setup gave up) is forgotten, to be connected afresh.
             for slot in peers.iter_mut() {
                 if let Some(why) = slot.as_ref().and_then(Peer::socket_end) {
-                    log::warn!(
-                        "broker: server {} left before the mesh was complete ({why}); \
-                         waiting for it again",
-                        slot.as_ref().map_or(0, |p| p.server)
-                    );
-                    *slot = None;
+                    forget(slot, &why);
                 }
             }
             while let Ok((tcp, _)) = listener.accept() {
@@ -333,10 +328,17 @@ fn forget_if_left(peers: &mut [Option<Peer>], ev: &CmEvent) {
             .is_some_and(|id| id.id_ref() == ev.id)
     });
     if let Some(slot) = left {
+        forget(slot, &format!("RDMA CM reported {}", ev.kind));
+    }
+}
+
+/// Drops a peer that left before the mesh was complete, for it to be
+/// connected or accepted afresh.
+fn forget(slot: &mut Option<Peer>, why: &str) {
+    if let Some(peer) = slot.take() {
         log::warn!(
-            "broker: server {} left before the mesh was complete; waiting for it again",
-            slot.as_ref().map_or(0, |p| p.server)
+            "broker: server {} left before the mesh was complete ({why}); waiting for it again",
+            peer.server
         );
-        *slot = None;
     }
 }

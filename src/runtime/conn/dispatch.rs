@@ -411,14 +411,13 @@ impl Connection {
                     // peer could reach it).
                     let first = matches!(st.state, ConnState::Connected | ConnState::Accepting);
                     if first {
+                        // Also offers our credit slot, now that the peer's
+                        // version is known.
                         if let Err(e) = self.advertise_ring(&mut st) {
                             drop(st);
                             self.fail(&format!("advertising the receive buffer: {e}"));
                             return Ok(());
                         }
-                    }
-                    self.offer_credit_slot(&mut st);
-                    if first {
                         st.state = ConnState::MrReady;
                         // The peer wraps where its staging buffer ends, when
                         // that is before the end of our ring (RC delivers

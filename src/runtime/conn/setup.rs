@@ -431,12 +431,19 @@ impl Connection {
     /// written into the peer's ring before the peer knows ours is refused
     /// there).
     pub(super) fn advertise_ring(&self, st: &mut State) -> Result<()> {
-        if st.rc.is_ring_advertised() {
-            return Ok(());
-        }
         if matches!(st.state, ConnState::Closed | ConnState::Error) {
             return Err(Error::Disconnected);
         }
+        if !st.rc.is_ring_advertised() {
+            self.post_ring_advertisement(st)?;
+        }
+        // The peer's advertisement may have come first: its version says
+        // whether it takes our credit slot.
+        self.offer_credit_slot(st);
+        Ok(())
+    }
+
+    fn post_ring_advertisement(&self, st: &mut State) -> Result<()> {
         let ring = match &self.inner.ring_window {
             None => self.inner.recv_ring.remote(),
             Some(window) => self.bind_window(
@@ -456,8 +463,6 @@ impl Connection {
             ));
         }
         st.rc.ring_advertised();
-        // The peer's advertisement may have come first.
-        self.offer_credit_slot(st);
         Ok(())
     }
 

@@ -23,7 +23,6 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-pub(crate) use conn::thread_token;
 pub use conn::{
     BatchMessage, ConnHandler, ConnKind, ConnState, Connection, InRing, PdProvider, PendingReads,
     WeakConnection, Window, WriteAhead, MESSAGES_PER_DOORBELL,
@@ -33,6 +32,7 @@ pub use options::{
     CommMode, Options, CHOSEN_INLINE_DATA, DEFAULT_RECV_BUF_LEN, DEFAULT_SETUP_DEADLINE, NAP_ENV,
     SEND_QUEUE_ENV,
 };
+pub(crate) use poller::thread_token;
 pub use send_queue::SendQueueStats;
 
 use crate::verbs::{self, CmIdRef};

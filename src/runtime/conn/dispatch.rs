@@ -67,12 +67,17 @@ impl Connection {
                 .lock()
                 .unwrap_or_else(PoisonError::into_inner)
         };
+        let backlogged = &self.inner.recv_backlogged;
+        // Most polls of a spinning thread, and most of a drain: nothing, and
+        // nothing of an outer batch left to handle (only the `recv_poll`
+        // holder touches the backlog, so its flag is current here).
+        if n == 0 && !backlogged.load(Ordering::Relaxed) {
+            return 0;
+        }
         {
             let mut queued = backlog();
             if queued.is_empty() {
                 match n {
-                    // Most polls of a spinning thread: nothing, and nothing
-                    // of an outer batch left to handle.
                     0 => return 0,
                     // Alone: no rest of a batch to go first, and the queue
                     // would hand it straight back (only this thread polls).
@@ -85,9 +90,18 @@ impl Connection {
                 }
             }
             queued.extend(wcs.iter().cloned());
+            backlogged.store(true, Ordering::Relaxed);
         }
         loop {
-            let Some(wc) = backlog().pop_front() else {
+            let next = {
+                let mut queued = backlog();
+                let wc = queued.pop_front();
+                if queued.is_empty() {
+                    backlogged.store(false, Ordering::Relaxed);
+                }
+                wc
+            };
+            let Some(wc) = next else {
                 return n;
             };
             self.dispatch(&wc, inline);

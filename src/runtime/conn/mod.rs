@@ -82,14 +82,7 @@ fn wr_id(kind: u64, low: u64) -> u64 {
     (kind << KIND_SHIFT) | (low & LOW_MASK)
 }
 
-thread_local! {
-    static THREAD_MARK: u8 = const { 0 };
-}
-
-/// A number unique to the calling thread while it lives (never 0).
-pub(crate) fn thread_token() -> usize {
-    THREAD_MARK.with(|m| m as *const u8 as usize)
-}
+pub(crate) use crate::runtime::poller::thread_token;
 
 /// Connection state, numbered as the legacy `RdmaConnState`: the C header's
 /// `RdmaConnState` (`RDMA_CONN_STATE_*`) is generated from this enum.
@@ -271,6 +264,8 @@ pub(crate) struct ConnInner {
     /// Receive completions polled and not yet handled, in order (only the
     /// `recv_poll` holder touches it).
     recv_backlog: Mutex<VecDeque<Completion>>,
+    /// Whether `recv_backlog` holds anything: an empty poll need not lock it.
+    recv_backlogged: AtomicBool,
     /// Async READs/WRITEs in flight, whose completions owe a callback. The
     /// send CQ is armed only while there are some (or someone sleeps on a
     /// send completion): sync operations' waiters poll it themselves, and

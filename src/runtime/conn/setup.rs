@@ -133,6 +133,7 @@ impl Connection {
                 recv_poll: Mutex::new(()),
                 recv_poller: AtomicUsize::new(0),
                 recv_backlog: Mutex::new(VecDeque::with_capacity(MAX_POLL_BATCH)),
+                recv_backlogged: AtomicBool::new(false),
                 async_pending: AtomicUsize::new(0),
                 send_armed: AtomicBool::new(false),
                 spun_on: AtomicBool::new(false),

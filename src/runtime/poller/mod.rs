@@ -9,7 +9,7 @@
 
 use std::os::fd::RawFd;
 use std::panic::AssertUnwindSafe;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -227,6 +227,19 @@ impl Shared {
 pub struct Poller {
     shared: Arc<Shared>,
     thread: Option<JoinHandle<()>>,
+    /// The thread's [`thread_token`], set first thing on it (0 until then).
+    token: Arc<AtomicUsize>,
+}
+
+thread_local! {
+    static THREAD_MARK: u8 = const { 0 };
+}
+
+/// A number unique to the calling thread while it lives (never 0): the
+/// address of a thread-local, cheaper to compare than a `ThreadId` (which
+/// `thread::current()` reaches through a reference-counted handle).
+pub(crate) fn thread_token() -> usize {
+    THREAD_MARK.with(|m| m as *const u8 as usize)
 }
 
 impl Poller {
@@ -270,15 +283,21 @@ impl Poller {
         });
         shared.watch(wake, WAKE_KEY, true);
         let s = shared.clone();
+        let token = Arc::new(AtomicUsize::new(0));
+        let mine = token.clone();
         let thread = std::thread::Builder::new()
             .name(name.to_string())
             .spawn(move || {
+                mine.store(thread_token(), Ordering::Release);
                 on_start();
-                run(&s, tick, spin, nap)
+                run(&s, tick, spin, nap);
+                // The token may go to a thread started later.
+                mine.store(0, Ordering::Release);
             })?;
         Ok(Poller {
             shared,
             thread: Some(thread),
+            token,
         })
     }
 
@@ -315,9 +334,7 @@ impl Poller {
 
     /// Whether the calling thread is this poller's thread.
     pub fn is_current(&self) -> bool {
-        self.thread
-            .as_ref()
-            .is_some_and(|t| t.thread().id() == std::thread::current().id())
+        self.token.load(Ordering::Acquire) == thread_token()
     }
 }
 
@@ -433,8 +450,11 @@ fn run(shared: &Shared, tick: Duration, spin: Duration, nap: Duration) {
             shared.nap(nap);
             napped = true;
         }
-        if last_tick.elapsed() >= tick {
-            last_tick = Instant::now();
+        // The clock read after the wait serves, unless the thread spun
+        // since (a spin may last `spin`): a read costs ~100 ns in a VM.
+        let at = if spun { Instant::now() } else { now };
+        if at.saturating_duration_since(last_tick) >= tick {
+            last_tick = at;
             for source in watched.values() {
                 source.tick();
             }

@@ -288,11 +288,18 @@ impl Poller {
         let thread = std::thread::Builder::new()
             .name(name.to_string())
             .spawn(move || {
+                /// Clears the token however the thread ends (a panic too):
+                /// its value may go to a thread started later.
+                struct Clear(Arc<AtomicUsize>);
+                impl Drop for Clear {
+                    fn drop(&mut self) {
+                        self.0.store(0, Ordering::Release);
+                    }
+                }
                 mine.store(thread_token(), Ordering::Release);
+                let _clear = Clear(mine);
                 on_start();
                 run(&s, tick, spin, nap);
-                // The token may go to a thread started later.
-                mine.store(0, Ordering::Release);
             })?;
         Ok(Poller {
             shared,

@@ -159,13 +159,16 @@ record() {
     echo "$case $side $value" | tee -a "$results"
 }
 
+# selected <case>: whether SNOWRDMA_BENCH_CASES picks the case.
+selected() { [[ "$1" =~ ${SNOWRDMA_BENCH_CASES:-.} ]]; }
+
 # measure <each|once>: every side of the cases with that schedule, in order.
 measure() {
     local line schedule case side kind args value
     for line in "${cases[@]}"; do
         read -r schedule case side kind args <<<"$line"
         [ "$schedule" = "$1" ] || continue
-        [[ "$case" =~ ${SNOWRDMA_BENCH_CASES:-.} ]] || continue
+        selected "$case" || continue
         port=$((port + 1))
         # The words of args are split on purpose: a command and its arguments.
         # shellcheck disable=SC2086
@@ -358,14 +361,13 @@ for rep in $(seq 1 "$reps"); do
 done
 echo "--- system calls per operation (perf; strace names them)"
 for case in kv_get_lat kv_put_lat echo_lat msg_rate kv_get_bw kv_put_bw safe_send_lat broker_rate_b32 broker_lat; do
-    [[ "$case" =~ ${SNOWRDMA_BENCH_CASES:-.} ]] && syscalls "$case"
+    selected "$case" && syscalls "$case"
 done
 echo "--- user-space instructions per operation (callgrind, waiting on events)"
 # Twice each: how often the in-process GET's caller finds its reply itself
 # rather than through the completion thread depends on how valgrind, which
 # runs one thread at a time, interleaves them. The echo's count has no
 # target (its target is its time) and is reported beside perftest's.
-selected() { [[ "$1" =~ ${SNOWRDMA_BENCH_CASES:-.} ]]; }
 if selected kv_get_lat || selected echo_lat; then
     for _ in 1 2; do
         any=0

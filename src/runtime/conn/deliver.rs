@@ -5,8 +5,9 @@ use std::sync::atomic::Ordering;
 use std::sync::{MutexGuard, TryLockError};
 
 use crate::runtime::proto::{ExtKind, EXT_HEADER_LEN, IMM_EXTENDED};
+use crate::runtime::thread_token;
 
-use super::{thread_token, ConnState, Connection, Deferred, Delivery, InRing, State};
+use super::{ConnState, Connection, Deferred, Delivery, InRing, State};
 
 impl Connection {
     /// A message arrived in our ring; its receive took command slot `slot`

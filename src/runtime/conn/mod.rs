@@ -82,8 +82,6 @@ fn wr_id(kind: u64, low: u64) -> u64 {
     (kind << KIND_SHIFT) | (low & LOW_MASK)
 }
 
-pub(crate) use crate::runtime::poller::thread_token;
-
 /// Connection state, numbered as the legacy `RdmaConnState`: the C header's
 /// `RdmaConnState` (`RDMA_CONN_STATE_*`) is generated from this enum.
 ///
@@ -259,7 +257,7 @@ pub(crate) struct ConnInner {
     /// messages are delivered one at a time and in order whichever thread
     /// polls (the completion thread, or a caller with `caller_polls`).
     recv_poll: Mutex<()>,
-    /// The thread holding `recv_poll` ([`thread_token`]), 0 when none.
+    /// The thread holding `recv_poll` ([`thread_token`](crate::runtime::thread_token)), 0 when none.
     recv_poller: AtomicUsize,
     /// Receive completions polled and not yet handled, in order (only the
     /// `recv_poll` holder touches it).

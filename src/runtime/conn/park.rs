@@ -7,10 +7,10 @@ use std::sync::{MutexGuard, TryLockError};
 use std::time::{Duration, Instant};
 
 use crate::runtime::spin::Spin;
-use crate::runtime::{Error, Result};
+use crate::runtime::{thread_token, Error, Result};
 use crate::verbs::CompletionQueue;
 
-use super::{thread_token, Connection, State};
+use super::{Connection, State};
 
 impl Connection {
     /// Wakes every thread waiting on this connection.

@@ -349,8 +349,11 @@ impl Drop for Poller {
     fn drop(&mut self) {
         self.shared.stop.store(true, Ordering::SeqCst);
         self.wake();
+        // Dropped on its own thread (the last reference let go in a
+        // callback), it cannot wait for itself.
+        let on_own_thread = self.is_current();
         if let Some(t) = self.thread.take() {
-            if t.thread().id() != std::thread::current().id() {
+            if !on_own_thread {
                 let _ = t.join();
             }
         }

@@ -27,7 +27,7 @@ EXAMPLEDIR := target/c-examples
 RDMA_LIBS  := -lrdmacm -libverbs -lpthread
 CARGO_FLAGS := $(if $(filter release,$(PROFILE)),--release,)
 
-.PHONY: all lib header check-header c-examples c-examples-asan run deps lint host-test device-test test install bench clean
+.PHONY: all lib header check-header c-examples c-examples-asan run deps lint host-test device-test test install bench trace-doorbells clean
 
 all: lib c-examples
 
@@ -140,6 +140,12 @@ bench: deps c-examples
 	$(CARGO) build --release
 	scripts/rdma-run.sh scripts/bench.sh target/bench/results.txt
 	target/release/snowrdma-bench report target/bench/results.txt --json $(BENCH_JSON)
+
+# Where a ping-pong's round trip goes on Soft-RoCE (kernel or user space),
+# perftest's and ours, per speed level of the emulated CPU (docs/costs.md).
+trace-doorbells: deps c-examples
+	$(CARGO) build --release
+	scripts/rdma-run.sh scripts/trace-doorbells.sh $(or $(ROUNDS),4)
 
 # Installs the library (libsnowrdma.so.$(VERSION), its SONAME link
 # libsnowrdma.so.$(SOVERSION) and the link-time libsnowrdma.so; libsnowrdma.a),

@@ -2,12 +2,15 @@
 # Where a ping-pong's round trip goes on Soft-RoCE, kernel or user space:
 # perftest's `ib_send_lat`, our raw verbs WRITE WITH IMM ping-pong and the
 # runtime's echo (C `echo_server` against the bench's client, two
-# processes), interleaved for a number of rounds, each under the kernel's
-# function tracer on two functions (a doorbell's entry and Soft-RoCE's
-# completion writes), then split by scripts/doorbell-split.py into b (the
-# kernel's part) and r (the peer's user space), per speed level of the
-# emulated CPU. Needs root (tracefs) and Soft-RoCE; `make trace-doorbells`
-# runs it in the VM after building what it runs.
+# processes), and what a streamed message takes: `ib_write_bw` 64 B and
+# 64 KiB against the runtime's message rate and stream (the bench's rows
+# against its sink). Interleaved for a number of rounds, each under the
+# kernel's function tracer on two functions (a doorbell's entry and
+# Soft-RoCE's completion writes), then split by scripts/doorbell-split.py
+# into b (the kernel's part) and r (the peer's user space), per speed level
+# of the emulated CPU, with our programs' ratios to perftest's at each
+# level. Needs root (tracefs) and Soft-RoCE; `make trace-doorbells` runs it
+# in the VM after building what it runs.
 #
 #   scripts/trace-doorbells.sh [rounds (default 4)]     traces in target/doorbells/
 set -u
@@ -21,7 +24,7 @@ grep -qx rxe_cq_post "$tr/available_filter_functions" 2>/dev/null ||
     { echo "trace-doorbells: needs tracefs and Soft-RoCE (rxe_cq_post)" >&2; exit 1; }
 mkdir -p "$out"
 rm -f "$out"/*.trace
-echo 65536 >"$tr/buffer_size_kb"
+echo 131072 >"$tr/buffer_size_kb"
 port=20500
 
 trace_on() {
@@ -39,6 +42,37 @@ trace_off() {
     echo 0 >"$tr/tracing_on"
     cp "$tr/trace" "$out/$1.trace"
     echo nop >"$tr/current_tracer"
+}
+
+# against_sink <case> <trace name>: the bench's case against its sink, in
+# a process of its own, traced.
+against_sink() {
+    local log
+    port=$((port + 1))
+    log=$(mktemp)
+    $bench sink --port $port >"$log" 2>&1 &
+    srv=$!
+    for _ in $(seq 1 100); do
+        grep -q "listening on" "$log" && break
+        sleep 0.2
+    done
+    rm -f "$log"
+    trace_on
+    timeout -k 5 120 $bench run "$1" snowrdma --port $port >/dev/null 2>&1
+    trace_off "$2"
+    stop $srv
+}
+
+# write_bw <size> <messages> <trace name>: `ib_write_bw`, traced.
+write_bw() {
+    port=$((port + 1))
+    timeout -k 5 120 ib_write_bw -d "$dev" -R -F -p $port -s "$1" -n "$2" >/dev/null 2>&1 &
+    srv=$!
+    sleep 0.5
+    trace_on
+    timeout -k 5 120 ib_write_bw -d "$dev" -R -F -p $port -s "$1" -n "$2" "$ip" >/dev/null 2>&1
+    trace_off "$3"
+    wait $srv
 }
 
 # stop <pid>: asks a server to end, then makes it.
@@ -76,10 +110,16 @@ for r in $(seq 1 "$rounds"); do
     timeout -k 5 120 $bench run echo_lat_2p snowrdma -n 2000 --port $port >/dev/null 2>&1
     trace_off "echo_2p_$r"
     stop $srv
+
+    write_bw 64 20000 "write_bw_64_$r"
+    against_sink msg_rate_2p "msg_rate_2p_$r"
+    write_bw 65536 1000 "write_bw_64k_$r"
+    against_sink stream_bw_2p "stream_bw_2p_$r"
 done
 args=()
 for f in "$out"/*.trace; do
     n=$(basename "$f" .trace)
     args+=("$n=$f")
 done
-python3 scripts/doorbell-split.py "${args[@]}"
+python3 scripts/doorbell-split.py --pair echo_2p/send_lat --pair imm_lat/send_lat \
+    --pair msg_rate_2p/write_bw_64 --pair stream_bw_2p/write_bw_64k "${args[@]}"

@@ -4,17 +4,24 @@
 //! one.
 
 use std::net::SocketAddr;
-use std::time::Duration;
+use std::sync::{Mutex, PoisonError};
+use std::time::{Duration, Instant};
 
 use super::error::Result;
 use super::op::Op;
 use super::qp::{Qp, QpBuilder, QpCore, Rc, Rts};
 use super::region::Writable;
-use crate::verbs::{CmEventKind, CmId, ConnParam};
+use crate::verbs::{self, CmEvent, CmEventKind, CmId, ConnParam};
 
-/// A listening RDMA CM endpoint.
+/// A listening RDMA CM endpoint. Threads may `accept` on it at once: each
+/// gets a connect request of its own.
 pub struct Listener {
     id: CmId,
+    /// Held from taking a connect request off the listener's channel until
+    /// its id has a channel of its own: until then the id's next events
+    /// (its peer giving up) would come to the listener's channel, for a
+    /// concurrent `accept` to take and fail on.
+    taking: Mutex<()>,
 }
 
 impl Listener {
@@ -22,6 +29,7 @@ impl Listener {
     pub fn bind(addr: SocketAddr) -> Result<Listener> {
         Ok(Listener {
             id: CmId::listen_on(addr, 16)?,
+            taking: Mutex::new(()),
         })
     }
 
@@ -34,11 +42,22 @@ impl Listener {
     /// from `builder` (whose protection domain must be on the device the
     /// request came in on).
     pub fn accept(&self, builder: QpBuilder<Rc>, timeout: Duration) -> Result<CmQp> {
-        let (id, ev) = self.id.get_request(timeout)?;
-        // Its own events on a channel of its own: another client's connect
-        // request, coming in before this one is established, stays on the
-        // listener's for the next `accept`.
-        let id = id.on_own_channel()?;
+        let deadline = Instant::now() + timeout;
+        let (id, ev) = loop {
+            if let Some(taken) = self.take_request()? {
+                break taken;
+            }
+            // Waited for without the lock: a request wakes every waiter,
+            // and one of them takes it.
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() || !self.id.channel().wait_readable(left)? {
+                return Err(verbs::Error::Timeout {
+                    what: "a connect request",
+                    timeout,
+                }
+                .into());
+            }
+        };
         let core = builder.build_on(&id)?;
         Ok(CmQp {
             core,
@@ -46,6 +65,19 @@ impl Listener {
             peer_data: ev.private_data,
             active: false,
         })
+    }
+
+    /// The connect request waiting on the listener's channel, if any, its id
+    /// moved to a channel of its own: another client's request, coming in
+    /// before this one is established, stays on the listener's for the next
+    /// `accept`.
+    fn take_request(&self) -> Result<Option<(CmId, CmEvent)>> {
+        let _taking = self.taking.lock().unwrap_or_else(PoisonError::into_inner);
+        match self.id.get_request(Duration::ZERO) {
+            Ok((id, ev)) => Ok(Some((id.on_own_channel()?, ev))),
+            Err(e) if e.is_timeout() => Ok(None),
+            Err(e) => Err(e.into()),
+        }
     }
 }
 

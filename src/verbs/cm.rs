@@ -64,6 +64,12 @@ impl EventChannel {
         unsafe { (*self.inner.ch.as_ptr()).fd }
     }
 
+    /// Waits until an event is pending or `timeout` passes; true when one
+    /// is (another thread reading the channel may take it first).
+    pub fn wait_readable(&self, timeout: Duration) -> Result<bool> {
+        wait_readable(self.fd(), timeout, "poll(rdma event channel)")
+    }
+
     /// Takes the next event, waiting at most `timeout`, and acknowledges it.
     pub fn get_event(&self, timeout: Duration) -> Result<CmEvent> {
         let deadline = Instant::now() + timeout;
@@ -85,7 +91,7 @@ impl EventChannel {
                 });
             }
             let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() || !wait_readable(self.fd(), left, "poll(rdma event channel)")? {
+            if left.is_zero() || !self.wait_readable(left)? {
                 return Err(Error::Timeout {
                     what: "an RDMA CM event",
                     timeout,

@@ -463,6 +463,65 @@ fn safe_a_second_client_connecting_meanwhile_is_accepted_next() {
     assert_eq!(second_client.join().unwrap(), b"howdy");
 }
 
+/// Two threads accepting on one listener at once each get one of two
+/// clients' requests, and both connections carry their messages.
+#[test]
+#[ignore = "needs an RDMA device: run `make test`"]
+fn safe_concurrent_accepts_each_take_one_client() {
+    let pd = ProtectionDomain::open(None).unwrap();
+    let listener = safe::Listener::bind(SocketAddr::new(IpAddr::V4(device_ip()), 0)).unwrap();
+    let addr = listener.local_addr().unwrap();
+    let tags: [&[u8; 5]; 2] = [b"one!!", b"two!!"];
+    let got = std::thread::scope(|s| {
+        let acceptors: Vec<_> = (0..2)
+            .map(|_| {
+                let (pd, listener) = (pd.clone(), &listener);
+                s.spawn(move || {
+                    let cq = pd.create_cq(16, Progress::Thread).unwrap();
+                    let pending = listener.accept(pd.qp(&cq, &cq), TIMEOUT).unwrap();
+                    let mem = pd.allocate::<u8>(64, AccessFlags::empty()).unwrap();
+                    let recv = pending.recv(mem.rw(..).unwrap()).unwrap();
+                    let peer_tag = pending.peer_data()[..5].to_vec();
+                    let (_qp, _) = pending.establish(&peer_tag, TIMEOUT).unwrap();
+                    let got = block_on(recv).unwrap();
+                    let body = got.memory().as_slice()[..got.byte_len() as usize].to_vec();
+                    (peer_tag, body)
+                })
+            })
+            .collect();
+        // Both acceptors wait on the listener before the clients come.
+        std::thread::sleep(Duration::from_millis(300));
+        let clients: Vec<_> = tags
+            .iter()
+            .map(|&tag| {
+                let pd = pd.clone();
+                s.spawn(move || {
+                    let cq = pd.create_cq(16, Progress::Thread).unwrap();
+                    let pending = safe::connect(addr, pd.qp(&cq, &cq), TIMEOUT).unwrap();
+                    let (qp, welcome) = pending.establish(tag, TIMEOUT).unwrap();
+                    assert_eq!(
+                        &welcome[..5],
+                        tag,
+                        "answered by the acceptor of its request"
+                    );
+                    let mem = pd.allocate::<u8>(64, AccessFlags::empty()).unwrap();
+                    let mut m = mem.rw(..5).unwrap();
+                    m.as_mut_slice().copy_from_slice(tag);
+                    block_on(qp.send(m).unwrap()).unwrap();
+                })
+            })
+            .collect();
+        clients.into_iter().for_each(|c| c.join().unwrap());
+        let mut got: Vec<_> = acceptors.into_iter().map(|a| a.join().unwrap()).collect();
+        got.sort();
+        got
+    });
+    for ((peer_tag, body), tag) in got.iter().zip(tags) {
+        assert_eq!(peer_tag, tag, "each request taken by exactly one accept");
+        assert_eq!(body, tag, "each connection's message on its own queue pair");
+    }
+}
+
 #[test]
 #[ignore = "needs an RDMA device: run `make test`"]
 fn safe_ud_datagrams_carry_the_grh() {

@@ -91,40 +91,9 @@ ours() {
     timeout -k 10 300 $bench run "$1" "$2" --port "$port"
 }
 
-# start_server <server command with IP, PORT, BENCH>: starts the server in
-# its own process and waits until it says it listens (every server here
-# prints "listening on"); its pid goes to $server.
-server=
-start_server() {
-    local args=("${@//PORT/$port}") log
-    args=("${args[@]//IP/$ip}")
-    args=("${args[@]//BENCH/$bench}")
-    log=$(mktemp)
-    timeout -k 10 300 "${args[@]}" >"$log" 2>&1 &
-    server=$!
-    for _ in $(seq 1 100); do
-        grep -q "listening on" "$log" && break
-        sleep 0.2
-    done
-    rm -f "$log"
-}
-
-# The server's `timeout` passes TERM on and follows it with KILL 10 s
-# later (-k); one stuck even so (in the kernel) is reported and left
-# behind rather than stalling the bench.
-stop_server() {
-    kill "$server" 2>/dev/null
-    for _ in $(seq 1 150); do
-        kill -0 "$server" 2>/dev/null || break
-        sleep 0.1
-    done
-    if kill -0 "$server" 2>/dev/null; then
-        echo "bench: the server (pid $server) did not stop; left behind" >&2
-        ps -o pid,stat,wchan:30,args --ppid "$server" >&2
-    else
-        wait "$server" 2>/dev/null
-    fi
-}
+# start_server and stop_server.
+# shellcheck source=scripts/servers.sh
+. "$(dirname "$0")/servers.sh"
 
 # against_server <case> <side> <server command>: runs the side against the
 # server, which runs in its own process.

@@ -44,77 +44,57 @@ trace_off() {
     echo nop >"$tr/current_tracer"
 }
 
-# against_sink <case> <trace name>: the bench's case against its sink, in
-# a process of its own, traced.
-against_sink() {
-    local log
-    port=$((port + 1))
-    log=$(mktemp)
-    $bench sink --port $port >"$log" 2>&1 &
-    srv=$!
-    for _ in $(seq 1 100); do
-        grep -q "listening on" "$log" && break
-        sleep 0.2
+# start_server and stop_server.
+# shellcheck source=scripts/servers.sh
+. "$(dirname "$0")/servers.sh"
+
+# traced <trace name> <server command> -- <client command>: the server in a
+# process of its own, then the client, traced; IP, PORT and BENCH in both
+# commands are filled in.
+traced() {
+    local name=$1 server_cmd=() client
+    shift
+    while [ "$1" != "--" ]; do
+        server_cmd+=("$1")
+        shift
     done
-    rm -f "$log"
-    trace_on
-    timeout -k 5 120 $bench run "$1" snowrdma --port $port >/dev/null 2>&1
-    trace_off "$2"
-    stop $srv
-}
-
-# write_bw <size> <messages> <trace name>: `ib_write_bw`, traced.
-write_bw() {
+    shift
     port=$((port + 1))
-    timeout -k 5 120 ib_write_bw -d "$dev" -R -F -p $port -s "$1" -n "$2" >/dev/null 2>&1 &
-    srv=$!
-    sleep 0.5
+    client=("${@//PORT/$port}")
+    client=("${client[@]//IP/$ip}")
+    client=("${client[@]//BENCH/$bench}")
+    start_server "${server_cmd[@]}"
     trace_on
-    timeout -k 5 120 ib_write_bw -d "$dev" -R -F -p $port -s "$1" -n "$2" "$ip" >/dev/null 2>&1
-    trace_off "$3"
-    wait $srv
+    timeout -k 5 120 "${client[@]}" >/dev/null 2>&1
+    trace_off "$name"
+    stop_server
 }
 
-# stop <pid>: asks a server to end, then makes it.
-stop() {
-    kill -TERM "$1" 2>/dev/null
-    for _ in $(seq 1 20); do kill -0 "$1" 2>/dev/null || break; sleep 0.5; done
-    kill -9 "$1" 2>/dev/null
-    wait "$1" 2>/dev/null
+# perftest_traced <trace name> <tool> <args>: a perftest program's server,
+# then its client, traced (perftest's server says nothing when it listens).
+perftest_traced() {
+    local name=$1 tool=$2
+    shift 2
+    port=$((port + 1))
+    timeout -k 5 120 "$tool" -d "$dev" -R -F -p $port "$@" >/dev/null 2>&1 &
+    local pserver=$!
+    sleep 1
+    trace_on
+    timeout -k 5 120 "$tool" -d "$dev" -R -F -p $port "$@" "$ip" >/dev/null 2>&1
+    trace_off "$name"
+    wait $pserver
 }
 
 for r in $(seq 1 "$rounds"); do
-    port=$((port + 1))
-    timeout -k 5 120 ib_send_lat -d "$dev" -p $port -s 64 -n 2000 >/dev/null 2>&1 &
-    srv=$!
-    sleep 1
-    trace_on
-    timeout -k 5 120 ib_send_lat -d "$dev" -p $port -s 64 -n 2000 "$ip" >/dev/null 2>&1
-    trace_off "send_lat_$r"
-    wait $srv
-
-    port=$((port + 1))
-    $bench peer imm-pong --port $port --size 64 >/dev/null 2>&1 &
-    srv=$!
-    sleep 2
-    trace_on
-    timeout -k 5 120 $bench run imm_lat snowrdma -n 2000 --port $port >/dev/null 2>&1
-    trace_off "imm_lat_$r"
-    stop $srv
-
-    port=$((port + 1))
-    target/c-examples/echo_server "$ip" $port >/dev/null 2>&1 &
-    srv=$!
-    sleep 2
-    trace_on
-    timeout -k 5 120 $bench run echo_lat_2p snowrdma -n 2000 --port $port >/dev/null 2>&1
-    trace_off "echo_2p_$r"
-    stop $srv
-
-    write_bw 64 20000 "write_bw_64_$r"
-    against_sink msg_rate_2p "msg_rate_2p_$r"
-    write_bw 65536 1000 "write_bw_64k_$r"
-    against_sink stream_bw_2p "stream_bw_2p_$r"
+    perftest_traced "send_lat_$r" ib_send_lat -s 64 -n 2000
+    traced "imm_lat_$r" BENCH peer imm-pong --port PORT --size 64 -- \
+        BENCH run imm_lat snowrdma -n 2000 --port PORT
+    traced "echo_2p_$r" target/c-examples/echo_server IP PORT -- \
+        BENCH run echo_lat_2p snowrdma -n 2000 --port PORT
+    perftest_traced "write_bw_64_$r" ib_write_bw -s 64 -n 20000
+    traced "msg_rate_2p_$r" BENCH sink --port PORT -- BENCH run msg_rate_2p snowrdma --port PORT
+    perftest_traced "write_bw_64k_$r" ib_write_bw -s 65536 -n 1000
+    traced "stream_bw_2p_$r" BENCH sink --port PORT -- BENCH run stream_bw_2p snowrdma --port PORT
 done
 args=()
 for f in "$out"/*.trace; do

@@ -113,6 +113,7 @@ INSTALL_CHECK := $(abspath target/install-check)
 host-test:
 	@echo "host-test: needs cargo, cc, c++, nm, readelf, pkg-config, libibverbs-dev, librdmacm-dev (scripts/install-deps.sh)"
 	$(CARGO) test
+	python3 -m unittest discover -s scripts -p 'test_*.py'
 	scripts/tsan.sh
 	# The library alone, as a Rust program with default features off uses it:
 	# none of the programs' crates.

@@ -146,7 +146,7 @@ bench: deps c-examples
 # perftest's and ours, per speed level of the emulated CPU (docs/costs.md).
 trace-doorbells: deps c-examples
 	$(CARGO) build --release
-	scripts/rdma-run.sh scripts/trace-doorbells.sh $(or $(ROUNDS),4)
+	scripts/rdma-run.sh scripts/trace-doorbells.sh $(ROUNDS)
 
 # Installs the library (libsnowrdma.so.$(VERSION), its SONAME link
 # libsnowrdma.so.$(SOVERSION) and the link-time libsnowrdma.so; libsnowrdma.a),

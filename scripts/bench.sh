@@ -35,15 +35,17 @@ mkdir -p "$(dirname "$results")"
 : >"$costs"
 port=18600
 
+# start_server, stop_server, start_perftest_server.
+# shellcheck source=scripts/servers.sh
+. "$(dirname "$0")/servers.sh"
+
 # perftest <column of the figure> <scale> <tool> <args...>: runs the tool's
 # server and client on the device, prints the figure from the client's result
 # line, times scale.
 perftest() {
     local col=$1 scale=$2 tool=$3
     shift 3
-    timeout -k 10 120 "$tool" -d "$dev" -R -F -p "$port" "$@" >/dev/null 2>&1 &
-    local server=$!
-    sleep 0.5
+    start_perftest_server "$tool" "$@"
     local out
     out=$(timeout -k 10 120 "$tool" -d "$dev" -R -F -p "$port" "$@" "$ip" 2>&1)
     wait "$server" 2>/dev/null
@@ -90,10 +92,6 @@ kv_procs() {
 ours() {
     timeout -k 10 300 $bench run "$1" "$2" --port "$port"
 }
-
-# start_server and stop_server.
-# shellcheck source=scripts/servers.sh
-. "$(dirname "$0")/servers.sh"
 
 # against_server <case> <side> <server command>: runs the side against the
 # server, which runs in its own process.

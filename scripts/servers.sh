@@ -1,16 +1,24 @@
 # Servers in processes of their own for the device scripts (bench.sh,
-# trace-doorbells.sh), sourced. The caller sets $port, $ip and $bench.
+# trace-doorbells.sh), sourced. The caller sets $port, $ip, $dev and $bench.
+
+# fill <command with IP, PORT, BENCH>: the command with them filled in, in
+# the array $filled.
+filled=()
+fill() {
+    filled=("${@//PORT/$port}")
+    filled=("${filled[@]//IP/$ip}")
+    filled=("${filled[@]//BENCH/$bench}")
+}
 
 # start_server <server command with IP, PORT, BENCH>: starts the server in
 # its own process and waits until it says it listens (every server here
 # prints "listening on"); its pid goes to $server.
 server=
 start_server() {
-    local args=("${@//PORT/$port}") log
-    args=("${args[@]//IP/$ip}")
-    args=("${args[@]//BENCH/$bench}")
+    local log
+    fill "$@"
     log=$(mktemp)
-    timeout -k 10 300 "${args[@]}" >"$log" 2>&1 &
+    timeout -k 10 300 "${filled[@]}" >"$log" 2>&1 &
     server=$!
     for _ in $(seq 1 100); do
         grep -q "listening on" "$log" && break
@@ -34,4 +42,16 @@ stop_server() {
     else
         wait "$server" 2>/dev/null
     fi
+}
+
+# start_perftest_server <tool> <args>: a perftest program's server on the
+# device through RDMA CM, its pid in $server; it says nothing when it
+# listens, so it is given half a second. Its client is the same command
+# with the server's address last.
+start_perftest_server() {
+    local tool=$1
+    shift
+    timeout -k 10 120 "$tool" -d "$dev" -R -F -p "$port" "$@" >/dev/null 2>&1 &
+    server=$!
+    sleep 0.5
 }

@@ -19,8 +19,8 @@ bench=target/release/snowrdma-bench
 tr=/sys/kernel/tracing
 out=target/doorbells
 read -r dev ip < <($bench addr) || { echo "trace-doorbells: no RDMA device" >&2; exit 1; }
-grep -qx rxe_cq_post "$tr/available_filter_functions" 2>/dev/null ||
-    grep -q '^rxe_cq_post ' "$tr/available_filter_functions" 2>/dev/null ||
+# A module's functions are listed with the module's name after them.
+grep -qE '^rxe_cq_post( |$)' "$tr/available_filter_functions" 2>/dev/null ||
     { echo "trace-doorbells: needs tracefs and Soft-RoCE (rxe_cq_post)" >&2; exit 1; }
 mkdir -p "$out"
 rm -f "$out"/*.trace
@@ -44,7 +44,7 @@ trace_off() {
     echo nop >"$tr/current_tracer"
 }
 
-# start_server and stop_server.
+# start_server, stop_server, start_perftest_server, fill.
 # shellcheck source=scripts/servers.sh
 . "$(dirname "$0")/servers.sh"
 
@@ -52,7 +52,7 @@ trace_off() {
 # process of its own, then the client, traced; IP, PORT and BENCH in both
 # commands are filled in.
 traced() {
-    local name=$1 server_cmd=() client
+    local name=$1 server_cmd=()
     shift
     while [ "$1" != "--" ]; do
         server_cmd+=("$1")
@@ -60,29 +60,25 @@ traced() {
     done
     shift
     port=$((port + 1))
-    client=("${@//PORT/$port}")
-    client=("${client[@]//IP/$ip}")
-    client=("${client[@]//BENCH/$bench}")
     start_server "${server_cmd[@]}"
+    fill "$@"
     trace_on
-    timeout -k 5 120 "${client[@]}" >/dev/null 2>&1
+    timeout -k 5 120 "${filled[@]}" >/dev/null 2>&1
     trace_off "$name"
     stop_server
 }
 
 # perftest_traced <trace name> <tool> <args>: a perftest program's server,
-# then its client, traced (perftest's server says nothing when it listens).
+# then its client, traced.
 perftest_traced() {
     local name=$1 tool=$2
     shift 2
     port=$((port + 1))
-    timeout -k 5 120 "$tool" -d "$dev" -R -F -p $port "$@" >/dev/null 2>&1 &
-    local pserver=$!
-    sleep 1
+    start_perftest_server "$tool" "$@"
     trace_on
-    timeout -k 5 120 "$tool" -d "$dev" -R -F -p $port "$@" "$ip" >/dev/null 2>&1
+    timeout -k 10 120 "$tool" -d "$dev" -R -F -p "$port" "$@" "$ip" >/dev/null 2>&1
     trace_off "$name"
-    wait $pserver
+    wait "$server" 2>/dev/null
 }
 
 for r in $(seq 1 "$rounds"); do

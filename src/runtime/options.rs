@@ -60,10 +60,10 @@ pub struct Options {
     pub spin: Duration,
     /// How long the completion thread, when it may not spin, sleeps after
     /// finding a connection's messages bunched (two or more at once) with
-    /// nothing waiting on them, before it looks again, rather than be woken
-    /// for the next one: a stream is then taken a nap's worth at a time,
-    /// and the sender's doorbell does not pay for waking it per message or
-    /// two. The thread's other connections wait out the nap too, so this
+    /// nothing waiting on them, before it looks again (unarmed, napping
+    /// again while each look finds messages), rather than be woken for the
+    /// next one: a stream is then taken a nap's worth at a time, and the
+    /// sender's doorbell does not pay for waking it per message or two. The thread's other connections wait out the nap too, so this
     /// may be added to any completion's latency on a busy, crowded
     /// machine; 0: never; at most 10 ms.
     /// Environment: [`NAP_ENV`]. Runtime-wide, as the completion thread's

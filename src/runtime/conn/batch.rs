@@ -182,6 +182,7 @@ impl Connection {
             }
         }
         let count = writes.len();
+        self.reap_credit_read();
         let mut posted = 0;
         while posted < count {
             let mut st = self.lock();

@@ -398,7 +398,14 @@ impl Connection {
     /// eighth, a 64 KiB stream into a 1 MiB ring READ every second message,
     /// and each READ is a signaled completion the completion thread is
     /// woken for; half leaves the sender the other half to send into while
-    /// the READ is out.)
+    /// the READ is out.) Nothing arms the send CQ for the READ: its
+    /// completion is taken by the next send of a thread that sends
+    /// ([`Connection::reap_credit_read`]), a sender short of room (which
+    /// polls that CQ as it waits, and arms it before it sleeps), or the
+    /// completion thread's next drain. Woken for it, the completion thread
+    /// took the sender's CPU (and on Soft-RoCE the event's delivery ran in
+    /// the sender's doorbell): a 64 B stream READ every ~30 messages, and
+    /// each READ cost the sender 2-5 messages' time.
     pub(super) fn credit_read(&self, st: &mut State) -> Option<CreditRead> {
         let slot = st.rc.peer_slot?;
         if st.rc.read_out || st.sq_used >= MAX_SEND_WR - CMD_RESERVE {
@@ -416,7 +423,7 @@ impl Connection {
         st.rc.read_out = true;
         st.rc.read_at = (head, msgs);
         st.sq_used += 1;
-        self.credit_read_posted();
+        self.inner.credit_read_out.store(true, Ordering::Release);
         Some(CreditRead {
             from: slot.at(0),
             into: [self
@@ -426,14 +433,24 @@ impl Connection {
         })
     }
 
+    /// A thread about to send takes the completion of a READ of the peer's
+    /// credit that is in flight, if it came, before it looks for room.
+    /// Not inside a callback: the thread running it polls the send CQ when
+    /// the callback returns, and may be holding its poll lock now.
+    pub(super) fn reap_credit_read(&self) {
+        if self.inner.credit_read_out.load(Ordering::Acquire) && !self.on_callback_thread() {
+            self.poll_send_here();
+        }
+    }
+
     /// The READ of the peer's credit slot completed: its counts, read once,
     /// are taken as a credit command's. An error (the peer broke the
     /// protocol) is the caller's to end the connection with.
     pub(super) fn credit_read_done(&self) -> Result<(), String> {
-        self.inner.async_pending.fetch_sub(1, Ordering::SeqCst);
         let mut st = self.lock();
         st.sq_used -= 1;
         st.rc.read_out = false;
+        self.inner.credit_read_out.store(false, Ordering::Release);
         let at = (self.inner.credit.addr() as usize + READ_INTO) as *const u64;
         // SAFETY: the READ that wrote these bytes completed, and none is in
         // flight; the region lives as long as the connection.

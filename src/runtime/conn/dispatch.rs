@@ -182,6 +182,21 @@ impl Connection {
             && self.inner.waiting.load(Ordering::SeqCst) == 0
     }
 
+    /// The completion thread's look at the connection after a nap on its
+    /// stream (`Source::nap_poll`): handles everything on both CQs without
+    /// arming them. Returns whether there was something, with nothing
+    /// posted in answer and nobody waiting on the connection: the stream
+    /// goes on, and the thread naps again.
+    pub(crate) fn nap_round(&self) -> bool {
+        let posts = self.inner.posts.load(Ordering::Relaxed);
+        let mut any = false;
+        while self.poll_round() {
+            any = true;
+        }
+        any && self.inner.posts.load(Ordering::Relaxed) == posts
+            && self.inner.waiting.load(Ordering::SeqCst) == 0
+    }
+
     /// Takes the completion channel's event, if there is one.
     pub(super) fn take_cq_event(&self) {
         let channel = self
@@ -251,9 +266,8 @@ impl Connection {
             if n > 0 {
                 continue;
             }
-            // This drain's callbacks may have put an async operation (a
-            // one-sided op, a READ of the peer's credit) in flight after the
-            // arming above, without arming (`async_posted`): armed now, and
+            // This drain's callbacks may have put an async one-sided
+            // operation in flight after the arming above, without arming (`async_posted`): armed now, and
             // polled once more for what completed before.
             if !unwatched
                 && !rearmed

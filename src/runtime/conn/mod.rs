@@ -269,6 +269,11 @@ pub(crate) struct ConnInner {
     /// send completion): sync operations' waiters poll it themselves, and
     /// waking the completion thread for them would cost more than the wait.
     async_pending: AtomicUsize,
+    /// A READ of the peer's credit slot is in flight (`rc.read_out`, for a
+    /// look without the state lock). Its completion owes nobody a callback,
+    /// so nothing arms the send CQ for it: a thread that sends takes it
+    /// (`reap_credit_read`), as does any poll of that CQ.
+    credit_read_out: AtomicBool,
     /// Whether the send CQ may be armed (cleared at its channel events).
     send_armed: AtomicBool,
     /// Whether the completion thread polls this connection on every pass

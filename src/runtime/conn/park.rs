@@ -143,8 +143,8 @@ impl Connection {
         }
     }
 
-    /// An operation whose completion owes something (a callback, a
-    /// credit READ's counts) is about to be posted: counted, so the send CQ
+    /// An operation whose completion owes a callback is about to be
+    /// posted: counted, so the send CQ
     /// is armed while it is out, and armed now, before the post, so its
     /// completion raises an event. Not when the completion thread is
     /// polling this connection (a handler's answer): it polls that CQ while
@@ -160,22 +160,6 @@ impl Connection {
             && self.inner.recv_poller.load(Ordering::Acquire) == thread_token();
         if !polling_here && !self.inner.spun_on.load(Ordering::SeqCst) {
             self.arm_send();
-        }
-    }
-
-    /// A READ of the peer's credit is about to be posted: as
-    /// `async_posted`, but a caller-polled connection's send CQ is not
-    /// armed for it. Nobody is owed a callback: its waiters poll that CQ
-    /// (or arm it as they sleep), a sender short of credit waits and so
-    /// polls, one that queues arms and polls, and otherwise the completion
-    /// thread's next look at the connection finds it (every tick while the
-    /// thread does not spin; while it spins for other connections, when
-    /// that spin ends). Late credit, never a stall.
-    pub(super) fn credit_read_posted(&self) {
-        if self.inner.opts.caller_polls {
-            self.inner.async_pending.fetch_add(1, Ordering::SeqCst);
-        } else {
-            self.async_posted();
         }
     }
 

@@ -305,6 +305,7 @@ impl Connection {
         if data.len() == 0 {
             return Err(Error::InvalidArgument("a message cannot be empty".into()));
         }
+        self.reap_credit_read();
         let blocking = self.inner.opts.comm_mode == CommMode::Blocking;
         // Only a message that finds no room needs these: most never do.
         let mut on_cq_thread = None;

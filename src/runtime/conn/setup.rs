@@ -135,6 +135,7 @@ impl Connection {
                 recv_backlog: Mutex::new(VecDeque::with_capacity(MAX_POLL_BATCH)),
                 recv_backlogged: AtomicBool::new(false),
                 async_pending: AtomicUsize::new(0),
+                credit_read_out: AtomicBool::new(false),
                 send_armed: AtomicBool::new(false),
                 spun_on: AtomicBool::new(false),
                 recv_armed: AtomicBool::new(false),

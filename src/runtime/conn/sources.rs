@@ -46,6 +46,18 @@ impl crate::runtime::poller::Source for CqSource {
         true
     }
 
+    /// A stream's messages are taken unarmed between the completion
+    /// thread's naps; an event the last arming raised is taken first.
+    fn nap_poll(&self, evented: bool) -> bool {
+        if self.0.inner.opts.caller_polls {
+            return false;
+        }
+        if evented {
+            self.0.take_cq_event();
+        }
+        self.0.nap_round()
+    }
+
     /// Always: credit owed to the peer goes out on a tick once nothing
     /// carried it, and the thread that read the messages it is owed for
     /// may be any (a blocking call that polls), not this one; and nobody

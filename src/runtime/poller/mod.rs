@@ -49,6 +49,17 @@ pub trait Source: Send + Sync {
     /// (unless the source leaves the set or the thread stops): what the
     /// source would arm meanwhile, it may leave to the spinner.
     fn spun(&self) {}
+    /// Called after a nap the thread took because the source's items came
+    /// bunched ([`Source::ready`]), instead of `ready`: handles what is
+    /// pending without re-arming (`evented`: the source's fd was readable,
+    /// an event its last arming raised, to be taken) and returns true while
+    /// its items still come with nobody waiting on them, so the thread
+    /// naps again. Unarmed, a stream's items raise no events, whose
+    /// delivery the peer's post pays on Soft-RoCE. On false the thread
+    /// calls `ready`.
+    fn nap_poll(&self, _evented: bool) -> bool {
+        false
+    }
     /// Called about once per tick, busy or not.
     fn tick(&self) {}
     /// Whether `tick` may have work to do now. While no source's has, an
@@ -108,6 +119,9 @@ impl Source for Guarded {
     }
     fn spun(&self) {
         self.call("spun", |s| s.spun())
+    }
+    fn nap_poll(&self, evented: bool) -> bool {
+        self.call("nap_poll", |s| s.nap_poll(evented))
     }
     fn tick(&self) {
         self.call("tick", |s| s.tick())
@@ -248,11 +262,12 @@ impl Poller {
     /// it sleeps: a wakeup costs more than the next message usually takes.
     /// When it may not spin and a source's items came bunched with nobody
     /// waiting on them ([`Source::ready`]), it sleeps `nap` (0: never; a
-    /// wake ends it) before it looks at the events raised
-    /// meanwhile (the sources stay armed), rather than be woken by the next
-    /// one: a stream's items are then taken a nap's worth at a time, and
-    /// the peer's post does not pay a wakeup of this thread per item or
-    /// two. Every source of the thread waits out the nap.
+    /// wake ends it), then polls that source unarmed
+    /// ([`Source::nap_poll`]) and naps again for as long as its items keep
+    /// coming so, rather than be woken by the next one: a stream's items
+    /// are then taken a nap's worth at a time, and the peer's post does
+    /// not pay for waking this thread per item or two. Every source of the
+    /// thread waits out the nap; the others' events are taken after it.
     pub fn start(
         name: &str,
         tick: Duration,
@@ -377,6 +392,13 @@ fn run(shared: &Shared, tick: Duration, spin: Duration, nap: Duration) {
     // The last round ended in a nap: take the events raised meanwhile
     // without waiting.
     let mut napped = false;
+    // The sources napped on (their items came bunched), polled unarmed
+    // after each nap while their items keep coming.
+    let mut napping: Vec<(u64, Arc<dyn Source>)> = Vec::new();
+    // Of those, the ones whose fd was readable after the nap.
+    let mut napping_evented: Vec<u64> = Vec::with_capacity(EVENTS);
+    // Sources whose items came bunched in this round, napped on from now.
+    let mut bunched: Vec<(u64, Arc<dyn Source>)> = Vec::new();
     while !shared.stop.load(Ordering::SeqCst) {
         let spinning = !hot.is_empty();
         // Ticks waited for when this wait times out.
@@ -396,7 +418,7 @@ fn run(shared: &Shared, tick: Duration, spin: Duration, nap: Duration) {
         shared.pending.store(false, Ordering::SeqCst);
         let now = Instant::now();
         let mut changed = false;
-        let mut bunched = false;
+        napping_evented.clear();
         for ev in &events[..n] {
             let key = ev.u64;
             if key == WAKE_KEY {
@@ -404,8 +426,12 @@ fn run(shared: &Shared, tick: Duration, spin: Duration, nap: Duration) {
                 // SAFETY: reads 8 bytes from our eventfd.
                 unsafe { libc::read(shared.wake, (&mut buf as *mut u64).cast(), 8) };
                 changed = true;
+            } else if napping.iter().any(|(k, _)| *k == key) {
+                napping_evented.push(key);
             } else if let Some(source) = watched.get(&key) {
-                bunched |= source.ready();
+                if source.ready() && !nap.is_zero() {
+                    bunched.push((key, source.clone()));
+                }
                 if spins {
                     mark_hot(&mut hot, key, source, now);
                 }
@@ -417,6 +443,8 @@ fn run(shared: &Shared, tick: Duration, spin: Duration, nap: Duration) {
                 source.ready();
             }
             hot.retain(|h| watched.contains_key(&h.key));
+            napping.retain(|(key, _)| watched.contains_key(key));
+            bunched.retain(|(key, _)| watched.contains_key(key));
             // A wake may carry work queued by another thread.
             for (key, source) in &watched {
                 if source.poll_once() && spins {
@@ -436,6 +464,14 @@ fn run(shared: &Shared, tick: Duration, spin: Duration, nap: Duration) {
                 }
             }
         }
+        if napped {
+            // Napped on and still busy, or (armed again by `ready`) bunched
+            // again; the rest leave.
+            napping.retain(|(key, source)| {
+                source.nap_poll(napping_evented.contains(key)) || source.ready()
+            });
+        }
+        napping.append(&mut bunched);
         napped = false;
         let mut spun = false;
         if !hot.is_empty() {
@@ -450,15 +486,20 @@ fn run(shared: &Shared, tick: Duration, spin: Duration, nap: Duration) {
                 &mut events,
             );
         }
-        if bunched
-            && !nap.is_zero()
-            && !spun
+        let nap_now = !spun
             && hot.is_empty()
             && !shared.pending.load(Ordering::SeqCst)
-            && !shared.stop.load(Ordering::SeqCst)
-        {
+            && !shared.stop.load(Ordering::SeqCst);
+        if nap_now && !napping.is_empty() {
             shared.nap(nap);
             napped = true;
+        } else {
+            // A spin took over, or something else needs the thread: armed
+            // again (a spin over many sources leaves the ones it did not
+            // poll as they were).
+            for (_, source) in napping.drain(..) {
+                source.ready();
+            }
         }
         // The clock read after the wait serves, unless the thread spun
         // since (a spin may last `spin`): a read costs ~100 ns in a VM.

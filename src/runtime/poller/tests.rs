@@ -16,6 +16,9 @@ struct Probe {
     needs_looks: AtomicBool,
     /// Between `spun` and the next `ready`: polled unarmed.
     spun: AtomicBool,
+    /// What `nap_poll` says: its items still come bunched.
+    nap_busy: AtomicBool,
+    nap_polls: AtomicUsize,
 }
 
 impl Probe {
@@ -33,6 +36,8 @@ impl Probe {
             ticks: AtomicUsize::new(0),
             needs_looks: AtomicBool::new(true),
             spun: AtomicBool::new(false),
+            nap_busy: AtomicBool::new(false),
+            nap_polls: AtomicUsize::new(0),
         })
     }
 
@@ -72,6 +77,10 @@ impl Source for Probe {
     fn woken(&self) -> bool {
         self.ready();
         true
+    }
+    fn nap_poll(&self, _evented: bool) -> bool {
+        self.nap_polls.fetch_add(1, Ordering::SeqCst);
+        self.nap_busy.load(Ordering::SeqCst)
     }
     fn wants_tick(&self) -> bool {
         self.wants_tick.load(Ordering::SeqCst)
@@ -338,4 +347,61 @@ fn a_thread_that_may_not_spin_naps_after_a_bunch_and_only_then() {
         probe.readies.load(Ordering::SeqCst) == 7
     });
     assert!(bunch.elapsed() < NAP, "a wake did not end the nap");
+}
+
+#[test]
+fn a_source_napped_on_is_polled_unarmed_until_its_items_stop_coming() {
+    const NAP: Duration = Duration::from_millis(5);
+    let poller = Poller::start(
+        "test-nap-poll",
+        Duration::from_millis(10),
+        Duration::ZERO,
+        NAP,
+        || {},
+    )
+    .unwrap();
+    let probe = Probe::new();
+    probe.needs_looks.store(false, Ordering::SeqCst);
+    poller.add(probe.clone());
+    until("the add is handled", || {
+        probe.readies.load(Ordering::SeqCst) == 1
+    });
+    probe.bunched.store(true, Ordering::SeqCst);
+    probe.nap_busy.store(true, Ordering::SeqCst);
+    probe.signal();
+    until("the bunch is served", || {
+        probe.readies.load(Ordering::SeqCst) == 2
+    });
+    // While its items keep coming, each nap ends in an unarmed poll, not
+    // in `ready` (which would arm it).
+    until("several naps", || {
+        probe.nap_polls.load(Ordering::SeqCst) >= 5
+    });
+    assert_eq!(
+        probe.readies.load(Ordering::SeqCst),
+        2,
+        "armed between naps"
+    );
+    // The stream stops: armed again once, and the naps end.
+    probe.bunched.store(false, Ordering::SeqCst);
+    probe.nap_busy.store(false, Ordering::SeqCst);
+    until("armed again", || probe.readies.load(Ordering::SeqCst) == 3);
+    let polls = probe.nap_polls.load(Ordering::SeqCst);
+    std::thread::sleep(NAP * 20);
+    assert_eq!(
+        probe.nap_polls.load(Ordering::SeqCst),
+        polls,
+        "still napping"
+    );
+    assert_eq!(probe.readies.load(Ordering::SeqCst), 3);
+    // A bunch again, then an item: taken after the nap by the unarmed poll.
+    probe.bunched.store(true, Ordering::SeqCst);
+    probe.signal();
+    until("the bunch is served", || {
+        probe.readies.load(Ordering::SeqCst) == 4
+    });
+    probe.signal();
+    until("the nap's poll", || {
+        probe.nap_polls.load(Ordering::SeqCst) > polls
+    });
 }

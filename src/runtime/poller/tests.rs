@@ -298,25 +298,26 @@ fn a_panicking_source_does_not_end_the_thread() {
     });
 }
 
-#[test]
-fn a_thread_that_may_not_spin_naps_after_a_bunch_and_only_then() {
-    // Long, so that "served at once" cannot be mistaken for a nap on a
-    // slow machine.
-    const NAP: Duration = Duration::from_secs(2);
-    let poller = Poller::start(
-        "test-nap",
-        Duration::from_millis(10),
-        Duration::ZERO,
-        NAP,
-        || {},
-    )
-    .unwrap();
+/// A poller that never spins and naps `nap`, with one probe added (and
+/// made ready once), which needs no looks.
+fn napping_poller(name: &str, nap: Duration) -> (Poller, Arc<Probe>) {
+    let poller =
+        Poller::start(name, Duration::from_millis(10), Duration::ZERO, nap, || {}).unwrap();
     let probe = Probe::new();
     probe.needs_looks.store(false, Ordering::SeqCst);
     poller.add(probe.clone());
     until("the add is handled", || {
         probe.readies.load(Ordering::SeqCst) == 1
     });
+    (poller, probe)
+}
+
+#[test]
+fn a_thread_that_may_not_spin_naps_after_a_bunch_and_only_then() {
+    // Long, so that "served at once" cannot be mistaken for a nap on a
+    // slow machine.
+    const NAP: Duration = Duration::from_secs(2);
+    let (poller, probe) = napping_poller("test-nap", NAP);
     let served = |n: usize| {
         probe.signal();
         until("the event is served", || {
@@ -352,20 +353,7 @@ fn a_thread_that_may_not_spin_naps_after_a_bunch_and_only_then() {
 #[test]
 fn a_source_napped_on_is_polled_unarmed_until_its_items_stop_coming() {
     const NAP: Duration = Duration::from_millis(5);
-    let poller = Poller::start(
-        "test-nap-poll",
-        Duration::from_millis(10),
-        Duration::ZERO,
-        NAP,
-        || {},
-    )
-    .unwrap();
-    let probe = Probe::new();
-    probe.needs_looks.store(false, Ordering::SeqCst);
-    poller.add(probe.clone());
-    until("the add is handled", || {
-        probe.readies.load(Ordering::SeqCst) == 1
-    });
+    let (_poller, probe) = napping_poller("test-nap-poll", NAP);
     probe.bunched.store(true, Ordering::SeqCst);
     probe.nap_busy.store(true, Ordering::SeqCst);
     probe.signal();

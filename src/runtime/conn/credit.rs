@@ -395,17 +395,16 @@ impl Connection {
     /// posted, accounted for: when the peer publishes its credit, none is in
     /// flight, half its ring or receive queue is unacknowledged and a
     /// quarter more was sent since the last READ. (At a quarter and an
-    /// eighth, a 64 KiB stream into a 1 MiB ring READ every second message,
-    /// and each READ is a signaled completion the completion thread is
-    /// woken for; half leaves the sender the other half to send into while
-    /// the READ is out.) Nothing arms the send CQ for the READ: its
-    /// completion is taken by the next send of a thread that sends
-    /// ([`Connection::reap_credit_read`]), a sender short of room (which
-    /// polls that CQ as it waits, and arms it before it sleeps), or the
-    /// completion thread's next drain. Woken for it, the completion thread
-    /// took the sender's CPU (and on Soft-RoCE the event's delivery ran in
-    /// the sender's doorbell): a 64 B stream READ every ~30 messages, and
-    /// each READ cost the sender 2-5 messages' time.
+    /// eighth, a 64 KiB stream into a 1 MiB ring READ every second message;
+    /// half leaves the sender the other half to send into while the READ
+    /// is out.) Nothing arms the send CQ for the READ, as its completion
+    /// owes nobody a callback: a thread about to send takes it
+    /// ([`Connection::reap_credit_read`]); a sender short of room polls
+    /// that CQ as it waits and arms it before it sleeps; a thread that
+    /// queues a message arms and polls it; a drain polls it, and arms it
+    /// while messages are queued. Armed for it, the completion thread was
+    /// woken for each READ and took a CPU from the peer, and on Soft-RoCE
+    /// the event's delivery ran in the sender's doorbell.
     pub(super) fn credit_read(&self, st: &mut State) -> Option<CreditRead> {
         let slot = st.rc.peer_slot?;
         if st.rc.read_out || st.sq_used >= MAX_SEND_WR - CMD_RESERVE {

@@ -112,18 +112,41 @@ impl Connection {
     /// connection, takes send completions when nobody else is polling;
     /// callbacks they owe are queued for the completion thread.
     pub(super) fn poll_send_here(&self) -> bool {
-        let (took, failed) = self.poll_send_batch();
+        self.poll_send_acting(false)
+    }
+
+    /// [`Connection::poll_send_here`], but when another thread is polling
+    /// it waits for its turn (the other's poll may have started before a
+    /// completion came that arrived before our arming, so neither would
+    /// see it): for a thread that holds none of the runtime's locks and
+    /// runs no callback.
+    pub(super) fn poll_send_in_turn(&self) -> bool {
+        self.poll_send_acting(true)
+    }
+
+    fn poll_send_acting(&self, in_turn: bool) -> bool {
+        let (took, failed) = self.poll_send_batch(in_turn);
         if let Some(reason) = failed {
             self.fail(&reason);
         }
         took
     }
 
-    /// One batch of [`Connection::poll_send_here`]: whether there was
-    /// anything, and the first failure that ends the connection, for the
-    /// caller to act on (the poll lock is let go by then).
-    pub(super) fn poll_send_batch(&self) -> (bool, Option<String>) {
-        let _guard = match self.inner.send_poll.try_lock() {
+    /// One batch of [`Connection::poll_send_here`] (of `poll_send_in_turn`
+    /// when `in_turn`): whether there was anything, and the first failure
+    /// that ends the connection, for the caller to act on (the poll lock is
+    /// let go by then).
+    pub(super) fn poll_send_batch(&self, in_turn: bool) -> (bool, Option<String>) {
+        let locked = if in_turn {
+            Ok(self
+                .inner
+                .send_poll
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner))
+        } else {
+            self.inner.send_poll.try_lock()
+        };
+        let _guard = match locked {
             Ok(guard) => guard,
             // It guards no data: a panic while it was held left nothing half-done.
             Err(TryLockError::Poisoned(p)) => p.into_inner(),
@@ -176,7 +199,7 @@ impl Connection {
     pub(crate) fn process_completions(&self) -> bool {
         self.take_cq_event();
         let posts = self.inner.posts.load(Ordering::Relaxed);
-        let received = self.with_recv_poll(|| self.drain_and_arm()).unwrap_or(0);
+        let received = self.with_recv_poll(|| self.drain(true)).unwrap_or(0);
         received >= BUNCHED
             && self.inner.posts.load(Ordering::Relaxed) == posts
             && self.inner.waiting.load(Ordering::SeqCst) == 0
@@ -189,11 +212,9 @@ impl Connection {
     /// goes on, and the thread naps again.
     pub(crate) fn nap_round(&self) -> bool {
         let posts = self.inner.posts.load(Ordering::Relaxed);
-        let mut any = false;
-        while self.poll_round() {
-            any = true;
-        }
-        any && self.inner.posts.load(Ordering::Relaxed) == posts
+        let received = self.with_recv_poll(|| self.drain(false)).unwrap_or(0);
+        received > 0
+            && self.inner.posts.load(Ordering::Relaxed) == posts
             && self.inner.waiting.load(Ordering::SeqCst) == 0
     }
 
@@ -215,11 +236,11 @@ impl Connection {
         }
     }
 
-    /// Arms the CQs (unless callers poll the connection and none sleeps),
-    /// then handles what they hold: a completion that arrives meanwhile
-    /// raises an event, one that came before is polled here. Returns how
-    /// many receives completed (messages and commands).
-    pub(super) fn drain_and_arm(&self) -> usize {
+    /// Arms the CQs when `arm` (unless callers poll the connection and none
+    /// sleeps), then handles what they hold: a completion that arrives
+    /// meanwhile raises an event, one that came before is polled here.
+    /// Returns how many receives completed (messages and commands).
+    pub(super) fn drain(&self, arm: bool) -> usize {
         thread_local! {
             /// A drain's room, kept by its thread: a fresh one is 1.5 KiB to
             /// zero per drain.
@@ -228,20 +249,20 @@ impl Connection {
         }
         let kept = ROOM.try_with(|room| {
             let mut room = room.try_borrow_mut().ok()?;
-            Some(self.drain_and_arm_into(&mut room))
+            Some(self.drain_into(&mut room, arm))
         });
         // A drain inside a callback of another on this thread has its own.
-        kept.ok().flatten().unwrap_or_else(|| {
-            self.drain_and_arm_into(&mut CompletionRoom::<MAX_POLL_BATCH>::new())
-        })
+        kept.ok()
+            .flatten()
+            .unwrap_or_else(|| self.drain_into(&mut CompletionRoom::<MAX_POLL_BATCH>::new(), arm))
     }
 
-    fn drain_and_arm_into(&self, room: &mut CompletionRoom<MAX_POLL_BATCH>) -> usize {
+    fn drain_into(&self, room: &mut CompletionRoom<MAX_POLL_BATCH>, arm: bool) -> usize {
         let take = (self.inner.opts.max_concurrent_work_requests as usize).clamp(1, MAX_POLL_BATCH);
         // Callers poll their own connection while they wait and arm it when
         // they sleep; unwatched, it is looked at every tick.
         let unwatched =
-            self.inner.opts.caller_polls && self.inner.sleepers.load(Ordering::SeqCst) == 0;
+            !arm || self.inner.opts.caller_polls && self.inner.sleepers.load(Ordering::SeqCst) == 0;
         if !unwatched {
             if !self.arm_recv() {
                 log::warn!("arming the receive CQ failed; its completions wait for the next tick");
@@ -267,11 +288,15 @@ impl Connection {
                 continue;
             }
             // This drain's callbacks may have put an async one-sided
-            // operation in flight after the arming above, without arming (`async_posted`): armed now, and
-            // polled once more for what completed before.
+            // operation in flight after the arming above, without arming
+            // (`async_posted`), or queued messages whose room a send
+            // completion may bring (a READ of the peer's credit, which
+            // nothing arms for): armed now, and polled once more for what
+            // completed before.
             if !unwatched
                 && !rearmed
-                && self.inner.async_pending.load(Ordering::SeqCst) > 0
+                && (self.inner.async_pending.load(Ordering::SeqCst) > 0
+                    || self.inner.queued.load(Ordering::SeqCst))
                 && !self.inner.send_armed.load(Ordering::SeqCst)
             {
                 self.arm_send();

@@ -139,7 +139,7 @@ impl Connection {
     fn take_send_completions(&self) {
         // Failures found here (the end's own flush) add nothing: it is
         // ending already, for its own reason. Callbacks owed are queued.
-        while self.poll_send_batch().0 {}
+        while self.poll_send_batch(false).0 {}
     }
 
     pub(super) fn fire_disconnected(&self) {

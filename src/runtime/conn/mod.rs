@@ -271,8 +271,8 @@ pub(crate) struct ConnInner {
     async_pending: AtomicUsize,
     /// A READ of the peer's credit slot is in flight (`rc.read_out`, for a
     /// look without the state lock). Its completion owes nobody a callback,
-    /// so nothing arms the send CQ for it: a thread that sends takes it
-    /// (`reap_credit_read`), as does any poll of that CQ.
+    /// so it is not counted in `async_pending` and nothing arms the send CQ
+    /// for it alone (see `credit_read`).
     credit_read_out: AtomicBool,
     /// Whether the send CQ may be armed (cleared at its channel events).
     send_armed: AtomicBool,

@@ -148,7 +148,7 @@ impl Connection {
     /// is armed while it is out, and armed now, before the post, so its
     /// completion raises an event. Not when the completion thread is
     /// polling this connection (a handler's answer): it polls that CQ while
-    /// it spins and arms it at the end of a drain (`drain_and_arm`), and
+    /// it spins and arms it at the end of a drain (`drain`), and
     /// arming is a system call each of a handler's posts would pay. Nor
     /// while the completion thread spins on this connection (`spun_on`):
     /// it polls the CQ on every pass, and clears the flag before it looks

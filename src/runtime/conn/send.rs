@@ -389,12 +389,20 @@ impl Connection {
             }
         }
         drop(st);
-        if !on_cq_thread {
-            // The room may come from a send completion, which raises an
-            // event only when the send CQ is armed; one that came before
-            // arming is taken here.
+        // The room may come from a send completion, which raises an event
+        // only when the send CQ is armed; one that came before arming is
+        // taken here. The completion thread polls the send CQ after the
+        // callback it runs, and arms it then while messages are queued,
+        // but not another connection's a callback sends on: one whose
+        // credit READ is out (nothing armed for it) is armed and polled
+        // here.
+        if !on_cq_thread || self.inner.credit_read_out.load(Ordering::Acquire) {
             self.arm_send();
-            if self.poll_send_here() {
+            let took = match on_cq_thread {
+                true => self.poll_send_here(),
+                false => self.poll_send_in_turn(),
+            };
+            if took {
                 self.flush_queued();
             }
         }

@@ -495,10 +495,15 @@ fn run(shared: &Shared, tick: Duration, spin: Duration, nap: Duration) {
             napped = true;
         } else {
             // A spin took over, or something else needs the thread: armed
-            // again (a spin over many sources leaves the ones it did not
-            // poll as they were).
-            for (_, source) in napping.drain(..) {
-                source.ready();
+            // again, unless the spin did it or still polls them (a spin
+            // over many sources leaves the ones it did not poll as they
+            // were).
+            let few = watched.len() <= FEW;
+            for (key, source) in napping.drain(..) {
+                let spin_has_it = spun && (few || hot.iter().any(|h| h.key == key));
+                if !spin_has_it {
+                    source.ready();
+                }
             }
         }
         // The clock read after the wait serves, unless the thread spun

@@ -3,7 +3,8 @@
 //! on an older version gets the version-1 protocol either way round.
 
 use std::net::{IpAddr, SocketAddr};
-use std::sync::{mpsc, Arc};
+use std::process::Command;
+use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use snowrdma::costs::{self, Counter};
@@ -12,7 +13,7 @@ use snowrdma::runtime::proto::{CreditWords, VERSION};
 use snowrdma::runtime::{CommMode, ConnHandler, Connection, Options};
 use snowrdma::verbs::selftest::fill_pattern;
 
-use crate::runtime::{serve, Collect};
+use crate::runtime::{serve, Collect, Echo};
 use crate::{device_ip, TIMEOUT};
 
 /// Messages of the stream: four times the receive queue, so credit must
@@ -248,4 +249,81 @@ fn a_peer_whose_slot_cannot_be_read_is_cut_off() {
         CreditWords::default(),
         Duration::from_secs(2)
     ));
+}
+
+/// Messages a callback sends on another connection at once: sixteen times
+/// the receive queue, so most wait in the send queue for credit.
+const BURST: u64 = 16 * 1024;
+
+/// At its first message, sends [`BURST`] messages on `target` from the
+/// receive callback (the completion thread), where a send that finds no
+/// room queues rather than waits; keeps what it sent.
+#[derive(Default)]
+struct BurstOnOther {
+    target: Mutex<Option<Connection>>,
+    sent: Mutex<Vec<u8>>,
+}
+
+impl ConnHandler for BurstOnOther {
+    fn recv(&self, _conn: &Connection, _data: &[u8], _imm: Option<u32>) {
+        let Some(target) = self.target.lock().unwrap().take() else {
+            return;
+        };
+        let mut sent = self.sent.lock().unwrap();
+        let mut msg = [0u8; LEN];
+        for k in 0..BURST {
+            fill_pattern(&mut msg, k);
+            assert_eq!(target.send(&msg).unwrap(), LEN, "message {k}");
+            sent.extend_from_slice(&msg);
+        }
+    }
+}
+
+const BURST_TEST: &str =
+    "credit::a_burst_queued_by_a_callback_on_another_connection_arrives_with_spinning_off";
+
+#[test]
+#[ignore = "needs an RDMA device: run `make test`"]
+fn a_burst_queued_by_a_callback_on_another_connection_arrives_with_spinning_off() {
+    // A completion thread that does not spin polls only the connections it
+    // has events for, and nothing arms for a READ of the peer's credit
+    // alone: the queueing send does, and the drains that flush the queue
+    // poll it. (The rest of the suite runs with the default spin.) The
+    // runtime takes its spin once per process, so the test runs again in a
+    // process of its own, with spinning off.
+    if std::env::var("SNOWRDMA_SPIN_US").as_deref() != Ok("0") {
+        let status = Command::new("timeout")
+            .arg("120")
+            .arg(std::env::current_exe().unwrap())
+            .args(["--ignored", "--exact", BURST_TEST, "--test-threads=1"])
+            .env("SNOWRDMA_SPIN_US", "0")
+            .status()
+            .unwrap();
+        assert!(status.success(), "the run without spinning: {status}");
+        return;
+    }
+    let opts = Options::default();
+    // The sink only receives: its credit comes back by the sender's READs,
+    // or when the sender asks for it.
+    let sink = Arc::new(Collect::default());
+    let (sink_server, sink_addr) = serve(&opts, sink.clone());
+    let target = Connection::connect(sink_addr, &opts, Arc::new(Collect::default())).unwrap();
+    // The sink's credit slot is offered by the time it has a first message.
+    assert_eq!(target.send(&[0]).unwrap(), 1);
+    sink.wait_bytes(1, TIMEOUT);
+    let burst = Arc::new(BurstOnOther::default());
+    *burst.target.lock().unwrap() = Some(target.clone());
+    let (echo_server, echo_addr) = serve(&opts, Arc::new(Echo));
+    let trigger = Connection::connect(echo_addr, &opts, burst.clone()).unwrap();
+    assert_eq!(trigger.send(&[1]).unwrap(), 1);
+    let len = 1 + BURST as usize * LEN;
+    let got = sink.wait_bytes(len, TIMEOUT * 3);
+    let mut sent = vec![0u8];
+    sent.extend_from_slice(&burst.sent.lock().unwrap());
+    assert_eq!(got.len(), sent.len());
+    assert!(got == sent, "the burst arrived changed");
+    trigger.close();
+    target.close();
+    echo_server.release();
+    sink_server.release();
 }

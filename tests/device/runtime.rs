@@ -15,7 +15,7 @@ use snowrdma::verbs::{MemoryRegion, RemoteAddr};
 use crate::{device_ip, TIMEOUT};
 
 /// Echoes every message back, in blocking mode (queued when the ring is full).
-struct Echo;
+pub struct Echo;
 impl ConnHandler for Echo {
     fn recv(&self, conn: &Connection, data: &[u8], imm: Option<u32>) {
         let sent = match imm {

@@ -55,8 +55,6 @@ pub(super) struct ReadCredit {
     wanted: Option<(u64, u32)>,
     /// Sender: the peer's slot.
     peer_slot: Option<RemoteRegion>,
-    /// Sender: a READ of the peer's slot is in flight.
-    read_out: bool,
     /// Sender: how much we had sent (ring bytes, messages) at the last READ.
     read_at: (u64, u64),
     /// Sender: we asked for credit and none came since.
@@ -407,7 +405,7 @@ impl Connection {
     /// the event's delivery ran in the sender's doorbell.
     pub(super) fn credit_read(&self, st: &mut State) -> Option<CreditRead> {
         let slot = st.rc.peer_slot?;
-        if st.rc.read_out || st.sq_used >= MAX_SEND_WR - CMD_RESERVE {
+        if self.credit_read_out() || st.sq_used >= MAX_SEND_WR - CMD_RESERVE {
             return None;
         }
         let ring = st.tx.capacity() as u64;
@@ -419,7 +417,6 @@ impl Connection {
         if !(unacked && moved) {
             return None;
         }
-        st.rc.read_out = true;
         st.rc.read_at = (head, msgs);
         st.sq_used += 1;
         self.inner.credit_read_out.store(true, Ordering::Release);
@@ -437,9 +434,15 @@ impl Connection {
     /// Not inside a callback: the thread running it polls the send CQ when
     /// the callback returns, and may be holding its poll lock now.
     pub(super) fn reap_credit_read(&self) {
-        if self.inner.credit_read_out.load(Ordering::Acquire) && !self.on_callback_thread() {
+        if self.credit_read_out() && !self.on_callback_thread() {
             self.poll_send_here();
         }
+    }
+
+    /// Whether a READ of the peer's credit slot is in flight (set and
+    /// cleared under the state lock; read without it too).
+    pub(super) fn credit_read_out(&self) -> bool {
+        self.inner.credit_read_out.load(Ordering::Acquire)
     }
 
     /// The READ of the peer's credit slot completed: its counts, read once,
@@ -448,7 +451,6 @@ impl Connection {
     pub(super) fn credit_read_done(&self) -> Result<(), String> {
         let mut st = self.lock();
         st.sq_used -= 1;
-        st.rc.read_out = false;
         self.inner.credit_read_out.store(false, Ordering::Release);
         let at = (self.inner.credit.addr() as usize + READ_INTO) as *const u64;
         // SAFETY: the READ that wrote these bytes completed, and none is in
@@ -474,7 +476,7 @@ impl Connection {
     /// needs: behind a slow receiver, one request then frees many messages'
     /// room, not one's.
     pub(super) fn want_credit(&self, st: &mut State, len: usize) {
-        if st.rc.peer_slot.is_none() || st.rc.want_out || st.rc.read_out {
+        if st.rc.peer_slot.is_none() || st.rc.want_out || self.credit_read_out() {
             return;
         }
         let bytes = st.tx.needed_for(len);

@@ -112,19 +112,15 @@ impl Connection {
     /// connection, takes send completions when nobody else is polling;
     /// callbacks they owe are queued for the completion thread.
     pub(super) fn poll_send_here(&self) -> bool {
-        self.poll_send_acting(false)
+        self.poll_send(false)
     }
 
-    /// [`Connection::poll_send_here`], but when another thread is polling
-    /// it waits for its turn (the other's poll may have started before a
-    /// completion came that arrived before our arming, so neither would
-    /// see it): for a thread that holds none of the runtime's locks and
-    /// runs no callback.
-    pub(super) fn poll_send_in_turn(&self) -> bool {
-        self.poll_send_acting(true)
-    }
-
-    fn poll_send_acting(&self, in_turn: bool) -> bool {
+    /// [`Connection::poll_send_here`]; `in_turn`: when another thread is
+    /// polling, wait for its turn rather than leave it to that one (whose
+    /// poll may have started before a completion came that arrived before
+    /// our arming, so neither would see it), for a thread that holds none
+    /// of the runtime's locks and runs no callback.
+    pub(super) fn poll_send(&self, in_turn: bool) -> bool {
         let (took, failed) = self.poll_send_batch(in_turn);
         if let Some(reason) = failed {
             self.fail(&reason);
@@ -132,8 +128,7 @@ impl Connection {
         took
     }
 
-    /// One batch of [`Connection::poll_send_here`] (of `poll_send_in_turn`
-    /// when `in_turn`): whether there was anything, and the first failure
+    /// One batch of [`Connection::poll_send`]: whether there was anything, and the first failure
     /// that ends the connection, for the caller to act on (the poll lock is
     /// let go by then).
     pub(super) fn poll_send_batch(&self, in_turn: bool) -> (bool, Option<String>) {
@@ -198,11 +193,7 @@ impl Connection {
     /// stream's sender does not.
     pub(crate) fn process_completions(&self) -> bool {
         self.take_cq_event();
-        let posts = self.inner.posts.load(Ordering::Relaxed);
-        let received = self.with_recv_poll(|| self.drain(true)).unwrap_or(0);
-        received >= BUNCHED
-            && self.inner.posts.load(Ordering::Relaxed) == posts
-            && self.inner.waiting.load(Ordering::SeqCst) == 0
+        self.drain_unanswered(true, BUNCHED)
     }
 
     /// The completion thread's look at the connection after a nap on its
@@ -211,9 +202,17 @@ impl Connection {
     /// posted in answer and nobody waiting on the connection: the stream
     /// goes on, and the thread naps again.
     pub(crate) fn nap_round(&self) -> bool {
+        self.drain_unanswered(false, 1)
+    }
+
+    /// Drains the connection (arming its CQs when `arm`) unless a caller
+    /// polls it right now; whether at least `bunch` receives came with
+    /// nothing posted in answer during the drain and nobody waiting on the
+    /// connection.
+    fn drain_unanswered(&self, arm: bool, bunch: usize) -> bool {
         let posts = self.inner.posts.load(Ordering::Relaxed);
-        let received = self.with_recv_poll(|| self.drain(false)).unwrap_or(0);
-        received > 0
+        let received = self.with_recv_poll(|| self.drain(arm)).unwrap_or(0);
+        received >= bunch
             && self.inner.posts.load(Ordering::Relaxed) == posts
             && self.inner.waiting.load(Ordering::SeqCst) == 0
     }

@@ -269,8 +269,9 @@ pub(crate) struct ConnInner {
     /// send completion): sync operations' waiters poll it themselves, and
     /// waking the completion thread for them would cost more than the wait.
     async_pending: AtomicUsize,
-    /// A READ of the peer's credit slot is in flight (`rc.read_out`, for a
-    /// look without the state lock). Its completion owes nobody a callback,
+    /// Sender: a READ of the peer's credit slot is in flight (set and
+    /// cleared under the state lock, looked at without it by a thread about
+    /// to send). Its completion owes nobody a callback,
     /// so it is not counted in `async_pending` and nothing arms the send CQ
     /// for it alone (see `credit_read`).
     credit_read_out: AtomicBool,

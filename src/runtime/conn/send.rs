@@ -396,13 +396,11 @@ impl Connection {
         // but not another connection's a callback sends on: one whose
         // credit READ is out (nothing armed for it) is armed and polled
         // here.
-        if !on_cq_thread || self.inner.credit_read_out.load(Ordering::Acquire) {
+        if !on_cq_thread || self.credit_read_out() {
             self.arm_send();
-            let took = match on_cq_thread {
-                true => self.poll_send_here(),
-                false => self.poll_send_in_turn(),
-            };
-            if took {
+            // A thread outside callbacks holds none of the runtime's locks:
+            // it waits for its turn at the poll.
+            if self.poll_send(!on_cq_thread) {
                 self.flush_queued();
             }
         }

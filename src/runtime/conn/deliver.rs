@@ -5,7 +5,6 @@ use std::sync::atomic::Ordering;
 use std::sync::{MutexGuard, TryLockError};
 
 use crate::runtime::proto::{ExtKind, EXT_HEADER_LEN, IMM_EXTENDED};
-use crate::runtime::thread_token;
 
 use super::{ConnState, Connection, Deferred, Delivery, InRing, State};
 
@@ -56,7 +55,7 @@ impl Connection {
             // A thread in a round of this connection runs the queue when
             // the round ends; any other (a caller, or the completion thread
             // busy with another connection) leaves it to a round it asks for.
-            if self.inner.recv_poller.load(Ordering::Acquire) != thread_token() {
+            if !self.polled_here() {
                 self.ask_for_round();
             }
             return;

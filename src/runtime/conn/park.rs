@@ -156,8 +156,7 @@ impl Connection {
     /// sees the other).
     pub(super) fn async_posted(&self) {
         self.inner.async_pending.fetch_add(1, Ordering::SeqCst);
-        let polling_here = self.inner.rt.cq.is_current()
-            && self.inner.recv_poller.load(Ordering::Acquire) == thread_token();
+        let polling_here = self.inner.rt.cq.is_current() && self.polled_here();
         if !polling_here && !self.inner.spun_on.load(Ordering::SeqCst) {
             self.arm_send();
         }
@@ -210,8 +209,15 @@ impl Connection {
     /// Whether callbacks of this connection run on this thread: the
     /// completion thread, or a caller polling it.
     pub(super) fn on_callback_thread(&self) -> bool {
-        self.inner.rt.cq.is_current()
-            || self.inner.recv_poller.load(Ordering::Acquire) == thread_token()
+        self.inner.rt.cq.is_current() || self.polled_here()
+    }
+
+    /// Whether this thread holds the receive-poll role of this connection:
+    /// it is in a round of it (a drain, a spin's pass, a caller's poll),
+    /// and handles the connection's completions and owed callbacks when
+    /// the round ends.
+    pub(super) fn polled_here(&self) -> bool {
+        self.inner.recv_poller.load(Ordering::Acquire) == thread_token()
     }
 
     /// Waits until `check` gives a value, or `until` passes. On the

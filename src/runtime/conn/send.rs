@@ -389,14 +389,14 @@ impl Connection {
             }
         }
         drop(st);
-        // The room may come from a send completion, which raises an event
+        // The room comes from a send completion (one that frees the send
+        // queue, or a READ of the peer's credit), which raises an event
         // only when the send CQ is armed; one that came before arming is
-        // taken here. The completion thread polls the send CQ after the
-        // callback it runs, and arms it then while messages are queued,
-        // but not another connection's a callback sends on: one whose
-        // credit READ is out (nothing armed for it) is armed and polled
-        // here.
-        if !on_cq_thread || self.credit_read_out() {
+        // taken here. A thread draining this connection (a callback of
+        // it) polls the send CQ when the callback returns and arms it at
+        // the drain's end while messages are queued; any other thread
+        // (a caller, or a callback of another connection) arms it here.
+        if !self.polled_here() {
             self.arm_send();
             // A thread outside callbacks holds none of the runtime's locks:
             // it waits for its turn at the poll.

@@ -8,6 +8,7 @@
 mod broker;
 mod broker_programs;
 mod c_programs;
+mod callbacks;
 mod credit;
 mod echo_load;
 mod hostile;

@@ -4,6 +4,7 @@
 
 use std::net::{IpAddr, SocketAddr};
 use std::process::Command;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -370,4 +371,73 @@ fn a_burst_a_callback_sends_past_another_connections_send_queue_arrives_without_
         ..Options::default()
     };
     burst_from_a_callback(&sink_opts, 1800, 16, TIMEOUT * 3);
+}
+
+/// At its first `write_done`, sends `burst` messages of `len` bytes on its
+/// own connection: from a round the completion thread runs for the
+/// callbacks owed alone, with no completion in it.
+struct BurstAfterWrite {
+    fired: AtomicBool,
+    sent: Mutex<Vec<u8>>,
+    burst: u64,
+    len: usize,
+}
+
+impl ConnHandler for BurstAfterWrite {
+    fn write_done(&self, conn: &Connection, _len: usize) {
+        if self.fired.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        let mut sent = self.sent.lock().unwrap();
+        let mut msg = vec![0u8; self.len];
+        for k in 0..self.burst {
+            fill_pattern(&mut msg, k);
+            assert_eq!(conn.send(&msg).unwrap(), self.len, "message {k}");
+            sent.extend_from_slice(&msg);
+        }
+    }
+}
+
+const WRITE_BURST_TEST: &str =
+    "credit::a_burst_a_write_callback_sends_on_its_own_connection_arrives_without_an_idle_look";
+
+#[test]
+#[ignore = "needs an RDMA device: run `make test`"]
+fn a_burst_a_write_callback_sends_on_its_own_connection_arrives_without_an_idle_look() {
+    // A write callback runs in a round the completion thread runs when
+    // woken for it, not in a drain: most of the burst waits in the send
+    // queue for credit (a READ of it goes out once half the sink's receive
+    // queue is used) and for our own send queue, and the round must arm
+    // the send CQ for the completions that bring room, as a drain's end
+    // does. The look at every connection is put off past the wait, as
+    // above.
+    if rerun_without_spin(WRITE_BURST_TEST) {
+        return;
+    }
+    runtime::configure(&Options {
+        poll_event_timeout: Duration::from_secs(1),
+        ..Options::default()
+    });
+    let opts = Options::default();
+    let sink = Arc::new(Collect::default());
+    let (sink_server, sink_addr) = serve(&opts, sink.clone());
+    let sender = Arc::new(BurstAfterWrite {
+        fired: AtomicBool::new(false),
+        sent: Mutex::new(vec![0]),
+        burst: 4096,
+        len: 64,
+    });
+    let conn = Connection::connect(sink_addr, &opts, sender.clone()).unwrap();
+    // The sink's credit slot is offered by the time it has a first message.
+    assert_eq!(conn.send(&[0]).unwrap(), 1);
+    sink.wait_bytes(1, TIMEOUT);
+    // Lands in the sink's ring with no callback there.
+    assert_eq!(conn.write_silent(b"w").unwrap(), 1);
+    let got = sink.wait_bytes(1 + 4096 * 64, TIMEOUT * 3);
+    let sent = sender.sent.lock().unwrap();
+    assert_eq!(got.len(), sent.len());
+    assert!(got == *sent, "the burst arrived changed");
+    drop(sent);
+    conn.close();
+    sink_server.release();
 }

@@ -260,8 +260,7 @@ impl Connection {
         let take = (self.inner.opts.max_concurrent_work_requests as usize).clamp(1, MAX_POLL_BATCH);
         // Callers poll their own connection while they wait and arm it when
         // they sleep; unwatched, it is looked at every tick.
-        let unwatched =
-            !arm || self.inner.opts.caller_polls && self.inner.sleepers.load(Ordering::SeqCst) == 0;
+        let unwatched = !arm || self.left_to_callers();
         if !unwatched {
             if !self.arm_recv() {
                 log::warn!("arming the receive CQ failed; its completions wait for the next tick");
@@ -292,18 +291,31 @@ impl Connection {
             // completion may bring (a READ of the peer's credit, which
             // nothing arms for): armed now, and polled once more for what
             // completed before.
-            if !unwatched
-                && !rearmed
-                && (self.inner.async_pending.load(Ordering::SeqCst) > 0
-                    || self.inner.queued.load(Ordering::SeqCst))
-                && !self.inner.send_armed.load(Ordering::SeqCst)
-            {
+            if !unwatched && !rearmed && self.send_event_wanted() {
                 self.arm_send();
                 rearmed = true;
                 continue;
             }
             return handled.unwrap_or(0);
         }
+    }
+
+    /// Whether nobody but the connection's callers looks at it: they poll
+    /// it while they wait and arm it when they sleep, and the completion
+    /// thread looks at it every tick.
+    fn left_to_callers(&self) -> bool {
+        self.inner.opts.caller_polls && self.inner.sleepers.load(Ordering::SeqCst) == 0
+    }
+
+    /// Whether the send CQ is unarmed while an async one-sided operation is
+    /// in flight (`async_posted` does not arm for one a callback posts in a
+    /// round), or while messages wait in the queue for room that a send
+    /// completion brings (one that frees the send queue, or a READ of the
+    /// peer's credit, which nothing arms for).
+    fn send_event_wanted(&self) -> bool {
+        (self.inner.async_pending.load(Ordering::SeqCst) > 0
+            || self.inner.queued.load(Ordering::SeqCst))
+            && !self.inner.send_armed.load(Ordering::SeqCst)
     }
 
     pub(super) fn dispatch(&self, wc: &Completion, inline: bool) {
@@ -555,6 +567,22 @@ impl Connection {
             let owed = self.inner.owed.swap(false, Ordering::AcqRel);
             if n > 0 || owed {
                 self.after_round();
+                // A spin polls the connection again on its next pass, but a
+                // round the thread ran for a wake (spinning off, or nothing
+                // to spin for) arms nothing after it, as a drain does: what
+                // its callbacks left waiting on a send completion would wait
+                // for the look at every connection.
+                if !self.inner.spun_on.load(Ordering::SeqCst)
+                    && !self.left_to_callers()
+                    && self.send_event_wanted()
+                {
+                    self.arm_send();
+                    // What completed before the arming raises no event:
+                    // all of it is taken now.
+                    while self.poll_cq(true, &mut room, usize::MAX, false) > 0 {
+                        self.after_round();
+                    }
+                }
             }
             n > 0
         })

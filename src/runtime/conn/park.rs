@@ -84,7 +84,7 @@ impl Connection {
         if self.inner.opts.caller_polls {
             while self.poll_round() {}
         } else {
-            self.poll_send_here();
+            while self.poll_send_here() {}
         }
         let guard = self.inner.sleep_lock.lock().expect("sleep lock");
         if self.inner.wakeups.load(Ordering::SeqCst) == seen {

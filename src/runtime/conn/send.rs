@@ -392,15 +392,23 @@ impl Connection {
         // The room comes from a send completion (one that frees the send
         // queue, or a READ of the peer's credit), which raises an event
         // only when the send CQ is armed; one that came before arming is
-        // taken here. A thread draining this connection (a callback of
-        // it) polls the send CQ when the callback returns and arms it at
-        // the drain's end while messages are queued; any other thread
-        // (a caller, or a callback of another connection) arms it here.
-        if !self.polled_here() {
+        // taken here. A thread in a round of this connection (a callback
+        // of it) polls the send CQ when the callback returns and arms it
+        // at the round's end while messages are queued, and a spin over
+        // it polls that CQ on every pass (and arms it when the spin ends:
+        // `spun_on` is cleared first, both SeqCst); any other thread (a
+        // caller, or a callback of another connection) arms it here.
+        if !self.polled_here() && !self.inner.spun_on.load(Ordering::SeqCst) {
             self.arm_send();
             // A thread outside callbacks holds none of the runtime's locks:
-            // it waits for its turn at the poll.
-            if self.poll_send(!on_cq_thread) {
+            // it waits for its turn at the poll. Everything that completed
+            // before the arming is taken (it raises no event), a batch at
+            // a time.
+            let mut took = false;
+            while self.poll_send(!on_cq_thread) {
+                took = true;
+            }
+            if took {
                 self.flush_queued();
             }
         }

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use snowrdma::costs::{self, Counter};
 use snowrdma::runtime::legacy_peer::LegacyPeer;
 use snowrdma::runtime::proto::{CreditWords, VERSION};
-use snowrdma::runtime::{self, CommMode, ConnHandler, Connection, Options};
+use snowrdma::runtime::{self, CommMode, ConnHandler, Connection, Listener, Options};
 use snowrdma::verbs::selftest::fill_pattern;
 
 use crate::runtime::{serve, Collect, Echo};
@@ -252,27 +252,70 @@ fn a_peer_whose_slot_cannot_be_read_is_cut_off() {
     ));
 }
 
-/// At its first message, sends `burst` messages of `len` bytes on `target`
-/// from the receive callback (the completion thread), where a send that
-/// finds no room queues rather than waits; keeps what it sent.
+/// Messages of `len` bytes, `count` of them, sent at once from a callback,
+/// where a send that finds no room queues rather than waits; keeps what it
+/// sent, after the sink's first byte.
+struct Burst {
+    sent: Mutex<Vec<u8>>,
+    count: u64,
+    len: usize,
+}
+
+impl Burst {
+    fn new(count: u64, len: usize) -> Self {
+        Burst {
+            sent: Mutex::new(vec![0]),
+            count,
+            len,
+        }
+    }
+
+    fn send_on(&self, conn: &Connection) {
+        let mut sent = self.sent.lock().unwrap();
+        let mut msg = vec![0u8; self.len];
+        for k in 0..self.count {
+            fill_pattern(&mut msg, k);
+            assert_eq!(conn.send(&msg).unwrap(), self.len, "message {k}");
+            sent.extend_from_slice(&msg);
+        }
+    }
+
+    /// All of it must reach `sink`, byte for byte, within `wait`.
+    fn check_arrived(&self, sink: &Collect, wait: Duration) {
+        let got = sink.wait_bytes(1 + self.count as usize * self.len, wait);
+        let sent = self.sent.lock().unwrap();
+        assert_eq!(got.len(), sent.len());
+        assert!(got == *sent, "the burst arrived changed");
+    }
+}
+
+/// At its first message, sends its burst on `target` from the receive
+/// callback (the completion thread, in a drain of another connection).
 struct BurstOnOther {
     target: Mutex<Option<Connection>>,
-    sent: Mutex<Vec<u8>>,
-    burst: u64,
-    len: usize,
+    burst: Burst,
 }
 
 impl ConnHandler for BurstOnOther {
     fn recv(&self, _conn: &Connection, _data: &[u8], _imm: Option<u32>) {
-        let Some(target) = self.target.lock().unwrap().take() else {
-            return;
-        };
-        let mut sent = self.sent.lock().unwrap();
-        let mut msg = vec![0u8; self.len];
-        for k in 0..self.burst {
-            fill_pattern(&mut msg, k);
-            assert_eq!(target.send(&msg).unwrap(), self.len, "message {k}");
-            sent.extend_from_slice(&msg);
+        if let Some(target) = self.target.lock().unwrap().take() {
+            self.burst.send_on(&target);
+        }
+    }
+}
+
+/// At its first `write_done`, sends its burst on its own connection: from
+/// a round the completion thread runs for the callbacks owed alone, with
+/// no completion in it (not a drain).
+struct BurstAfterWrite {
+    fired: AtomicBool,
+    burst: Burst,
+}
+
+impl ConnHandler for BurstAfterWrite {
+    fn write_done(&self, conn: &Connection, _len: usize) {
+        if !self.fired.swap(true, Ordering::SeqCst) {
+            self.burst.send_on(conn);
         }
     }
 }
@@ -296,32 +339,44 @@ fn rerun_without_spin(name: &str) -> bool {
     true
 }
 
-/// A callback of one connection sends a [`BurstOnOther`] to a receive-only
-/// sink (whose options are `sink_opts`) on another; all of it must arrive,
-/// byte for byte, within `wait`.
-fn burst_from_a_callback(sink_opts: &Options, burst: u64, len: usize, wait: Duration) {
-    let opts = Options::default();
-    // The sink only receives: its credit comes back by the sender's READs,
-    // or when the sender asks for it.
+/// Puts the completion thread's look at every connection (each 100 ticks),
+/// which would find what nothing armed for, past a test's wait: a 1 s tick.
+fn put_off_the_look_at_every_connection() {
+    runtime::configure(&Options {
+        poll_event_timeout: Duration::from_secs(1),
+        ..Options::default()
+    });
+}
+
+/// A receive-only sink (whose options are `sink_opts`) and a connection to
+/// it with `handler`, which has sent the sink its first byte: the sink's
+/// credit slot is offered by then. Its credit comes back by the sender's
+/// READs, or when the sender asks for it.
+fn sink_and_sender(
+    sink_opts: &Options,
+    handler: Arc<dyn ConnHandler>,
+) -> (Arc<Collect>, Listener, Connection) {
     let sink = Arc::new(Collect::default());
     let (sink_server, sink_addr) = serve(sink_opts, sink.clone());
-    let target = Connection::connect(sink_addr, &opts, Arc::new(Collect::default())).unwrap();
-    // The sink's credit slot is offered by the time it has a first message.
-    assert_eq!(target.send(&[0]).unwrap(), 1);
+    let conn = Connection::connect(sink_addr, &Options::default(), handler).unwrap();
+    assert_eq!(conn.send(&[0]).unwrap(), 1);
     sink.wait_bytes(1, TIMEOUT);
+    (sink, sink_server, conn)
+}
+
+/// A receive callback of another connection sends `burst` to a
+/// receive-only sink (whose options are `sink_opts`); all of it must
+/// arrive within `wait`.
+fn burst_from_a_callback(sink_opts: &Options, burst: Burst, wait: Duration) {
+    let (sink, sink_server, target) = sink_and_sender(sink_opts, Arc::new(Collect::default()));
     let sender = Arc::new(BurstOnOther {
         target: Mutex::new(Some(target.clone())),
-        sent: Mutex::new(vec![0]),
         burst,
-        len,
     });
-    let (echo_server, echo_addr) = serve(&opts, Arc::new(Echo));
-    let trigger = Connection::connect(echo_addr, &opts, sender.clone()).unwrap();
+    let (echo_server, echo_addr) = serve(&Options::default(), Arc::new(Echo));
+    let trigger = Connection::connect(echo_addr, &Options::default(), sender.clone()).unwrap();
     assert_eq!(trigger.send(&[1]).unwrap(), 1);
-    let got = sink.wait_bytes(1 + burst as usize * len, wait);
-    let sent = sender.sent.lock().unwrap();
-    assert_eq!(got.len(), sent.len());
-    assert!(got == *sent, "the burst arrived changed");
+    sender.burst.check_arrived(&sink, wait);
     trigger.close();
     target.close();
     echo_server.release();
@@ -342,7 +397,7 @@ fn a_burst_queued_by_a_callback_on_another_connection_arrives_with_spinning_off(
     if rerun_without_spin(CREDIT_BURST_TEST) {
         return;
     }
-    burst_from_a_callback(&Options::default(), 16 * 1024, 200, TIMEOUT * 3);
+    burst_from_a_callback(&Options::default(), Burst::new(16 * 1024, 200), TIMEOUT * 3);
 }
 
 const ROOM_BURST_TEST: &str =
@@ -356,46 +411,16 @@ fn a_burst_a_callback_sends_past_another_connections_send_queue_arrives_without_
     // burst stays below the half of it that sends a READ of its credit.
     // Room comes back in send completions, which raise an event only when
     // that CQ is armed, and the callback runs on another connection's
-    // drain, which does not poll it: the queueing send must arm it. The
-    // completion thread's look at every connection (each 100 ticks), which
-    // would find them anyway, is put off past the wait by a 1 s tick.
+    // drain, which does not poll it: the queueing send must arm it.
     if rerun_without_spin(ROOM_BURST_TEST) {
         return;
     }
-    runtime::configure(&Options {
-        poll_event_timeout: Duration::from_secs(1),
-        ..Options::default()
-    });
+    put_off_the_look_at_every_connection();
     let sink_opts = Options {
         recv_depth: 4096,
         ..Options::default()
     };
-    burst_from_a_callback(&sink_opts, 1800, 16, TIMEOUT * 3);
-}
-
-/// At its first `write_done`, sends `burst` messages of `len` bytes on its
-/// own connection: from a round the completion thread runs for the
-/// callbacks owed alone, with no completion in it.
-struct BurstAfterWrite {
-    fired: AtomicBool,
-    sent: Mutex<Vec<u8>>,
-    burst: u64,
-    len: usize,
-}
-
-impl ConnHandler for BurstAfterWrite {
-    fn write_done(&self, conn: &Connection, _len: usize) {
-        if self.fired.swap(true, Ordering::SeqCst) {
-            return;
-        }
-        let mut sent = self.sent.lock().unwrap();
-        let mut msg = vec![0u8; self.len];
-        for k in 0..self.burst {
-            fill_pattern(&mut msg, k);
-            assert_eq!(conn.send(&msg).unwrap(), self.len, "message {k}");
-            sent.extend_from_slice(&msg);
-        }
-    }
+    burst_from_a_callback(&sink_opts, Burst::new(1800, 16), TIMEOUT * 3);
 }
 
 const WRITE_BURST_TEST: &str =
@@ -409,35 +434,19 @@ fn a_burst_a_write_callback_sends_on_its_own_connection_arrives_without_an_idle_
     // queue for credit (a READ of it goes out once half the sink's receive
     // queue is used) and for our own send queue, and the round must arm
     // the send CQ for the completions that bring room, as a drain's end
-    // does. The look at every connection is put off past the wait, as
-    // above.
+    // does.
     if rerun_without_spin(WRITE_BURST_TEST) {
         return;
     }
-    runtime::configure(&Options {
-        poll_event_timeout: Duration::from_secs(1),
-        ..Options::default()
-    });
-    let opts = Options::default();
-    let sink = Arc::new(Collect::default());
-    let (sink_server, sink_addr) = serve(&opts, sink.clone());
+    put_off_the_look_at_every_connection();
     let sender = Arc::new(BurstAfterWrite {
         fired: AtomicBool::new(false),
-        sent: Mutex::new(vec![0]),
-        burst: 4096,
-        len: 64,
+        burst: Burst::new(4096, 64),
     });
-    let conn = Connection::connect(sink_addr, &opts, sender.clone()).unwrap();
-    // The sink's credit slot is offered by the time it has a first message.
-    assert_eq!(conn.send(&[0]).unwrap(), 1);
-    sink.wait_bytes(1, TIMEOUT);
+    let (sink, sink_server, conn) = sink_and_sender(&Options::default(), sender.clone());
     // Lands in the sink's ring with no callback there.
     assert_eq!(conn.write_silent(b"w").unwrap(), 1);
-    let got = sink.wait_bytes(1 + 4096 * 64, TIMEOUT * 3);
-    let sent = sender.sent.lock().unwrap();
-    assert_eq!(got.len(), sent.len());
-    assert!(got == *sent, "the burst arrived changed");
-    drop(sent);
+    sender.burst.check_arrived(&sink, TIMEOUT * 3);
     conn.close();
     sink_server.release();
 }

@@ -435,7 +435,7 @@ impl Connection {
     /// the callback returns, and may be holding its poll lock now.
     pub(super) fn reap_credit_read(&self) {
         if self.credit_read_out() && !self.on_callback_thread() {
-            self.poll_send_here();
+            self.poll_send(false);
         }
     }
 

@@ -108,18 +108,14 @@ impl Connection {
         }
     }
 
-    /// A waiting thread (not the completion thread), or one ending the
-    /// connection, takes send completions when nobody else is polling;
-    /// callbacks they owe are queued for the completion thread.
-    pub(super) fn poll_send_here(&self) -> bool {
-        self.poll_send(false)
-    }
-
-    /// [`Connection::poll_send_here`]; `in_turn`: when another thread is
-    /// polling, wait for its turn rather than leave it to that one (whose
-    /// poll may have started before a completion came that arrived before
-    /// our arming, so neither would see it), for a thread that holds none
-    /// of the runtime's locks and runs no callback.
+    /// A thread outside a round of the connection (a waiter, one ending
+    /// it, a sender) takes a batch of send completions; callbacks they owe
+    /// are queued for the completion thread. Whether there was anything.
+    /// When another thread is polling, it leaves them to that one, unless
+    /// `in_turn`: then it waits for its turn (the other's poll may have
+    /// started before a completion came that arrived before our arming, so
+    /// neither would see it), for a thread that holds none of the
+    /// runtime's locks and runs no callback.
     pub(super) fn poll_send(&self, in_turn: bool) -> bool {
         let (took, failed) = self.poll_send_batch(in_turn);
         if let Some(reason) = failed {

@@ -55,7 +55,7 @@ impl Connection {
             let polled = if caller_polls {
                 self.poll_round()
             } else {
-                self.poll_send_here()
+                self.poll_send(false)
             };
             if polled || self.inner.wakeups.load(Ordering::SeqCst) != seen {
                 return self.lock();
@@ -74,17 +74,17 @@ impl Connection {
     /// caller leaves its completions to the completion thread.
     pub(super) fn sleep(&self, seen: u64, deadline: Instant) {
         self.inner.sleepers.fetch_add(1, Ordering::SeqCst);
-        self.arm_send();
-        if self.inner.opts.caller_polls && !self.arm_recv() {
-            log::warn!("arming the receive CQ failed; waiting in 10 ms steps");
-        }
         // Completions that came before arming raise no event. (Polling
         // also when nothing was armed just now lets a reply that is on its
         // way be taken here rather than through the completion thread.)
         if self.inner.opts.caller_polls {
+            self.arm_send();
+            if !self.arm_recv() {
+                log::warn!("arming the receive CQ failed; waiting in 10 ms steps");
+            }
             while self.poll_round() {}
         } else {
-            while self.poll_send_here() {}
+            self.arm_send_and_take(false);
         }
         let guard = self.inner.sleep_lock.lock().expect("sleep lock");
         if self.inner.wakeups.load(Ordering::SeqCst) == seen {
@@ -175,6 +175,18 @@ impl Connection {
         if !arm_once(&self.inner.send_armed, &self.inner.send_cq) {
             log::warn!("arming the send CQ failed; its completions wait for the next tick");
         }
+    }
+
+    /// Arms the send CQ and takes everything that completed before the
+    /// arming (it raises no event), a batch at a time ([`Connection::poll_send`]
+    /// with `in_turn`); whether there was anything.
+    pub(super) fn arm_send_and_take(&self, in_turn: bool) -> bool {
+        self.arm_send();
+        let mut took = false;
+        while self.poll_send(in_turn) {
+            took = true;
+        }
+        took
     }
 
     /// Arms the receive CQ unless it already is; false when arming failed.

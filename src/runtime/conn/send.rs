@@ -398,19 +398,13 @@ impl Connection {
         // it polls that CQ on every pass (and arms it when the spin ends:
         // `spun_on` is cleared first, both SeqCst); any other thread (a
         // caller, or a callback of another connection) arms it here.
-        if !self.polled_here() && !self.inner.spun_on.load(Ordering::SeqCst) {
-            self.arm_send();
-            // A thread outside callbacks holds none of the runtime's locks:
-            // it waits for its turn at the poll. Everything that completed
-            // before the arming is taken (it raises no event), a batch at
-            // a time.
-            let mut took = false;
-            while self.poll_send(!on_cq_thread) {
-                took = true;
-            }
-            if took {
-                self.flush_queued();
-            }
+        // A thread outside callbacks holds none of the runtime's locks: it
+        // waits for its turn at the poll.
+        if !self.polled_here()
+            && !self.inner.spun_on.load(Ordering::SeqCst)
+            && self.arm_send_and_take(!on_cq_thread)
+        {
+            self.flush_queued();
         }
         data.len()
     }

@@ -19,6 +19,7 @@ mod kv_strings;
 mod kv_zero_copy;
 mod runtime;
 mod safe;
+mod safe_cm;
 mod verbs;
 
 use std::net::Ipv4Addr;

@@ -80,6 +80,11 @@ static void *serve(void *l)
     return NULL;
 }
 
+static void close_on_connect(RdmaConn *conn)
+{
+    rdmaConnClose(conn);
+}
+
 static void on_alarm(int sig)
 {
     (void)sig;
@@ -138,6 +143,37 @@ int main(int argc, char **argv)
     CHECK(nowhere->state == RDMA_CONN_STATE_ERROR && nowhere->last_errno == ECONNREFUSED,
           "... and conn->state says ERROR, conn->last_errno ECONNREFUSED");
     rdmaConnClose(nowhere);
+    /* A program that retries until its server is up: the handle of a failed
+     * attempt connects, and carries data, once something listens. */
+    RdmaConnOptions retry_opt = {0};
+    retry_opt.recv_callback = on_recv;
+    retry_opt.disconnect_callback = on_disconnect;
+    RdmaConn *retry = rdmaConn(&retry_opt);
+    CHECK(rdmaConnect(retry, ip, closed) == RDMA_ERR && errno == ECONNREFUSED,
+          "a handle's first attempt, to a closed port, fails");
+    CHECK(rdmaConnect(retry, ip, port) == RDMA_OK, "... and its retry on the same handle connects");
+    CHECK(retry->state == RDMA_CONN_STATE_MR_READY && retry->recv_buf != NULL,
+          "... with the retry's state and buffers in the struct");
+    CHECK(echo_works(retry), "... and carries data");
+    rdmaConnClose(retry);
+    /* Closed from its own connected callback, which runs on the completion
+     * thread, before or after rdmaConnect returns: a close that came first
+     * is reported (nothing is left connected behind the dead handle), one
+     * that came after leaves the handle dead. */
+    RdmaConnOptions close_opt = {0};
+    close_opt.connected_callback = close_on_connect;
+    RdmaConn *closing = rdmaConn(&close_opt);
+    errno = 0;
+    int closing_rc = rdmaConnect(closing, ip, port);
+    CHECK((closing_rc == RDMA_ERR && errno == ECONNABORTED) || closing_rc == RDMA_OK,
+          "a connection closed by its connected callback -> RDMA_ERR, errno ECONNABORTED (or RDMA_OK, closed after)");
+    int dead = 0;
+    for (int i = 0; i < 1000 && !dead; i++) {
+        dead = rdmaConnSend(closing, buf, 4) == err;
+        if (!dead)
+            usleep(10000);
+    }
+    CHECK(dead, "... and its handle is dead");
     errno = 0;
     CHECK(rdmaConnect(NULL, ip, port) == RDMA_ERR && errno == EINVAL, "rdmaConnect(NULL conn) -> RDMA_ERR, errno EINVAL");
     RdmaConn *bad_port = rdmaConn(NULL);
@@ -193,6 +229,8 @@ int main(int argc, char **argv)
           "sync read into an unregistered lkey -> RDMA_ERR");
     CHECK(rdmaSyncReadSignaled(a, local + 4000, mr->lkey, remote, a->tx_key, 4096) == RDMA_ERR,
           "sync read past the end of the local buffer -> RDMA_ERR");
+    CHECK(rdmaSyncReadSignaled(a, UINT64_MAX - 15, mr->lkey, remote, a->tx_key, 64) == RDMA_ERR,
+          "sync read into a range past the end of the address space -> RDMA_ERR");
     CHECK(rdmaSyncReadSignaled(a, local, mr->lkey, remote, a->tx_key, 0) == RDMA_ERR, "sync read of 0 bytes -> RDMA_ERR");
     CHECK(rdmaPAReadSignaled(a, local, mr->lkey, remote, 64) == RDMA_ERR, "PA read without PA support -> RDMA_ERR");
     CHECK(rdmaPASyncWriteSignaled(a, local, mr->lkey, remote, 64) == RDMA_ERR, "PA sync write -> RDMA_ERR");

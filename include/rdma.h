@@ -507,7 +507,10 @@ struct RdmaConn *rdmaConn(const RdmaConnOptions *opt);
  * the server refused), `ETIMEDOUT`, `EHOSTUNREACH` / `ENETUNREACH` (no
  * RDMA path to the address), `ECONNRESET` (the server left during setup),
  * `EINVAL` (NULL, unknown or closed connection, bad address or port),
- * `EISCONN` (already connected), `ENODEV`, or the failed verb's errno.
+ * `EISCONN` (already connected), `ECONNABORTED` (`rdmaConnClose` came
+ * while it connected: the connection is closed, and the handle dead),
+ * `ENODEV`, or the failed verb's errno. A handle whose attempt failed may
+ * try again.
  *
  * # Safety
  * `serverip` must be NULL or a C string.

@@ -36,8 +36,11 @@ pub struct MemManager {
 }
 
 struct Partition {
-    /// Slabs not yet given to a class (start addresses), last first.
-    free_slabs: Vec<usize>,
+    /// The next slab not yet given to a class, and where the partition's
+    /// last whole slab ends: slabs are counted out, not listed up front, as
+    /// a manager may cover more address space than the process could list.
+    next_slab: usize,
+    slabs_end: usize,
     classes: Vec<Class>,
 }
 
@@ -53,28 +56,33 @@ struct Class {
 impl MemManager {
     /// Manages `len` bytes at address `base` (not dereferenced: the manager
     /// only hands out addresses), in `partitions` partitions of slabs of
-    /// `slab_size` bytes.
+    /// `slab_size` bytes. `None` when a slab is smaller than the first class,
+    /// `len` holds no slab, or `base + len` passes the end of the address
+    /// space.
     pub fn new(base: usize, len: u64, partitions: u32, slab_size: u64) -> Option<MemManager> {
-        if partitions == 0 || slab_size < FIRST_CLASS_SIZE || len < slab_size {
+        let end = u64::try_from(base).ok()?.checked_add(len)?;
+        if partitions == 0
+            || slab_size < FIRST_CLASS_SIZE
+            || len < slab_size
+            || usize::try_from(end).is_err()
+        {
             return None;
         }
         let mut class_sizes = [0; SIZE_CLASSES];
         let mut size = FIRST_CLASS_SIZE;
         for c in &mut class_sizes {
             *c = size;
-            size = (size * 2).min(slab_size);
+            size = size.saturating_mul(2).min(slab_size);
         }
+        // Every figure below is at most `end`, which fits in a usize.
         let part_len = len / u64::from(partitions);
-        let per_part = part_len / slab_size;
+        let whole = part_len / slab_size * slab_size;
         let parts = (0..u64::from(partitions))
             .map(|p| {
                 let start = base as u64 + p * part_len;
-                let free_slabs = (0..per_part)
-                    .rev()
-                    .map(|s| (start + s * slab_size) as usize)
-                    .collect();
                 Mutex::new(Partition {
-                    free_slabs,
+                    next_slab: start as usize,
+                    slabs_end: (start + whole) as usize,
                     classes: (0..SIZE_CLASSES).map(|_| Class::default()).collect(),
                 })
             })
@@ -115,11 +123,16 @@ impl MemManager {
         let item = match c.free.pop() {
             Some(item) => item,
             None => {
+                // A slab's end fits in a usize (`new` checked the manager's).
                 let fits = |&(start, next): &(usize, usize)| {
-                    next + size <= start + self.slab_size as usize
+                    size <= start + self.slab_size as usize - next
                 };
                 if !c.slabs.last().is_some_and(fits) {
-                    let slab = part.free_slabs.pop()?;
+                    let slab = part.next_slab;
+                    if slab == part.slabs_end {
+                        return None;
+                    }
+                    part.next_slab += self.slab_size as usize;
                     c.slabs.push((slab, slab));
                 }
                 let last = c.slabs.last_mut().expect("pushed above");
@@ -198,6 +211,25 @@ mod tests {
         m.free(0, a, c).unwrap();
         assert_eq!(m.free(0, a, c), Err(FreeError::DoubleFree { addr: a }));
         assert_eq!(m.alloc(0, c), Some(a), "a freed item is reused");
+    }
+
+    #[test]
+    fn a_manager_of_more_than_the_address_space_is_refused_and_a_huge_one_costs_nothing() {
+        assert!(MemManager::new(0x1000, u64::MAX, 1, MB).is_none());
+        assert!(MemManager::new(usize::MAX - MB as usize, 2 * MB, 1, MB).is_none());
+        assert!(MemManager::new(0x1000, 4 * MB, 1, u64::MAX).is_none());
+        // 2^62 bytes of slabs: counted out, not listed (a list would not fit
+        // in memory and abort the process).
+        let m = MemManager::new(0x1000, 1 << 62, 3, FIRST_CLASS_SIZE).unwrap();
+        let c = m.class_of(0, 1).unwrap();
+        assert_eq!(m.alloc(0, c), Some(0x1000));
+        assert_eq!(m.alloc(1, c), Some(0x1000 + (1usize << 62) / 3));
+    }
+
+    #[test]
+    fn a_slab_size_near_the_top_of_u64_keeps_classes_capped() {
+        let m = MemManager::new(0x1000, u64::MAX / 2, 1, u64::MAX / 4).unwrap();
+        assert_eq!(m.class_size(63), Some(u64::MAX / 4));
     }
 
     proptest! {

@@ -23,10 +23,18 @@ pub struct Index {
 }
 
 impl Index {
+    /// An index of `buckets` buckets (at least one); an `InvalidInput`
+    /// error when their bytes would not fit in the address space.
     pub fn new(buckets: usize) -> std::io::Result<Index> {
         let buckets = buckets.max(1);
+        let len = buckets.checked_mul(BUCKET_LEN).ok_or_else(|| {
+            std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                format!("{buckets} buckets of {BUCKET_LEN} bytes pass the address space"),
+            )
+        })?;
         Ok(Index {
-            mem: Mapping::new(buckets * BUCKET_LEN, false)?,
+            mem: Mapping::new(len, false)?,
             buckets,
         })
     }
@@ -119,6 +127,12 @@ mod tests {
     fn bucket_bytes(ix: &Index, b: usize) -> Vec<u8> {
         // SAFETY: test, single thread.
         unsafe { ix.mapping().bytes_mut(b * BUCKET_LEN, BUCKET_LEN) }.to_vec()
+    }
+
+    #[test]
+    fn buckets_past_the_address_space_are_an_error_not_a_wrapped_length() {
+        let e = Index::new(usize::MAX / BUCKET_LEN + 1).err().unwrap();
+        assert_eq!(e.kind(), std::io::ErrorKind::InvalidInput);
     }
 
     #[test]

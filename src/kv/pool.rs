@@ -50,7 +50,16 @@ pub struct Pool {
 impl Pool {
     /// A pool of `len` bytes (rounded up to whole slab pages, at least one).
     pub fn new(len: usize, huge: bool) -> std::io::Result<Pool> {
-        let len = len.div_ceil(SLAB_PAGE).max(1) * SLAB_PAGE;
+        let len = len
+            .div_ceil(SLAB_PAGE)
+            .max(1)
+            .checked_mul(SLAB_PAGE)
+            .ok_or_else(|| {
+                std::io::Error::new(
+                    std::io::ErrorKind::InvalidInput,
+                    format!("a pool of {len} bytes passes the address space"),
+                )
+            })?;
         let mem = Mapping::new(len, huge)?;
         let mut classes = Vec::new();
         let mut size = MIN_CLASS;

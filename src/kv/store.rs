@@ -169,7 +169,10 @@ pub struct Store {
 
 impl Store {
     pub fn new(pool_bytes: usize, huge: bool, buckets: usize, max_value: u64) -> Result<Store> {
-        let nomem = |what: &str, e: std::io::Error| KvError::Internal(format!("{what}: {e}"));
+        let nomem = |what: &str, e: std::io::Error| match e.kind() {
+            std::io::ErrorKind::InvalidInput => KvError::InvalidArgument(format!("{what}: {e}")),
+            _ => KvError::Internal(format!("{what}: {e}")),
+        };
         Ok(Store {
             device: OnceLock::new(),
             shards: (0..SHARDS).map(|_| Mutex::default()).collect(),

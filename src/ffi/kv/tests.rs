@@ -135,3 +135,15 @@ fn the_config_is_read_field_by_field_from_unaligned_memory() {
     assert_eq!(line[0], 0);
     kv_server_destroy(s);
 }
+
+#[test]
+fn a_table_or_memory_size_past_the_address_space_is_refused() {
+    for (memory, table) in [(4usize << 20, 1usize << 56), (usize::MAX, 16)] {
+        let mut cfg: kv_config = unsafe { std::mem::zeroed() };
+        cfg.memory_size = memory;
+        cfg.hash_table_size = table;
+        cfg.num_workers = 1;
+        let s = unsafe { kv_server_create(&cfg) };
+        assert!(s.is_null(), "memory {memory}, table {table}: refused");
+    }
+}

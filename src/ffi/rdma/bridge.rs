@@ -28,6 +28,8 @@ pub(super) struct FfiConn {
     pub(super) opts: Options,
     /// Held while `state` is read from the connection and written here.
     state_mirror: Mutex<()>,
+    /// Held while the handle is bound ([`FfiConn::bind`]).
+    binding: Mutex<()>,
 }
 
 impl FfiConn {
@@ -59,6 +61,7 @@ impl FfiConn {
             conn: OnceLock::new(),
             opts,
             state_mirror: Mutex::new(()),
+            binding: Mutex::new(()),
         })
     }
 
@@ -76,8 +79,13 @@ impl FfiConn {
         self.conn.get().and_then(WeakConnection::upgrade)
     }
 
+    /// Binds the handle to `conn` for good and fills the struct's fields
+    /// from it. Called from several threads (the completion thread's
+    /// report, `rdmaConnect` returning): whichever comes second waits for
+    /// the fields the first writes.
     pub(super) fn bind(&self, conn: &Connection) {
-        if self.conn.set(conn.downgrade()).is_err() {
+        let _binding = self.binding.lock().unwrap_or_else(PoisonError::into_inner);
+        if self.conn.get().is_some() {
             return;
         }
         let p = self.ptr();
@@ -107,6 +115,29 @@ impl FfiConn {
                 .map_or(std::ptr::null_mut(), |s| s.as_ptr() as *mut c_char);
         }
         *self.ip.lock().expect("ffi lock") = ip;
+        // Last: calls that find the binding find the fields written.
+        let _ = self.conn.set(conn.downgrade());
+    }
+
+    /// Writes the connection's state (and errno, on an error) into the
+    /// struct.
+    pub(super) fn mirror_state(&self, conn: &Connection) {
+        // Reports come from several threads (the CM thread's CONNECTED can
+        // come after the completion thread's MR_READY): the struct gets the
+        // state as it is now, read and written under one lock, so a late
+        // report cannot put an older state back.
+        let _mirror = self
+            .state_mirror
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        let state = conn.state();
+        // SAFETY: a plain field of our own struct.
+        unsafe {
+            std::ptr::write_volatile(addr_of_mut!((*self.ptr()).state), state);
+            if state == ConnState::Error {
+                std::ptr::write_volatile(addr_of_mut!((*self.ptr()).last_errno), conn.last_errno());
+            }
+        }
     }
 }
 
@@ -165,24 +196,19 @@ impl ConnHandler for FfiConn {
         }
     }
 
-    fn state_changed(&self, conn: &Connection, _state: ConnState) {
-        self.bind(conn);
-        // Reports come from several threads (the CM thread's CONNECTED can
-        // come after the completion thread's MR_READY): the struct gets the
-        // state as it is now, read and written under one lock, so a late
-        // report cannot put an older state back.
-        let _mirror = self
-            .state_mirror
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
-        let state = conn.state();
-        // SAFETY: a plain field of our own struct.
-        unsafe {
-            std::ptr::write_volatile(addr_of_mut!((*self.ptr()).state), state);
-            if state == ConnState::Error {
-                std::ptr::write_volatile(addr_of_mut!((*self.ptr()).last_errno), conn.last_errno());
-            }
+    fn state_changed(&self, conn: &Connection, state: ConnState) {
+        // A client's attempt is bound only once it has succeeded: the
+        // binding is for good, and a program may retry a failed
+        // `rdmaConnect` on the same handle (its server was not up yet).
+        if conn.kind() == ConnKind::AcceptedConn || state == ConnState::MrReady {
+            self.bind(conn);
         }
+        // A failed attempt's late reports (its teardown) do not overwrite
+        // the state of the one that succeeded.
+        if self.conn.get().is_some_and(|bound| !bound.is(conn)) {
+            return;
+        }
+        self.mirror_state(conn);
     }
 
     fn peer_buffer(&self, _conn: &Connection, buf: RemoteRegion) {

@@ -191,7 +191,10 @@ pub unsafe extern "C" fn rdmaConn(opt: *const RdmaConnOptions) -> *mut RdmaConn 
 /// the server refused), `ETIMEDOUT`, `EHOSTUNREACH` / `ENETUNREACH` (no
 /// RDMA path to the address), `ECONNRESET` (the server left during setup),
 /// `EINVAL` (NULL, unknown or closed connection, bad address or port),
-/// `EISCONN` (already connected), `ENODEV`, or the failed verb's errno.
+/// `EISCONN` (already connected), `ECONNABORTED` (`rdmaConnClose` came
+/// while it connected: the connection is closed, and the handle dead),
+/// `ENODEV`, or the failed verb's errno. A handle whose attempt failed may
+/// try again.
 ///
 /// # Safety
 /// `serverip` must be NULL or a C string.
@@ -227,12 +230,29 @@ pub unsafe extern "C" fn rdmaConnect(
         };
         match Connection::connect(addr, &ffi.opts, ffi.clone()) {
             Ok(c) => {
+                // Under the lock `rdmaConnClose` takes after it has removed
+                // the handle: a close that came while connecting (from
+                // another thread, or from `connected_callback`) found no
+                // connection to close, so this one is closed here.
+                let mut clients = CLIENTS.lock().expect("table lock");
+                if CONNS.get(conn).is_none() {
+                    drop(clients);
+                    log::warn!("rdmaConnect: the connection was closed while connecting");
+                    c.close();
+                    return failed(libc::ECONNABORTED);
+                }
                 ffi.bind(&c);
-                CLIENTS.lock().expect("table lock").insert(conn as usize, c);
+                // Before returning: the report of MR_READY may still be on
+                // its way from the completion thread.
+                ffi.mirror_state(&c);
+                clients.insert(conn as usize, c);
                 Ok(())
             }
             Err(e) => {
                 log::warn!("rdmaConnect to {addr}: {e}");
+                if CONNS.get(conn).is_none() {
+                    return failed(libc::ECONNABORTED);
+                }
                 failed(connect_errno(&e))
             }
         }

@@ -387,6 +387,11 @@ impl fmt::Debug for Connection {
 pub struct WeakConnection(std::sync::Weak<ConnInner>);
 
 impl WeakConnection {
+    /// Whether this is a handle of `conn`.
+    pub fn is(&self, conn: &Connection) -> bool {
+        std::ptr::eq(self.0.as_ptr(), Arc::as_ptr(&conn.inner))
+    }
+
     pub fn upgrade(&self) -> Option<Connection> {
         self.0.upgrade().map(|inner| Connection { inner })
     }

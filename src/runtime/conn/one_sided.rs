@@ -55,13 +55,22 @@ impl Drop for PendingReads<'_> {
     }
 }
 
+/// Whether `[addr, addr+len)` lies in `mr` (a caller's range may pass the
+/// end of the address space).
+fn holds(mr: &MemoryRegion, addr: u64, len: usize) -> bool {
+    addr >= mr.addr()
+        && addr
+            .checked_add(len as u64)
+            .is_some_and(|end| end <= mr.addr() + mr.len() as u64)
+}
+
 impl Connection {
     /// The lkey of the buffer registered on this connection (by
     /// [`Connection::register`]) that holds `[addr, addr+len)`.
     pub fn registered_lkey(&self, addr: u64, len: usize) -> Option<u32> {
         let mrs = self.inner.user_mrs.lock().expect("mr lock");
         mrs.values()
-            .find(|mr| addr >= mr.addr() && addr + len as u64 <= mr.addr() + mr.len() as u64)
+            .find(|mr| holds(mr, addr, len))
             .map(|mr| mr.lkey())
     }
 
@@ -131,11 +140,9 @@ impl Connection {
             None => Err(Error::InvalidArgument(format!(
                 "lkey {lkey:#x} is not a buffer registered on this connection"
             ))),
-            Some(mr) if addr < mr.addr() || addr + len as u64 > mr.addr() + mr.len() as u64 => {
-                Err(Error::InvalidArgument(format!(
-                    "{len} bytes at {addr:#x} are outside the registered buffer of lkey {lkey:#x}"
-                )))
-            }
+            Some(mr) if !holds(mr, addr, len as usize) => Err(Error::InvalidArgument(format!(
+                "{len} bytes at {addr:#x} are outside the registered buffer of lkey {lkey:#x}"
+            ))),
             Some(_) => Ok(Sge {
                 addr,
                 length: len,

@@ -86,7 +86,7 @@ impl Block {
     /// Marks the block as no longer its key's current value (replaced or
     /// deleted): a one-sided reader that finds it by a remembered address
     /// then looks the key up again, while a reader holding a lease may
-    /// still take it ([`super::proto::verify_leased_block`]).
+    /// still take it ([`super::proto::verify_leased_parts`]).
     fn supersede(&self) {
         // SAFETY: the block's first four bytes, 4-byte aligned (chunks and
         // mappings are); no Rust reference covers the header once published.

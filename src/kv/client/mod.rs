@@ -271,6 +271,7 @@ impl Client {
     fn new_request_id(&self) -> u64 {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed) & u64::from(u32::MAX);
         self.replies.reuse(id);
+        self.replies.sent(id);
         id
     }
 

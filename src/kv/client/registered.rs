@@ -6,7 +6,7 @@
 
 use std::sync::Arc;
 
-use crate::kv::proto::{u32_at, u64_at, Reply, BLOCK_HEADER_LEN, BLOCK_MAGIC, SUPERSEDED_MAGIC};
+use crate::kv::proto::{verify_leased_parts, Reply, BLOCK_HEADER_LEN};
 use crate::kv::{KvError, Result};
 use crate::runtime::Connection;
 use crate::verbs::{MemoryRegion, RemoteAddr};
@@ -103,8 +103,10 @@ impl Client {
     }
 
     /// READs a leased block's value straight into `dst` (registered:
-    /// `lkey`) and its header and key into the bounce buffer, checks those,
-    /// and ends the lease: the value's length and version.
+    /// `lkey`) and its header and key into the bounce buffer, checks the
+    /// block, the value's checksum included (the lease may have ended
+    /// before the READ landed, and the block been reused), and ends the
+    /// lease: the value's length and version.
     pub(super) fn fetch_registered(
         &self,
         key: &[u8],
@@ -125,55 +127,9 @@ impl Client {
                 rkey: reply.rkey,
             };
             self.transfer_at(true, dst.as_ptr() as u64, lkey, value_at, n)?;
-            verify_leased_head(b.bytes(head_len), key, n).ok_or_else(failed_verification)
+            verify_leased_parts(b.bytes(head_len), key, &dst[..n]).ok_or_else(failed_verification)
         });
         self.release(reply.lease);
         result.map(|version| (n, version))
-    }
-}
-
-/// Checks a leased block's header and key (read apart from its value, of
-/// `value_len` bytes): its version. As for every leased block, the value
-/// itself is not hashed: the server neither frees nor writes a block while
-/// it is leased.
-fn verify_leased_head(head: &[u8], key: &[u8], value_len: usize) -> Option<u64> {
-    if head.len() != BLOCK_HEADER_LEN + key.len() {
-        return None;
-    }
-    let magic = u32_at(head, 0);
-    let whole = magic == BLOCK_MAGIC || magic == SUPERSEDED_MAGIC;
-    let lens = u32_at(head, 4) as usize == key.len()
-        && usize::try_from(u64_at(head, 8)).ok() == Some(value_len);
-    (whole && lens && &head[BLOCK_HEADER_LEN..] == key).then(|| u64_at(head, 16))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::kv::proto::BLOCK_HEADER_LEN;
-
-    fn head(magic: u32, key: &[u8], value_len: u64, version: u64) -> Vec<u8> {
-        let mut h = vec![0u8; BLOCK_HEADER_LEN];
-        h[..4].copy_from_slice(&magic.to_le_bytes());
-        h[4..8].copy_from_slice(&(key.len() as u32).to_le_bytes());
-        h[8..16].copy_from_slice(&value_len.to_le_bytes());
-        h[16..24].copy_from_slice(&version.to_le_bytes());
-        h.extend_from_slice(key);
-        h
-    }
-
-    #[test]
-    fn a_leased_head_is_checked_for_magic_lengths_and_key() {
-        let ok = head(BLOCK_MAGIC, b"key", 100, 7);
-        assert_eq!(verify_leased_head(&ok, b"key", 100), Some(7));
-        let superseded = head(SUPERSEDED_MAGIC, b"key", 100, 7);
-        assert_eq!(verify_leased_head(&superseded, b"key", 100), Some(7));
-        assert_eq!(verify_leased_head(&ok, b"kez", 100), None);
-        assert_eq!(verify_leased_head(&ok, b"key", 99), None);
-        assert_eq!(
-            verify_leased_head(&head(0xdead, b"key", 100, 7), b"key", 100),
-            None
-        );
-        assert_eq!(verify_leased_head(&ok[..ok.len() - 1], b"key", 100), None);
     }
 }

@@ -25,6 +25,47 @@ pub(super) struct Replies {
     pub(super) dead: AtomicBool,
     /// Whether `abandoned` may hold ids: spares the sending path the lock.
     pub(super) any_abandoned: AtomicBool,
+    awaited: Awaited,
+}
+
+/// The request ids sent and not yet answered, one bit per id modulo
+/// [`AWAITED_BITS`]: a reply to any other is the server's invention (or a
+/// second reply to one request), which would otherwise be filed for
+/// nobody and kept, with its payload, for good. Bits rather than a set: two
+/// uncontended atomic operations per request, no lock, no allocation.
+struct Awaited(Box<[AtomicU64]>);
+
+/// Ids told apart; far more than a client has outstanding (two ids this
+/// far apart share a bit, which only lets a reply through unchecked).
+const AWAITED_BITS: u64 = 1 << 16;
+
+impl Default for Awaited {
+    fn default() -> Awaited {
+        Awaited((0..AWAITED_BITS / 64).map(|_| AtomicU64::new(0)).collect())
+    }
+}
+
+impl Awaited {
+    fn word_and_bit(&self, id: u64) -> (&AtomicU64, u64) {
+        let i = id % AWAITED_BITS;
+        (&self.0[(i / 64) as usize], 1 << (i % 64))
+    }
+
+    fn sent(&self, id: u64) {
+        let (w, bit) = self.word_and_bit(id);
+        w.fetch_or(bit, Ordering::AcqRel);
+    }
+
+    fn is_awaited(&self, id: u64) -> bool {
+        let (w, bit) = self.word_and_bit(id);
+        w.load(Ordering::Acquire) & bit != 0
+    }
+
+    /// Whether `id` was awaited; it is not any more.
+    fn answered(&self, id: u64) -> bool {
+        let (w, bit) = self.word_and_bit(id);
+        w.fetch_and(!bit, Ordering::AcqRel) & bit != 0
+    }
 }
 
 pub(super) struct Inbox {
@@ -117,6 +158,11 @@ impl Replies {
         inbox.landings.remove(&id).and_then(|l| l.landed)
     }
 
+    /// A request `id` is about to be sent: its reply is awaited.
+    pub(super) fn sent(&self, id: u64) {
+        self.awaited.sent(id);
+    }
+
     /// Ids wrap: a request taking the id of one whose reply never came
     /// must not have its own reply dropped.
     pub(super) fn reuse(&self, id: u64) {
@@ -146,6 +192,10 @@ impl ConnHandler for ReplyHandler {
         let Some(reply) = Reply::decode_compact(&head, payload_len) else {
             return false;
         };
+        // Not awaited: `recv`'s to refuse.
+        if !self.0.awaited.is_awaited(reply.req_id) {
+            return false;
+        }
         let mut inbox = self.0.inbox.lock().expect("reply lock");
         // A reply its caller gave up on is `recv`'s to drop.
         if inbox.abandoned.contains(&reply.req_id) {
@@ -164,6 +214,7 @@ impl ConnHandler for ReplyHandler {
             _ if payload_len == 0 => {}
             _ => return false,
         }
+        self.0.awaited.answered(reply.req_id);
         inbox.ready.insert(reply.req_id, (reply, Vec::new()));
         drop(inbox);
         self.0.arrived.fetch_add(1, Ordering::Release);
@@ -171,15 +222,20 @@ impl ConnHandler for ReplyHandler {
     }
 
     fn recv(&self, conn: &Connection, data: &[u8], _imm: Option<u32>) {
-        let Ok((reply, payload)) = Reply::decode(data) else {
-            // A server that breaks the protocol is not believed again: its
-            // callers fail now rather than at their timeouts.
-            // Failed, not closed: a close would wait on this thread for
-            // queued releases to drain, which such a server may never let.
+        // A server that breaks the protocol is not believed again: its
+        // callers fail now rather than at their timeouts.
+        // Failed, not closed: a close would wait on this thread for
+        // queued releases to drain, which such a server may never let.
+        let broken = |why: &str| {
             self.0.dead.store(true, Ordering::Release);
-            conn.fail("the server sent a malformed reply");
-            return;
+            conn.fail(why);
         };
+        let Ok((reply, payload)) = Reply::decode(data) else {
+            return broken("the server sent a malformed reply");
+        };
+        if !self.0.awaited.answered(reply.req_id) {
+            return broken("the server answered a request nobody awaits");
+        }
         let mut inbox = self.0.inbox.lock().expect("reply lock");
         if inbox.abandoned.remove(&reply.req_id) {
             drop(inbox);
@@ -244,6 +300,22 @@ mod tests {
             ..Reply::default()
         };
         (r, b"late".to_vec())
+    }
+
+    #[test]
+    fn only_ids_sent_and_not_yet_answered_are_awaited() {
+        let a = Awaited::default();
+        assert!(!a.is_awaited(7), "never sent");
+        a.sent(7);
+        a.sent(8);
+        assert!(a.is_awaited(7) && a.is_awaited(8));
+        assert!(a.answered(7));
+        assert!(!a.answered(7), "a second reply to one request");
+        assert!(a.is_awaited(8), "another request's bit is kept");
+        // Ids past the 32-bit wrap land on their own bits again.
+        a.sent(u64::from(u32::MAX));
+        assert!(a.answered(u64::from(u32::MAX)));
+        assert!(!a.is_awaited(0));
     }
 
     #[test]

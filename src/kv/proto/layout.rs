@@ -85,25 +85,25 @@ pub fn seal_block(block: &mut [u8], key_len: usize, value_hash: u64, version: u6
 /// key's current value (not superseded), hold `key`, be complete and match
 /// its checksum. Returns the version and the value.
 pub fn verify_block<'a>(block: &'a [u8], key: &[u8]) -> Option<(u64, &'a [u8])> {
-    verify(block, key, false)
+    let (head, value) = block.split_at_checked(BLOCK_HEADER_LEN + key.len())?;
+    verify(head, value, key, false).map(|version| (version, value))
 }
 
-/// As [`verify_block`], for a block the server leased to the reader: one
-/// superseded since the lease was given is still whole, and still the
-/// value the lookup found. The value is not hashed: a leased block is
-/// neither freed nor written until the lease ends (clients can only READ
-/// the pool, and a write target loses its write access before it is
-/// sealed), so the header and key are checked only against a server bug.
-pub fn verify_leased_block<'a>(block: &'a [u8], key: &[u8]) -> Option<(u64, &'a [u8])> {
-    verify(block, key, true)
+/// As [`verify_block`], for a block READ under a lease in two parts (its
+/// header and key in `head`, its value elsewhere, as a READ straight into a
+/// caller's registered buffer lands): the version. A lease can end before
+/// the READ lands (the server caps and expires leases), and the block may
+/// then be freed and reused, so the value is hashed as well. A block
+/// superseded since the lease was given is still whole: it was sealed as
+/// current, and is checked as such.
+pub fn verify_leased_parts(head: &[u8], key: &[u8], value: &[u8]) -> Option<u64> {
+    verify(head, value, key, true)
 }
 
-pub(super) fn verify<'a>(block: &'a [u8], key: &[u8], leased: bool) -> Option<(u64, &'a [u8])> {
-    let split = BLOCK_HEADER_LEN + key.len();
-    if block.len() < split {
+fn verify(head: &[u8], value: &[u8], key: &[u8], leased: bool) -> Option<u64> {
+    if head.len() != BLOCK_HEADER_LEN + key.len() {
         return None;
     }
-    let (head, value) = block.split_at(split);
     let magic = u32_at(head, 0);
     if magic != BLOCK_MAGIC && !(leased && magic == SUPERSEDED_MAGIC) {
         return None;
@@ -114,9 +114,6 @@ pub(super) fn verify<'a>(block: &'a [u8], key: &[u8], leased: bool) -> Option<(u
     if key_len != key.len() || value_len != value.len() || stored_key != key {
         return None;
     }
-    if leased {
-        return Some((u64_at(head, 16), value));
-    }
     // The checksum was taken when the block was sealed, as current.
     let mut sealed = [0u8; 24];
     sealed.copy_from_slice(&head[..24]);
@@ -124,7 +121,7 @@ pub(super) fn verify<'a>(block: &'a [u8], key: &[u8], leased: bool) -> Option<(u
     if block_checksum(&sealed, stored_key, value_checksum(value)) != u64_at(head, 24) {
         return None;
     }
-    Some((u64_at(head, 16), value))
+    Some(u64_at(head, 16))
 }
 
 /// Checksum of a staged value, so the server can tell it arrived whole.
@@ -219,15 +216,22 @@ mod tests {
     }
 
     #[test]
-    fn superseded_blocks_verify_only_under_a_lease() {
+    fn superseded_blocks_verify_only_under_a_lease_and_leased_values_are_hashed() {
         let (key, value) = (b"hello", vec![9u8; 64]);
         let mut block = vec![0u8; block_len(key.len(), value.len())];
         write_block(&mut block, key, &value, 5);
-        assert_eq!(verify_leased_block(&block, key), Some((5, &value[..])));
+        let split = BLOCK_HEADER_LEN + key.len();
+        let leased = |b: &[u8], v: &[u8]| verify_leased_parts(&b[..split], key, v);
+        assert_eq!(leased(&block, &value), Some(5));
         block[..4].copy_from_slice(&SUPERSEDED_MAGIC.to_le_bytes());
         assert_eq!(verify_block(&block, key), None);
-        assert_eq!(verify_leased_block(&block, key), Some((5, &value[..])));
+        assert_eq!(leased(&block, &value), Some(5));
+        // The lease ended before the value's READ landed: the chunk was
+        // freed (zeroed) or holds another value of the same length.
+        assert_eq!(leased(&block, &[0u8; 64]), None);
+        assert_eq!(leased(&block, &[8u8; 64]), None);
+        assert_eq!(leased(&block, &value[..63]), None);
         block[..4].fill(0); // freed
-        assert_eq!(verify_leased_block(&block, key), None);
+        assert_eq!(leased(&block, &value), None);
     }
 }

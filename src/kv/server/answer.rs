@@ -340,10 +340,11 @@ impl Shared {
         req: &Request,
         key: &[u8],
     ) -> Result<Reply> {
-        let mut targets = client.targets.lock().expect("target lock");
-        if targets.len() >= MAX_TARGETS {
+        if client.targets.lock().expect("target lock").len() >= MAX_TARGETS {
             return Err(KvError::NoMemory);
         }
+        // Made without the lock: registering a large target takes long, and
+        // the completion thread takes the lock when the client goes away.
         // Writable through a window on this client's QP only.
         let target = self.store.target(key.len(), req.value_len, |mr| {
             conn.expose(mr, AccessFlags::REMOTE_WRITE).map_err(|e| {
@@ -359,6 +360,11 @@ impl Shared {
             lease: token,
             ..Reply::default()
         };
+        let mut targets = client.targets.lock().expect("target lock");
+        // Gone meanwhile: its targets were ended, and this one ends here.
+        if client.gone.load(Ordering::Acquire) || targets.len() >= MAX_TARGETS {
+            return Err(KvError::NoMemory);
+        }
         targets.insert(token, target);
         Ok(reply)
     }

@@ -51,10 +51,15 @@ impl ConnHandler for ServerConn {
         let req = &parts.0;
         let heavy = req.op == Op::Alloc || (req.op == Op::Write && req.source != Source::Inline);
         let queued = client.queued.load(Ordering::Acquire);
-        if heavy || queued > 0 {
-            if queued >= self.shared.limit(|l| l.client_jobs) && req.op != Op::Release {
-                return self.shared.refuse_busy(conn, client, req.req_id, queued);
-            }
+        let full = queued >= self.shared.limit(|l| l.client_jobs);
+        if full && req.op != Op::Release && (heavy || queued > 0) {
+            return self.shared.refuse_busy(conn, client, req.req_id, queued);
+        }
+        // A release is always taken: behind the client's queued requests
+        // while there is room, at once beyond (one for a lease a queued
+        // request has yet to give then ends nothing, and that lease
+        // expires), so a stream of releases cannot grow the queue.
+        if (heavy || queued > 0) && !full {
             let tx = {
                 let jobs = self.shared.jobs.lock().expect("jobs lock");
                 jobs.get(client.worker % jobs.len().max(1)).cloned()

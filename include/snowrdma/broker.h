@@ -88,7 +88,7 @@ typedef enum snowrdma_broker_status {
    */
   SNOWRDMA_BROKER_PROTOCOL = 7,
   /**
-   * A poll was called from inside a callback.
+   * A poll, or the destroy, was called from inside a callback.
    */
   SNOWRDMA_BROKER_REENTRANT = 8,
   /**
@@ -175,8 +175,10 @@ typedef struct snowrdma_broker_event {
 
 /**
  * The callback: runs on the broker's thread, inside the polls. It may call
- * any broker function except the polls (and may post replies, which go
- * out before the poll returns).
+ * any broker function except the polls and `snowrdma_broker_destroy`
+ * (both return `SNOWRDMA_BROKER_REENTRANT`), and may post replies, which
+ * go out before the poll returns; a wait for a send slot does not wait
+ * there.
  */
 typedef void (*snowrdma_broker_callback)(void *user,
                                          snowrdma_broker *broker,
@@ -332,7 +334,10 @@ int snowrdma_broker_get_stats(snowrdma_broker *b, struct snowrdma_broker_stats *
 
 /**
  * Disconnects and frees the broker, on its owner thread. A second call, or
- * one with NULL, returns `SNOWRDMA_BROKER_INVALID_ARGUMENT`.
+ * one with NULL, returns `SNOWRDMA_BROKER_INVALID_ARGUMENT`; one from
+ * inside its callback returns `SNOWRDMA_BROKER_REENTRANT` and destroys
+ * nothing (the poll that runs the callback still uses the broker, its
+ * `user` pointer and its memory): destroy it after the poll returns.
  */
 int snowrdma_broker_destroy(snowrdma_broker *b);
 

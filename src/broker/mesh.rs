@@ -22,6 +22,8 @@ const HELLO_MAGIC: [u8; 4] = *b"SNBK";
 const HELLO_LEN: usize = 4 + 2 + 2 + REMOTE_REGION_WIRE_LEN;
 /// Between connection attempts to a peer that is not listening yet.
 const RETRY: Duration = Duration::from_millis(20);
+/// Most one socket handshake may take (a failed one is tried again).
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// Who a peer says it is, and its data region.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -47,10 +49,13 @@ impl Hello {
         if b[..4] != HELLO_MAGIC {
             return None;
         }
+        let region = RemoteRegion::from_bytes(&b[8..]).ok()?;
+        // Addresses in it are computed as `addr + offset`.
+        region.addr.checked_add(region.len)?;
         Some(Hello {
             server_id: u16::from_be_bytes([b[4], b[5]]),
             thread_id: u16::from_be_bytes([b[6], b[7]]),
-            region: RemoteRegion::from_bytes(&b[8..]).ok()?,
+            region,
         })
     }
 }
@@ -280,18 +285,17 @@ impl Shared {
         peers: &mut [Option<Peer>],
     ) -> Result<()> {
         tcp.set_nonblocking(false)?;
-        tcp.set_read_timeout(Some(
-            deadline
-                .saturating_duration_since(Instant::now())
-                .max(Duration::from_millis(1)),
-        ))?;
+        // Bounded on its own: the handshakes run one at a time, and one
+        // with a peer that says nothing (or a byte now and then) must not
+        // hold up the others until the init deadline.
+        let until = deadline.min(Instant::now() + HANDSHAKE_TIMEOUT);
         let (peer_qp, local) = Peer::manual(self)?;
         let mut out = Vec::with_capacity(HELLO_LEN + QP_INFO_WIRE_LEN);
         out.extend_from_slice(&self.my_hello().to_bytes());
         out.extend_from_slice(&local.to_bytes());
         tcp.write_all(&out)?;
         let mut inb = [0u8; HELLO_LEN + QP_INFO_WIRE_LEN];
-        tcp.read_exact(&mut inb)?;
+        read_exact_by(&mut tcp, &mut inb, until)?;
         let hello = Hello::parse(&inb[..HELLO_LEN])
             .ok_or_else(|| BrokerError::Protocol("a peer sent a bad hello".into()))?;
         let ok = match expect {
@@ -304,12 +308,30 @@ impl Shared {
         let remote = QpInfo::from_bytes(&inb[HELLO_LEN..])?;
         let mut peer = peer_qp.connect(self, hello, &remote)?;
         tcp.write_all(&[1])?;
-        tcp.read_exact(&mut [0u8])?;
+        read_exact_by(&mut tcp, &mut [0u8], until)?;
         tcp.set_nonblocking(true)?;
         peer.tcp = Some(tcp);
         peers[hello.server_id as usize] = Some(peer);
         Ok(())
     }
+}
+
+/// Fills `buf` from `tcp` by `until`, however the bytes come.
+fn read_exact_by(tcp: &mut TcpStream, mut buf: &mut [u8], until: Instant) -> std::io::Result<()> {
+    while !buf.is_empty() {
+        let left = until.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(std::io::ErrorKind::TimedOut.into());
+        }
+        tcp.set_read_timeout(Some(left))?;
+        match tcp.read(buf) {
+            Ok(0) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+            Ok(n) => buf = &mut buf[n..],
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
 }
 
 /// A peer that left while we still wait for others (its own setup gave up)
@@ -340,5 +362,40 @@ fn forget(slot: &mut Option<Peer>, why: &str) {
             "broker: server {} left before the mesh was complete ({why}); waiting for it again",
             peer.server
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn hello(addr: u64, len: u64) -> Hello {
+        Hello {
+            server_id: 3,
+            thread_id: 1,
+            region: RemoteRegion {
+                addr,
+                len,
+                rkey: 0x1234,
+            },
+        }
+    }
+
+    #[test]
+    fn a_hello_survives_the_wire_with_padding() {
+        let h = hello(0x7f00_0000_0000, 1 << 20);
+        let mut padded = h.to_bytes().to_vec();
+        padded.extend_from_slice(&[0; 8]);
+        assert_eq!(Hello::parse(&padded), Some(h));
+        assert_eq!(Hello::parse(&padded[..HELLO_LEN - 1]), None);
+        padded[0] ^= 1;
+        assert_eq!(Hello::parse(&padded), None, "bad magic");
+    }
+
+    #[test]
+    fn a_region_past_the_end_of_the_address_space_is_refused() {
+        assert_eq!(Hello::parse(&hello(u64::MAX - 10, 64).to_bytes()), None);
+        let top = hello(u64::MAX - 64, 64);
+        assert_eq!(Hello::parse(&top.to_bytes()), Some(top));
     }
 }

@@ -217,7 +217,7 @@ impl Peer {
             if let Err(e) = posted {
                 // Some may be on the wire without a signaled tail: the peer
                 // is unusable from here on.
-                self.failed.set(true);
+                self.fail(&format!("posting failed: {e}"));
                 return Err(e.into());
             }
         }
@@ -298,10 +298,19 @@ pub(crate) fn post_recvs(
 
 impl Peer {
     /// Marks the peer failed and moves its QP to the error state, so what is
-    /// in flight is flushed (and reported as failed by the next polls).
+    /// in flight is flushed (and reported as failed by the next polls). The
+    /// peer is told at once (a disconnect, or its socket shut down), rather
+    /// than when its own next operation finds our QP gone: one waiting for
+    /// our reply would otherwise wait for good.
     pub(crate) fn fail(&self, why: &str) {
         if !self.failed.replace(true) {
             log::warn!("broker: server {} failed: {why}", self.server);
+            if let Some(id) = &self.cm_id {
+                let _ = id.disconnect();
+            }
+            if let Some(tcp) = &self.tcp {
+                let _ = tcp.shutdown(std::net::Shutdown::Both);
+            }
         }
         // SAFETY: all-zero is a valid ibv_qp_attr.
         let mut attr: sys::ibv_qp_attr = unsafe { std::mem::zeroed() };

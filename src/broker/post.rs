@@ -58,24 +58,27 @@ impl Broker {
     /// [`Broker::send_buf`], polling while the ring is full, up to
     /// `timeout`: the send side, which frees slots, and the receive side
     /// (callbacks run), because a peer that is itself waiting for room
-    /// frees ours only once we take its messages. Inside a callback only
-    /// the send side is polled.
+    /// frees ours only once we take its messages. Inside a callback nothing
+    /// can be polled, so it does not wait: a full ring is
+    /// [`BrokerError::Full`] at once.
     pub fn send_buf_wait(&self, server: usize, timeout: Duration) -> Result<SendBuf<'_>> {
         let deadline = Instant::now() + timeout;
         loop {
             match self.send_buf(server) {
-                Err(BrokerError::Full(_)) if Instant::now() < deadline => {
+                Err(BrokerError::Full(_)) if Instant::now() < deadline && !self.in_callback() => {
                     self.flush(server)?;
-                    for poll in [Self::poll_sq, Self::poll_rq] {
-                        match poll(self, None) {
-                            Ok(_) | Err(BrokerError::Reentrant) => {}
-                            Err(e) => return Err(e),
-                        }
-                    }
+                    self.poll_sq(None)?;
+                    self.poll_rq(None)?;
                 }
                 r => return r,
             }
         }
+    }
+
+    /// Whether a callback of this broker is running (on its owner thread:
+    /// the only one that polls).
+    pub fn in_callback(&self) -> bool {
+        self.callback.try_borrow_mut().is_err()
     }
 
     /// The address and length of `server`'s send slot `slot`.
@@ -272,16 +275,22 @@ impl SendBuf<'_> {
     }
 
     /// Queues a SEND of the first `len` bytes (`imm` 0: none).
+    /// On an error the slot stays handed out to this value, and is free
+    /// again when the value is dropped.
     pub fn send(mut self, len: u32, imm: u32) -> Result<u64> {
-        self.posted = true;
-        self.broker.post_send(self.peer, self.slot, len, imm)
+        let queued = self.broker.post_send(self.peer, self.slot, len, imm);
+        self.posted = queued.is_ok();
+        queued
     }
 
     /// Queues a WRITE of the first `len` bytes to `remote`.
+    /// On an error, as [`SendBuf::send`].
     pub fn write(mut self, len: u32, remote: Remote, imm: u32) -> Result<u64> {
-        self.posted = true;
-        self.broker
-            .post_write(self.peer, Local::Slot(self.slot), len, remote, imm)
+        let queued = self
+            .broker
+            .post_write(self.peer, Local::Slot(self.slot), len, remote, imm);
+        self.posted = queued.is_ok();
+        queued
     }
 }
 
@@ -290,7 +299,8 @@ impl Drop for SendBuf<'_> {
         if self.posted {
             return;
         }
-        // Never posted: the slot is free again.
+        // Never posted (or its post failed before queueing it): the slot
+        // is free again.
         if let Some(Some(p)) = self.broker.all().get(self.peer) {
             let mut send = p.send.borrow_mut();
             if send.slots[self.slot as usize] == Slot::Handed {

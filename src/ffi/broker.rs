@@ -5,6 +5,7 @@
 //! `snowrdma_broker_poll_sq` / `snowrdma_broker_poll_rq`.
 
 use std::ffi::{c_char, c_int, c_void, CStr};
+use std::ptr::addr_of;
 use std::sync::atomic::{AtomicPtr, Ordering};
 use std::sync::Arc;
 use std::thread::ThreadId;
@@ -62,7 +63,7 @@ pub enum snowrdma_broker_status {
     SNOWRDMA_BROKER_SYSTEM = 6,
     /// A peer broke the handshake.
     SNOWRDMA_BROKER_PROTOCOL = 7,
-    /// A poll was called from inside a callback.
+    /// A poll, or the destroy, was called from inside a callback.
     SNOWRDMA_BROKER_REENTRANT = 8,
     /// Called from a thread other than the one that created the broker.
     SNOWRDMA_BROKER_WRONG_THREAD = 9,
@@ -135,8 +136,10 @@ pub struct snowrdma_broker_event {
 }
 
 /// The callback: runs on the broker's thread, inside the polls. It may call
-/// any broker function except the polls (and may post replies, which go
-/// out before the poll returns).
+/// any broker function except the polls and `snowrdma_broker_destroy`
+/// (both return `SNOWRDMA_BROKER_REENTRANT`), and may post replies, which
+/// go out before the poll returns; a wait for a send slot does not wait
+/// there.
 #[allow(non_camel_case_types)]
 pub type snowrdma_broker_callback = Option<
     unsafe extern "C" fn(
@@ -193,25 +196,33 @@ unsafe fn string(p: *const c_char, what: &str) -> Result<Option<String>, BrokerE
         .map_err(|_| BrokerError::InvalidArgument(format!("{what} is not UTF-8")))
 }
 
-unsafe fn config_from_c(c: &snowrdma_broker_config) -> Result<Config, BrokerError> {
-    let hosts = string(c.hosts, "hosts")?
+/// The configuration at `c`, read field by field: a `mode` no
+/// `snowrdma_broker_mode` has is refused before Rust ever holds it as one.
+unsafe fn config_from_c(c: *const snowrdma_broker_config) -> Result<Config, BrokerError> {
+    let hosts = string(addr_of!((*c).hosts).read_unaligned(), "hosts")?
         .ok_or_else(|| BrokerError::InvalidArgument("hosts is NULL".into()))?;
-    let thread_id = u16::try_from(c.thread_id)
+    let thread_id = u16::try_from(addr_of!((*c).thread_id).read_unaligned())
         .map_err(|_| BrokerError::InvalidArgument("thread_id over 65535".into()))?;
+    let mode = addr_of!((*c).mode).cast::<c_int>().read_unaligned();
     Ok(Config {
         hosts: Config::parse_hosts(&hosts)?,
-        server_id: c.server_id as usize,
+        server_id: addr_of!((*c).server_id).read_unaligned() as usize,
         thread_id,
-        slots: c.slots_per_peer,
-        slot_size: c.slot_size,
-        doorbell_batch: c.doorbell_batch,
-        data_len: usize::try_from(c.memory_len)
+        slots: addr_of!((*c).slots_per_peer).read_unaligned(),
+        slot_size: addr_of!((*c).slot_size).read_unaligned(),
+        doorbell_batch: addr_of!((*c).doorbell_batch).read_unaligned(),
+        data_len: usize::try_from(addr_of!((*c).memory_len).read_unaligned())
             .map_err(|_| BrokerError::InvalidArgument("memory_len too large".into()))?,
-        mode: match c.mode {
-            snowrdma_broker_mode::SNOWRDMA_BROKER_CM => ConnectMode::Cm,
-            snowrdma_broker_mode::SNOWRDMA_BROKER_SOCKET => ConnectMode::Socket,
+        mode: match mode {
+            m if m == snowrdma_broker_mode::SNOWRDMA_BROKER_CM as c_int => ConnectMode::Cm,
+            m if m == snowrdma_broker_mode::SNOWRDMA_BROKER_SOCKET as c_int => ConnectMode::Socket,
+            m => {
+                return Err(BrokerError::InvalidArgument(format!(
+                    "mode {m} is not a snowrdma_broker_mode"
+                )))
+            }
         },
-        device: string(c.device, "device")?,
+        device: string(addr_of!((*c).device).read_unaligned(), "device")?,
     })
 }
 
@@ -230,15 +241,15 @@ pub unsafe extern "C" fn snowrdma_broker_create(
     user: *mut c_void,
 ) -> *mut snowrdma_broker {
     guard(|| {
-        let Some(c) = config.as_ref() else {
+        if config.is_null() {
             log::error!("snowrdma_broker_create: config is NULL");
             return std::ptr::null_mut();
-        };
+        }
         let Some(cb) = callback else {
             log::error!("snowrdma_broker_create: callback is NULL");
             return std::ptr::null_mut();
         };
-        let cfg = match config_from_c(c) {
+        let cfg = match config_from_c(config) {
             Ok(cfg) => cfg,
             Err(e) => {
                 log::error!("snowrdma_broker_create: {e}");
@@ -267,10 +278,12 @@ pub unsafe extern "C" fn snowrdma_broker_create(
             // SAFETY: the caller's callback, with the pointer it gave us.
             unsafe { cb(user as *mut c_void, me2.load(Ordering::Relaxed), &event) };
         };
-        let made = if c.memory.is_null() {
+        let memory = addr_of!((*config).memory).read_unaligned();
+        let made = if memory.is_null() {
             Broker::new(cfg, call)
         } else {
-            Broker::with_memory(cfg, c.memory.cast(), c.memory_len as usize, call)
+            let len = cfg.data_len;
+            Broker::with_memory(cfg, memory.cast(), len, call)
         };
         match made {
             Ok(broker) => {
@@ -555,11 +568,18 @@ pub unsafe extern "C" fn snowrdma_broker_get_stats(
 }
 
 /// Disconnects and frees the broker, on its owner thread. A second call, or
-/// one with NULL, returns `SNOWRDMA_BROKER_INVALID_ARGUMENT`.
+/// one with NULL, returns `SNOWRDMA_BROKER_INVALID_ARGUMENT`; one from
+/// inside its callback returns `SNOWRDMA_BROKER_REENTRANT` and destroys
+/// nothing (the poll that runs the callback still uses the broker, its
+/// `user` pointer and its memory): destroy it after the poll returns.
 #[no_mangle]
 pub extern "C" fn snowrdma_broker_destroy(b: *mut snowrdma_broker) -> c_int {
     guard_or(SNOWRDMA_BROKER_INTERNAL as c_int, || {
-        let r = with(b, |_| Ok(())).map(|()| drop(BROKERS.remove(b)));
+        let r = with(b, |br| match br.in_callback() {
+            true => Err(BrokerError::Reentrant),
+            false => Ok(()),
+        })
+        .map(|()| drop(BROKERS.remove(b)));
         status(r)
     })
 }
@@ -665,3 +685,7 @@ pub extern "C" fn snowrdma_mem_manager_destroy(m: *mut snowrdma_mem_manager) {
         MANAGERS.remove(m);
     })
 }
+
+#[cfg(test)]
+#[path = "broker_tests.rs"]
+mod tests;

@@ -55,7 +55,10 @@ pub(crate) fn handshake(stream: &TcpStream, prepared: PreparedQp, timeout: Durat
 }
 
 /// Watches a socket-mode connection's TCP stream (CM thread): end of stream
-/// or an error means the peer is gone.
+/// or an error means the peer is gone, and a byte (nothing is sent after
+/// the handshake) that it broke the protocol: a peer streaming bytes would
+/// otherwise keep the CM thread reading them, every other connection's
+/// setup and end waiting behind.
 pub(crate) struct SocketWatch(pub Connection);
 
 impl super::poller::Source for SocketWatch {
@@ -71,7 +74,11 @@ impl super::poller::Source for SocketWatch {
         loop {
             match (&link.stream).read(&mut buf) {
                 Ok(0) => break self.0.peer_left(),
-                Ok(_) => continue,
+                Ok(_) => {
+                    self.0
+                        .fail("the peer sent bytes on its socket after the handshake");
+                    break;
+                }
                 Err(e) if e.kind() == ErrorKind::WouldBlock => break,
                 Err(e) if e.kind() == ErrorKind::Interrupted => continue,
                 Err(_) => break self.0.peer_left(),

@@ -499,3 +499,57 @@ fn leaves_during_setup(mode: ConnectMode, port: u16, leaver: usize, stayer: usiz
             .all(|e| e.kind != EventKind::Failed));
     }
 }
+
+/// Inside a callback nothing can be polled: a wait for a send slot with a
+/// full ring says so at once instead of spinning out its timeout; and a
+/// slot whose post failed is free again once its `SendBuf` is dropped.
+#[test]
+#[ignore = "needs an RDMA device: run `make test`"]
+fn broker_a_callback_never_waits_for_a_slot_and_a_failed_post_keeps_none() {
+    let (tx, rx) = mpsc::channel::<(bool, Duration, bool, bool)>();
+    let on_recv = move |b: &Broker, ev: &snowrdma::broker::Event<'_>| {
+        if ev.kind != EventKind::Recv {
+            return;
+        }
+        let mut taken = Vec::new();
+        while let Ok(buf) = b.send_buf(ev.peer) {
+            taken.push(buf);
+        }
+        let start = Instant::now();
+        let full = matches!(
+            b.send_buf_wait(ev.peer, Duration::from_secs(5)),
+            Err(BrokerError::Full(_))
+        );
+        let waited = start.elapsed();
+        // Longer than a slot: refused, and the slot is not lost. The first
+        // taken, as slots are handed out in ring order: it is next.
+        let refused = taken.remove(0).send(4096, 0).is_err();
+        let again = b.send_buf(ev.peer).is_ok();
+        let _ = tx.send((b.in_callback() && full, waited, refused, again));
+    };
+    let port = 19340;
+    let server = std::thread::spawn(move || {
+        let b = Broker::new(config(2, 1, 0, port, ConnectMode::Cm), on_recv).unwrap();
+        b.init(INIT).unwrap();
+        assert!(!b.in_callback());
+        let start = Instant::now();
+        while b.poll_rq(None).unwrap() == 0 && start.elapsed() < WAIT {}
+        std::thread::sleep(Duration::from_millis(500));
+    });
+    let (_, cb) = recorder();
+    let b = Broker::new(config(2, 0, 0, port, ConnectMode::Cm), cb).unwrap();
+    b.init(INIT).unwrap();
+    let mut buf = b.send_buf_wait(1, WAIT).unwrap();
+    buf.as_mut_slice()[..4].copy_from_slice(b"fill");
+    buf.send(4, 0).unwrap();
+    b.flush(1).unwrap();
+    let (full_at_once, waited, refused, again) = rx.recv_timeout(WAIT).unwrap();
+    assert!(full_at_once, "a full ring inside the callback: Full");
+    assert!(
+        waited < Duration::from_secs(1),
+        "not waited for: {waited:?}"
+    );
+    assert!(refused, "a post longer than a slot is refused");
+    assert!(again, "... and its slot is handed out again");
+    server.join().unwrap();
+}

@@ -413,8 +413,18 @@ impl Connection {
     }
 
     pub(super) fn handle_cmd(&self, slot: u32, len: usize) {
-        let off = slot as usize * CMD_LEN;
-        let bytes = &self.inner.cmd_recv.as_slice()[off..off + CMD_LEN];
+        // Copied out of the slot alone: the device may be writing the
+        // buffer's other receive slots meanwhile.
+        let mut bytes = [0u8; CMD_LEN];
+        if !self
+            .inner
+            .cmd_recv
+            .copy_out_to(slot as usize * CMD_LEN, &mut bytes)
+        {
+            return self.fail(&format!(
+                "a command completed in slot {slot}, which is not ours"
+            ));
+        }
         let cmd = match Cmd::decode(&bytes[..len.min(CMD_LEN)]) {
             Ok(c) => c,
             Err(e) => return self.fail(&format!("bad command from the peer: {e}")),

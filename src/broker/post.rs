@@ -275,8 +275,10 @@ impl SendBuf<'_> {
     }
 
     /// Queues a SEND of the first `len` bytes (`imm` 0: none).
-    /// On an error the slot stays handed out to this value, and is free
-    /// again when the value is dropped.
+    /// On an error before the message was queued (a bad length or range)
+    /// the slot is free again when this value is dropped; one after (the
+    /// batch it completed failed to post, and with it the peer) leaves the
+    /// slot to the failed peer's requests.
     pub fn send(mut self, len: u32, imm: u32) -> Result<u64> {
         let queued = self.broker.post_send(self.peer, self.slot, len, imm);
         self.posted = queued.is_ok();

@@ -3,7 +3,7 @@
 
 use std::ffi::{c_char, c_int, c_uint, c_void, CString};
 use std::ptr::{addr_of, addr_of_mut};
-use std::sync::{Arc, Mutex, OnceLock, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError, RwLock};
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
@@ -22,9 +22,11 @@ pub(super) struct FfiConn {
     pub(super) raw: Arc<CMemory<RdmaConn>>,
     pub(super) ip: Mutex<Option<CString>>,
     pub(super) imm_callback: Mutex<RdmaRecvImmCallbackFunc>,
-    /// Set once, when the connection is bound; read lock-free by every C
-    /// call on the handle.
-    pub(super) conn: OnceLock<WeakConnection>,
+    /// The connection the handle is bound to: set when it is bound, and
+    /// cleared when a client's attempt that got as far as binding fails
+    /// after all (a retry binds its own). Read by every C call on the
+    /// handle (an uncontended read lock).
+    conn: RwLock<Option<WeakConnection>>,
     pub(super) opts: Options,
     /// Held while `state` is read from the connection and written here.
     state_mirror: Mutex<()>,
@@ -58,7 +60,7 @@ impl FfiConn {
             raw,
             ip: Mutex::new(None),
             imm_callback: Mutex::new(None),
-            conn: OnceLock::new(),
+            conn: RwLock::new(None),
             opts,
             state_mirror: Mutex::new(()),
             binding: Mutex::new(()),
@@ -76,16 +78,28 @@ impl FfiConn {
     }
 
     pub(super) fn connection(&self) -> Option<Connection> {
-        self.conn.get().and_then(WeakConnection::upgrade)
+        self.bound().as_ref().and_then(WeakConnection::upgrade)
     }
 
-    /// Binds the handle to `conn` for good and fills the struct's fields
-    /// from it. Called from several threads (the completion thread's
-    /// report, `rdmaConnect` returning): whichever comes second waits for
-    /// the fields the first writes.
+    fn bound(&self) -> std::sync::RwLockReadGuard<'_, Option<WeakConnection>> {
+        self.conn.read().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Lets go of a client attempt that failed (`rdmaConnect` returning an
+    /// error), however far it got: the handle may try again.
+    pub(super) fn unbind(&self) {
+        let _binding = self.binding.lock().unwrap_or_else(PoisonError::into_inner);
+        *self.conn.write().unwrap_or_else(PoisonError::into_inner) = None;
+    }
+
+    /// Binds the handle to `conn` and fills the struct's fields from it.
+    /// Called from several threads (the completion thread's report,
+    /// `rdmaConnect` returning): whichever comes second waits for the
+    /// fields the first writes. A connection already ended (a failed
+    /// attempt's late report) is not bound.
     pub(super) fn bind(&self, conn: &Connection) {
         let _binding = self.binding.lock().unwrap_or_else(PoisonError::into_inner);
-        if self.conn.get().is_some() {
+        if self.bound().is_some() || matches!(conn.state(), ConnState::Error | ConnState::Closed) {
             return;
         }
         let p = self.ptr();
@@ -116,7 +130,7 @@ impl FfiConn {
         }
         *self.ip.lock().expect("ffi lock") = ip;
         // Last: calls that find the binding find the fields written.
-        let _ = self.conn.set(conn.downgrade());
+        *self.conn.write().unwrap_or_else(PoisonError::into_inner) = Some(conn.downgrade());
     }
 
     /// Writes the connection's state (and errno, on an error) into the
@@ -144,6 +158,11 @@ impl FfiConn {
 impl ConnHandler for FfiConn {
     fn connected(&self, conn: &Connection) {
         self.bind(conn);
+        // Closed by the program while it connected: `rdmaConnect` closes
+        // it, and the program hears no more of a handle it let go of.
+        if CONNS.get(self.ptr()).is_none() {
+            return;
+        }
         // SAFETY: the callback field is read from our own struct.
         if let Some(cb) =
             unsafe { std::ptr::read_volatile(addr_of!((*self.ptr()).connected_callback)) }
@@ -197,15 +216,15 @@ impl ConnHandler for FfiConn {
     }
 
     fn state_changed(&self, conn: &Connection, state: ConnState) {
-        // A client's attempt is bound only once it has succeeded: the
-        // binding is for good, and a program may retry a failed
+        // A client's attempt is bound only once it has succeeded (and
+        // unbound if it fails after all): a program may retry a failed
         // `rdmaConnect` on the same handle (its server was not up yet).
         if conn.kind() == ConnKind::AcceptedConn || state == ConnState::MrReady {
             self.bind(conn);
         }
         // A failed attempt's late reports (its teardown) do not overwrite
         // the state of the one that succeeded.
-        if self.conn.get().is_some_and(|bound| !bound.is(conn)) {
+        if self.bound().as_ref().is_some_and(|bound| !bound.is(conn)) {
             return;
         }
         self.mirror_state(conn);

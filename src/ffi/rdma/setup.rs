@@ -250,6 +250,8 @@ pub unsafe extern "C" fn rdmaConnect(
             }
             Err(e) => {
                 log::warn!("rdmaConnect to {addr}: {e}");
+                // It may have been bound at MR_READY, and failed after.
+                ffi.unbind();
                 if CONNS.get(conn).is_none() {
                     return failed(libc::ECONNABORTED);
                 }

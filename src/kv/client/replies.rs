@@ -3,7 +3,7 @@
 //! that files each reply.
 
 use rustc_hash::{FxHashMap, FxHashSet};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use crate::kv::proto::{Reply, Request, COMPACT_REPLY_LEN};
@@ -28,43 +28,43 @@ pub(super) struct Replies {
     awaited: Awaited,
 }
 
-/// The request ids sent and not yet answered, one bit per id modulo
-/// [`AWAITED_BITS`]: a reply to any other is the server's invention (or a
-/// second reply to one request), which would otherwise be filed for
-/// nobody and kept, with its payload, for good. Bits rather than a set: two
-/// uncontended atomic operations per request, no lock, no allocation.
-struct Awaited(Box<[AtomicU64]>);
+/// The request ids sent and not yet answered, counted in [`AWAITED_SLOTS`]
+/// slots (an id counts in slot `id % AWAITED_SLOTS`): a reply to an id
+/// whose slot counts none is the server's invention (or a second reply to
+/// one request), which would otherwise be filed for nobody and kept, with
+/// its payload, for good. Counts, not bits: ids that share a slot (one
+/// request outstanding while thousands of others come and go) only let a
+/// reply through unchecked, never refuse one. Two uncontended atomic
+/// operations per request, no lock, no allocation.
+struct Awaited(Box<[AtomicU32]>);
 
-/// Ids told apart; far more than a client has outstanding (two ids this
-/// far apart share a bit, which only lets a reply through unchecked).
-const AWAITED_BITS: u64 = 1 << 16;
+/// Slots of [`Awaited`]: 16 KiB per client.
+const AWAITED_SLOTS: u64 = 4096;
 
 impl Default for Awaited {
     fn default() -> Awaited {
-        Awaited((0..AWAITED_BITS / 64).map(|_| AtomicU64::new(0)).collect())
+        Awaited((0..AWAITED_SLOTS).map(|_| AtomicU32::new(0)).collect())
     }
 }
 
 impl Awaited {
-    fn word_and_bit(&self, id: u64) -> (&AtomicU64, u64) {
-        let i = id % AWAITED_BITS;
-        (&self.0[(i / 64) as usize], 1 << (i % 64))
+    fn slot(&self, id: u64) -> &AtomicU32 {
+        &self.0[(id % AWAITED_SLOTS) as usize]
     }
 
     fn sent(&self, id: u64) {
-        let (w, bit) = self.word_and_bit(id);
-        w.fetch_or(bit, Ordering::AcqRel);
+        self.slot(id).fetch_add(1, Ordering::AcqRel);
     }
 
     fn is_awaited(&self, id: u64) -> bool {
-        let (w, bit) = self.word_and_bit(id);
-        w.load(Ordering::Acquire) & bit != 0
+        self.slot(id).load(Ordering::Acquire) > 0
     }
 
-    /// Whether `id` was awaited; it is not any more.
+    /// Whether `id` was awaited; it counts once less.
     fn answered(&self, id: u64) -> bool {
-        let (w, bit) = self.word_and_bit(id);
-        w.fetch_and(!bit, Ordering::AcqRel) & bit != 0
+        self.slot(id)
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1))
+            .is_ok()
     }
 }
 
@@ -311,11 +311,22 @@ mod tests {
         assert!(a.is_awaited(7) && a.is_awaited(8));
         assert!(a.answered(7));
         assert!(!a.answered(7), "a second reply to one request");
-        assert!(a.is_awaited(8), "another request's bit is kept");
-        // Ids past the 32-bit wrap land on their own bits again.
+        assert!(a.is_awaited(8), "another request's count is kept");
+        // Ids past the 32-bit wrap land on their own slots again.
         a.sent(u64::from(u32::MAX));
         assert!(a.answered(u64::from(u32::MAX)));
         assert!(!a.is_awaited(0));
+    }
+
+    #[test]
+    fn ids_sharing_a_slot_never_refuse_a_reply() {
+        let a = Awaited::default();
+        let (old, new) = (5, 5 + AWAITED_SLOTS);
+        a.sent(old); // outstanding a long time
+        a.sent(new);
+        assert!(a.answered(new));
+        assert!(a.answered(old), "the old request's reply still counts");
+        assert!(!a.answered(old));
     }
 
     #[test]

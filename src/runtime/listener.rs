@@ -21,7 +21,7 @@ use super::conn::{
     CmSource, ConnHandler, ConnKind, ConnState, Connection, Link, PdProvider, WeakConnection,
 };
 use super::options::Options;
-use super::poller::Source;
+use super::poller::{Ready, Source};
 use super::socket::{Handshake, Progress, SocketLink};
 use super::{runtime, Error, Result, Runtime};
 
@@ -478,16 +478,16 @@ impl Source for HandshakeSource {
         self.hs.fd()
     }
 
-    fn ready(&self) -> bool {
+    fn ready(&self) -> Ready {
         let Some(listener) = self.listener.upgrade() else {
-            return false;
+            return Ready::Done;
         };
         match self.hs.advance() {
             Progress::Waiting => self.tick(),
             Progress::Done => listener.handshake_done(self, None),
             Progress::Failed(e) => listener.handshake_done(self, Some(e)),
         }
-        false
+        Ready::Done
     }
 
     /// It lives only until its exchange ends, or its deadline.
@@ -519,8 +519,8 @@ impl Source for SetupReaper {
         -1
     }
 
-    fn ready(&self) -> bool {
-        false
+    fn ready(&self) -> Ready {
+        Ready::Done
     }
 
     /// While setups are pending (added on this thread, which looks again

@@ -25,7 +25,7 @@ use std::time::Duration;
 
 pub use conn::{
     BatchMessage, ConnHandler, ConnKind, ConnState, Connection, InRing, PdProvider, PendingReads,
-    WeakConnection, Window, WriteAhead, MESSAGES_PER_DOORBELL,
+    WeakConnection, Window, WriteAhead, DRAIN_BUDGET, MESSAGES_PER_DOORBELL,
 };
 pub use listener::{AcceptHook, Listener};
 pub use options::{

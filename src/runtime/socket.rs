@@ -11,6 +11,7 @@ use std::time::Duration;
 use crate::verbs::{Context, PreparedQp, QpInfo, QP_INFO_WIRE_LEN};
 
 use super::conn::Connection;
+use super::poller::{Ready, Source};
 use super::{Error, Result};
 
 /// The TCP side of a socket-mode connection.
@@ -61,14 +62,14 @@ pub(crate) fn handshake(stream: &TcpStream, prepared: PreparedQp, timeout: Durat
 /// setup and end waiting behind.
 pub(crate) struct SocketWatch(pub Connection);
 
-impl super::poller::Source for SocketWatch {
+impl Source for SocketWatch {
     fn fd(&self) -> RawFd {
         self.0.socket_link().map_or(-1, |l| l.stream.as_raw_fd())
     }
 
-    fn ready(&self) -> bool {
+    fn ready(&self) -> Ready {
         let Some(link) = self.0.socket_link() else {
-            return false;
+            return Ready::Done;
         };
         let mut buf = [0u8; 64];
         loop {
@@ -84,7 +85,7 @@ impl super::poller::Source for SocketWatch {
                 Err(_) => break self.0.peer_left(),
             }
         }
-        false
+        Ready::Done
     }
 
     /// A socket, read until it would block: readable while it has something.

@@ -11,6 +11,7 @@ mod c_programs;
 mod callbacks;
 mod credit;
 mod echo_load;
+mod fairness;
 mod hostile;
 mod kv;
 mod kv_limits;

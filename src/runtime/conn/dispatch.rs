@@ -6,6 +6,7 @@ use std::sync::atomic::Ordering;
 use std::sync::{PoisonError, TryLockError};
 use std::time::Duration;
 
+use crate::runtime::poller::Ready;
 use crate::runtime::proto::{Cmd, Opcode, CMD_LEN, VERSION};
 use crate::runtime::ring::{wrap_point, RecvRing};
 use crate::verbs::{Completion, CompletionRoom, RemoteRegion, WcOpcode, WcStatus};
@@ -18,6 +19,23 @@ use super::{
 /// Receives in one drain that tell the completion thread messages come
 /// faster than it is woken for each (see `process_completions`).
 const BUNCHED: usize = 2;
+
+/// Completions one drain handles before it gives the completion thread
+/// back with the rest left for its next turn: a peer that sends faster
+/// than its messages are handled (a slow callback, a flood) would
+/// otherwise keep the drain, and the thread, from every other connection.
+/// Two polls' worth: a drain of a quiet connection rarely comes near it.
+pub const DRAIN_BUDGET: usize = 2 * MAX_POLL_BATCH;
+
+/// What a drain did.
+#[derive(Clone, Copy, Default)]
+pub(super) struct Drained {
+    /// Receives handled (messages and commands).
+    pub(super) received: usize,
+    /// It stopped at [`DRAIN_BUDGET`], perhaps with completions left that
+    /// raise no event.
+    pub(super) more: bool,
+}
 
 impl Connection {
     /// Polls one CQ once for up to `max` completions (at most the room's)
@@ -163,21 +181,15 @@ impl Connection {
         failed
     }
 
-    /// Handles this connection's pending completions from inside a callback;
-    /// callbacks are queued to run after the current one returns.
+    /// Handles a pass of this connection's pending completions from inside
+    /// a callback (callbacks are queued to run after the current one
+    /// returns); the waiting caller checks its deadline between passes, so
+    /// a peer that keeps sending cannot hold it past that.
     pub(super) fn drive_inline(&self) -> usize {
         let mut room = CompletionRoom::<16>::new();
-        let mut handled = 0;
-        loop {
-            let n = self
-                .with_recv_poll(|| self.poll_cq(false, &mut room, usize::MAX, true))
-                .unwrap_or(0)
-                + self.poll_cq(true, &mut room, usize::MAX, true);
-            if n == 0 {
-                return handled;
-            }
-            handled += n;
-        }
+        self.with_recv_poll(|| self.poll_cq(false, &mut room, usize::MAX, true))
+            .unwrap_or(0)
+            + self.poll_cq(true, &mut room, usize::MAX, true)
     }
 
     /// Handles everything on both CQs (completion thread, top level), unless
@@ -186,31 +198,41 @@ impl Connection {
     /// waiting on them: no thread waiting on the connection, no message or
     /// command posted in answer during the round. A request/reply peer
     /// waits on every answer, and a nap would stretch each round trip; a
-    /// stream's sender does not.
-    pub(crate) fn process_completions(&self) -> bool {
+    /// stream's sender does not. Or that it stopped at its budget with
+    /// completions left ([`Ready::More`]).
+    pub(crate) fn process_completions(&self) -> Ready {
         self.take_cq_event();
-        self.drain_unanswered(true, BUNCHED)
+        let (drained, unanswered) = self.drain_unanswered(true);
+        if drained.more {
+            Ready::More
+        } else if unanswered && drained.received >= BUNCHED {
+            Ready::Bunched
+        } else {
+            Ready::Done
+        }
     }
 
     /// The completion thread's look at the connection after a nap on its
     /// stream (`Source::nap_poll`): handles everything on both CQs without
     /// arming them. Returns whether there was something, with nothing
     /// posted in answer and nobody waiting on the connection: the stream
-    /// goes on, and the thread naps again.
+    /// goes on, and the thread naps again. False too when the drain
+    /// stopped at its budget: the thread's `ready` then takes the rest in
+    /// turns with the other connections, without a nap in between.
     pub(crate) fn nap_round(&self) -> bool {
-        self.drain_unanswered(false, 1)
+        let (drained, unanswered) = self.drain_unanswered(false);
+        !drained.more && unanswered && drained.received >= 1
     }
 
     /// Drains the connection (arming its CQs when `arm`) unless a caller
-    /// polls it right now; whether at least `bunch` receives came with
-    /// nothing posted in answer during the drain and nobody waiting on the
-    /// connection.
-    fn drain_unanswered(&self, arm: bool, bunch: usize) -> bool {
+    /// polls it right now; and whether nothing was posted in answer during
+    /// the drain, with nobody waiting on the connection.
+    fn drain_unanswered(&self, arm: bool) -> (Drained, bool) {
         let posts = self.inner.posts.load(Ordering::Relaxed);
-        let received = self.with_recv_poll(|| self.drain(arm)).unwrap_or(0);
-        received >= bunch
-            && self.inner.posts.load(Ordering::Relaxed) == posts
-            && self.inner.waiting.load(Ordering::SeqCst) == 0
+        let drained = self.with_recv_poll(|| self.drain(arm)).unwrap_or_default();
+        let unanswered = self.inner.posts.load(Ordering::Relaxed) == posts
+            && self.inner.waiting.load(Ordering::SeqCst) == 0;
+        (drained, unanswered)
     }
 
     /// Takes the completion channel's event, if there is one.
@@ -233,9 +255,9 @@ impl Connection {
 
     /// Arms the CQs when `arm` (unless callers poll the connection and none
     /// sleeps), then handles what they hold: a completion that arrives
-    /// meanwhile raises an event, one that came before is polled here.
-    /// Returns how many receives completed (messages and commands).
-    pub(super) fn drain(&self, arm: bool) -> usize {
+    /// meanwhile raises an event, one that came before is polled here,
+    /// up to [`DRAIN_BUDGET`] completions.
+    pub(super) fn drain(&self, arm: bool) -> Drained {
         thread_local! {
             /// A drain's room, kept by its thread: a fresh one is 1.5 KiB to
             /// zero per drain.
@@ -252,7 +274,7 @@ impl Connection {
             .unwrap_or_else(|| self.drain_into(&mut CompletionRoom::<MAX_POLL_BATCH>::new(), arm))
     }
 
-    fn drain_into(&self, room: &mut CompletionRoom<MAX_POLL_BATCH>, arm: bool) -> usize {
+    fn drain_into(&self, room: &mut CompletionRoom<MAX_POLL_BATCH>, arm: bool) -> Drained {
         let take = (self.inner.opts.max_concurrent_work_requests as usize).clamp(1, MAX_POLL_BATCH);
         // Callers poll their own connection while they wait and arm it when
         // they sleep; unwatched, it is looked at every tick.
@@ -268,17 +290,25 @@ impl Connection {
                 self.arm_send();
             }
         }
-        let mut handled = None;
+        let mut received = None;
         let mut rearmed = false;
+        let mut budget = DRAIN_BUDGET;
         loop {
-            let received = self.poll_cq(false, room, take, false);
-            let n = received + self.poll_cq(true, room, take, false);
+            let got = self.poll_cq(false, room, take, false);
+            let n = got + self.poll_cq(true, room, take, false);
             // An empty round after a busy one owes nothing more.
-            if n > 0 || handled.is_none() {
+            if n > 0 || received.is_none() {
                 self.after_round();
-                *handled.get_or_insert(0) += received;
+                *received.get_or_insert(0) += got;
             }
             if n > 0 {
+                budget = budget.saturating_sub(n);
+                if budget == 0 {
+                    return Drained {
+                        received: received.unwrap_or(0),
+                        more: true,
+                    };
+                }
                 continue;
             }
             // This drain's callbacks may have put an async one-sided
@@ -292,7 +322,10 @@ impl Connection {
                 rearmed = true;
                 continue;
             }
-            return handled.unwrap_or(0);
+            return Drained {
+                received: received.unwrap_or(0),
+                more: false,
+            };
         }
     }
 

@@ -18,6 +18,7 @@ mod sync_ops;
 mod window;
 
 pub use batch::{BatchMessage, WriteAhead, MESSAGES_PER_DOORBELL};
+pub use dispatch::DRAIN_BUDGET;
 pub use in_ring::InRing;
 pub use one_sided::PendingReads;
 pub(crate) use setup::warn_no_phys_addr;

@@ -3,6 +3,7 @@
 
 use std::time::Duration;
 
+use crate::runtime::poller::{Ready, Source};
 use crate::verbs::{self};
 
 use super::Connection;
@@ -10,14 +11,14 @@ use super::Connection;
 /// The completion channel of one connection, watched by the completion thread.
 pub(crate) struct CqSource(pub(crate) Connection);
 
-impl crate::runtime::poller::Source for CqSource {
+impl Source for CqSource {
     fn fd(&self) -> std::os::fd::RawFd {
         self.0.inner.recv_cq.channel().map_or(-1, |c| c.fd())
     }
 
     /// Ends a spin's unarmed polling of the connection first: what
     /// `async_posted` left unarmed because of it is armed here.
-    fn ready(&self) -> bool {
+    fn ready(&self) -> Ready {
         self.0.set_spun_on(false);
         self.0.process_completions()
     }
@@ -37,8 +38,7 @@ impl crate::runtime::poller::Source for CqSource {
 
     fn woken(&self) -> bool {
         if self.0.inner.opts.caller_polls {
-            self.ready();
-            return false;
+            return self.ready() == Ready::More;
         }
         // The spinning thread polls it from now on: no re-arming.
         self.0.take_cq_event();
@@ -87,7 +87,7 @@ pub(crate) enum CmSource {
     Listener(crate::runtime::listener::Listener),
 }
 
-impl crate::runtime::poller::Source for CmSource {
+impl Source for CmSource {
     fn fd(&self) -> std::os::fd::RawFd {
         match self {
             CmSource::Client(c) => c.cm_id().map_or(-1, |id| id.channel().fd()),
@@ -96,9 +96,9 @@ impl crate::runtime::poller::Source for CmSource {
     }
 
     /// Connection events come one at a time: never a reason to nap.
-    fn ready(&self) -> bool {
+    fn ready(&self) -> Ready {
         self.take_events();
-        false
+        Ready::Done
     }
 
     /// Its fd stays readable while an event waits (`ready` reads them all).

@@ -8,7 +8,6 @@
 //! idle ones.
 
 use std::os::fd::RawFd;
-use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::JoinHandle;
@@ -18,122 +17,10 @@ use rustc_hash::FxHashMap;
 
 use super::spin::Spin;
 
-/// Something with a file descriptor to watch.
-pub trait Source: Send + Sync {
-    /// Stays the same while the source is watched (-1: nothing to watch).
-    fn fd(&self) -> RawFd;
-    /// Called on the poller's thread when `fd` is readable (and, when the
-    /// thread has been idle a while, now and then regardless if the source
-    /// `needs_looks`, so a missed wakeup costs at most about a second).
-    /// Re-arms what raises events. Returns whether its items came bunched
-    /// (faster than the thread can be woken for each) with nobody waiting
-    /// for them or for an answer, as a stream's do: then a thread that may
-    /// not spin naps before it looks again (see [`Poller::start`]).
-    fn ready(&self) -> bool;
-    /// Handles what is pending without waiting or re-arming; true when there
-    /// was something. Called in a loop while the thread spins.
-    fn poll_once(&self) -> bool {
-        false
-    }
-    /// Called instead of `ready` when `fd` became readable while the thread
-    /// spins: handles what is pending, and returns true if the thread should
-    /// poll the source with `poll_once` from now on (it then need not be
-    /// re-armed until it goes quiet).
-    fn woken(&self) -> bool {
-        self.ready();
-        false
-    }
-    /// The thread polls the source with `poll_once` on its spin's passes
-    /// from now on, unarmed (between two runs of passes it may handle its
-    /// events and wakes first), and calls `ready` before it stops doing so
-    /// (unless the source leaves the set or the thread stops): what the
-    /// source would arm meanwhile, it may leave to the spinner.
-    fn spun(&self) {}
-    /// Called after a nap the thread took because the source's items came
-    /// bunched ([`Source::ready`]), instead of `ready`: handles what is
-    /// pending without re-arming (`evented`: the source's fd was readable,
-    /// an event its last arming raised, to be taken) and returns true while
-    /// its items still come with nobody waiting on them, so the thread
-    /// naps again. Unarmed, a stream's items raise no events, whose
-    /// delivery the peer's post pays on Soft-RoCE. On false the thread
-    /// calls `ready`.
-    fn nap_poll(&self, _evented: bool) -> bool {
-        false
-    }
-    /// Called about once per tick, busy or not.
-    fn tick(&self) {}
-    /// Whether `tick` may have work to do now. While no source's has, an
-    /// idle thread sleeps until an event (or the look at every source),
-    /// not a tick: each tick of a sleeping thread is a system call.
-    fn wants_tick(&self) -> bool {
-        false
-    }
-    /// Whether a wakeup of the source can be missed (a completion channel:
-    /// an event raised before it was armed), so an idle thread looks at it
-    /// now and then. Not for one whose fd stays readable while it has work
-    /// (an RDMA CM channel, a socket): while no source needs looks or
-    /// ticks, an idle thread sleeps until an event.
-    fn needs_looks(&self) -> bool {
-        true
-    }
-    /// One of the calls above panicked (a defect of ours): end what the
-    /// source serves, if a panic means it cannot go on.
-    fn panicked(&self) {}
-}
+mod source;
 
-/// A source as the thread calls it: a panic in one source's handler is
-/// logged and handed to its `panicked`, and never ends the thread that
-/// serves every other one.
-struct Guarded {
-    source: Arc<dyn Source>,
-}
-
-impl Guarded {
-    fn call<R: Default>(&self, what: &str, f: impl FnOnce(&dyn Source) -> R) -> R {
-        match std::panic::catch_unwind(AssertUnwindSafe(|| f(&*self.source))) {
-            Ok(r) => r,
-            Err(_) => {
-                log::error!(
-                    "a {} source panicked in {what}",
-                    std::thread::current().name().unwrap_or("poller")
-                );
-                let _ = std::panic::catch_unwind(AssertUnwindSafe(|| self.source.panicked()));
-                R::default()
-            }
-        }
-    }
-}
-
-impl Source for Guarded {
-    fn fd(&self) -> RawFd {
-        self.source.fd()
-    }
-    fn ready(&self) -> bool {
-        self.call("ready", |s| s.ready())
-    }
-    fn poll_once(&self) -> bool {
-        self.call("poll_once", |s| s.poll_once())
-    }
-    fn woken(&self) -> bool {
-        self.call("woken", |s| s.woken())
-    }
-    fn spun(&self) {
-        self.call("spun", |s| s.spun())
-    }
-    fn nap_poll(&self, evented: bool) -> bool {
-        self.call("nap_poll", |s| s.nap_poll(evented))
-    }
-    fn tick(&self) {
-        self.call("tick", |s| s.tick())
-    }
-    fn wants_tick(&self) -> bool {
-        // A source that cannot say is ticked.
-        std::panic::catch_unwind(AssertUnwindSafe(|| self.source.wants_tick())).unwrap_or(true)
-    }
-    fn needs_looks(&self) -> bool {
-        std::panic::catch_unwind(AssertUnwindSafe(|| self.source.needs_looks())).unwrap_or(true)
-    }
-}
+use source::Guarded;
+pub use source::{Ready, Source};
 
 /// The epoll key of the wake eventfd; sources' keys start at 1.
 const WAKE_KEY: u64 = 0;
@@ -399,6 +286,9 @@ fn run(shared: &Shared, tick: Duration, spin: Duration, nap: Duration) {
     let mut napping_evented: Vec<u64> = Vec::with_capacity(EVENTS);
     // Sources whose items came bunched in this round, napped on from now.
     let mut bunched: Vec<(u64, Arc<dyn Source>)> = Vec::new();
+    // Sources that stopped at their share with items left (`Ready::More`):
+    // `ready`d again on the next round, after the events.
+    let mut again = Turns::default();
     while !shared.stop.load(Ordering::SeqCst) {
         let spinning = !hot.is_empty();
         // Ticks waited for when this wait times out.
@@ -407,7 +297,7 @@ fn run(shared: &Shared, tick: Duration, spin: Duration, nap: Duration) {
         } else {
             LOOK_ALL_EVERY
         };
-        let timeout = if spinning || napped {
+        let timeout = if spinning || napped || !again.0.is_empty() {
             0
         } else if ticks == LOOK_ALL_EVERY && !watched.values().any(|s| s.needs_looks()) {
             -1 // Until an event, or a wake (a change to the set, a stop).
@@ -419,6 +309,9 @@ fn run(shared: &Shared, tick: Duration, spin: Duration, nap: Duration) {
         let now = Instant::now();
         let mut changed = false;
         napping_evented.clear();
+        // This round's turns for what had items left: a source whose event
+        // came too gets the one turn, below.
+        let mut turns = std::mem::take(&mut again.0);
         for ev in &events[..n] {
             let key = ev.u64;
             if key == WAKE_KEY {
@@ -429,8 +322,13 @@ fn run(shared: &Shared, tick: Duration, spin: Duration, nap: Duration) {
             } else if napping.iter().any(|(k, _)| *k == key) {
                 napping_evented.push(key);
             } else if let Some(source) = watched.get(&key) {
-                if source.ready() && !nap.is_zero() {
-                    bunched.push((key, source.clone()));
+                if turns.iter().any(|(k, _)| *k == key) {
+                    continue;
+                }
+                match source.ready() {
+                    Ready::Bunched if !nap.is_zero() => bunched.push((key, source.clone())),
+                    Ready::More => again.owe(key, source),
+                    _ => {}
                 }
                 if spins {
                     mark_hot(&mut hot, key, source, now);
@@ -438,13 +336,16 @@ fn run(shared: &Shared, tick: Duration, spin: Duration, nap: Duration) {
             }
         }
         if changed {
-            for source in update_watched(shared, &mut watched) {
+            for (key, source) in update_watched(shared, &mut watched) {
                 // Armed, and whatever came before handled.
-                source.ready();
+                if source.ready() == Ready::More {
+                    again.owe(key, &source);
+                }
             }
             hot.retain(|h| watched.contains_key(&h.key));
             napping.retain(|(key, _)| watched.contains_key(key));
             bunched.retain(|(key, _)| watched.contains_key(key));
+            turns.retain(|(key, _)| watched.contains_key(key));
             // A wake may carry work queued by another thread.
             for (key, source) in &watched {
                 if source.poll_once() && spins {
@@ -459,16 +360,35 @@ fn run(shared: &Shared, tick: Duration, spin: Duration, nap: Duration) {
                 // Every source gets a look now and then, which bounds the
                 // cost of any lost wakeup; not on every tick, as that
                 // costs a syscall or two per connection.
-                for source in watched.values() {
-                    source.ready();
+                for (key, source) in &watched {
+                    if source.ready() == Ready::More {
+                        again.owe(*key, source);
+                    }
                 }
+            }
+        }
+        for (key, source) in turns {
+            match source.ready() {
+                Ready::Bunched if !nap.is_zero() => bunched.push((key, source)),
+                Ready::More => again.owe(key, &source),
+                _ => {}
             }
         }
         if napped {
             // Napped on and still busy, or (armed again by `ready`) bunched
             // again; the rest leave.
             napping.retain(|(key, source)| {
-                source.nap_poll(napping_evented.contains(key)) || source.ready()
+                if source.nap_poll(napping_evented.contains(key)) {
+                    return true;
+                }
+                match source.ready() {
+                    Ready::Done => false,
+                    Ready::Bunched => true,
+                    Ready::More => {
+                        again.owe(*key, source);
+                        false
+                    }
+                }
             });
         }
         napping.append(&mut bunched);
@@ -484,10 +404,12 @@ fn run(shared: &Shared, tick: Duration, spin: Duration, nap: Duration) {
                 allowed.as_mut(),
                 &mut hot,
                 &mut events,
+                &mut again,
             );
         }
         let nap_now = !spun
             && hot.is_empty()
+            && again.0.is_empty()
             && !shared.pending.load(Ordering::SeqCst)
             && !shared.stop.load(Ordering::SeqCst);
         if nap_now && !napping.is_empty() {
@@ -501,8 +423,8 @@ fn run(shared: &Shared, tick: Duration, spin: Duration, nap: Duration) {
             let few = watched.len() <= FEW;
             for (key, source) in napping.drain(..) {
                 let spin_has_it = spun && (few || hot.iter().any(|h| h.key == key));
-                if !spin_has_it {
-                    source.ready();
+                if !spin_has_it && source.ready() == Ready::More {
+                    again.owe(key, &source);
                 }
             }
         }
@@ -522,7 +444,7 @@ fn run(shared: &Shared, tick: Duration, spin: Duration, nap: Duration) {
 fn update_watched(
     shared: &Shared,
     watched: &mut FxHashMap<u64, Arc<dyn Source>>,
-) -> Vec<Arc<dyn Source>> {
+) -> Vec<(u64, Arc<dyn Source>)> {
     let current: FxHashMap<u64, Arc<dyn Source>> = shared
         .sources
         .lock()
@@ -543,11 +465,24 @@ fn update_watched(
     for (key, source) in current {
         if let std::collections::hash_map::Entry::Vacant(slot) = watched.entry(key) {
             shared.watch(source.fd(), key, true);
-            added.push(source.clone());
+            added.push((key, source.clone()));
             slot.insert(source);
         }
     }
     added
+}
+
+/// Sources owed a turn because they stopped with items left
+/// ([`Ready::More`]), each once however many times it said so.
+#[derive(Default)]
+struct Turns(Vec<(u64, Arc<dyn Source>)>);
+
+impl Turns {
+    fn owe(&mut self, key: u64, source: &Arc<dyn Source>) {
+        if !self.0.iter().any(|(k, _)| *k == key) {
+            self.0.push((key, source.clone()));
+        }
+    }
 }
 
 /// A source the spinning thread polls on every pass.
@@ -580,7 +515,8 @@ const HOT_FOR_SPINS: u32 = 8;
 /// or woken (then `hot` is left as it is, for the caller to come straight
 /// back, with the sources not in it armed). Without `allowed` (too many
 /// threads spin) or once it says the thread lost its CPU, one pass, then
-/// every source armed.
+/// every source armed. A source `ready`d here that had items left goes to
+/// `again`.
 fn spin_passes(
     shared: &Shared,
     watched: &FxHashMap<u64, Arc<dyn Source>>,
@@ -588,6 +524,7 @@ fn spin_passes(
     mut allowed: Option<&mut Spin>,
     hot: &mut Vec<Hot>,
     events: &mut [libc::epoll_event],
+    again: &mut Turns,
 ) {
     let few = watched.len() <= FEW;
     let hot_for = spin * HOT_FOR_SPINS;
@@ -638,9 +575,10 @@ fn spin_passes(
         let quiet = !may_spin || last_work.is_none_or(|at| now.duration_since(at) >= spin);
         hot.retain(|h| {
             let keep = !quiet && now.duration_since(h.last) < hot_for;
-            if !keep && !few {
-                // Armed, so its next completion raises an event.
-                h.source.ready();
+            if !keep && !few && h.source.ready() == Ready::More {
+                // Armed, so its next completion raises an event; what it
+                // left gets its turn.
+                again.owe(h.key, &h.source);
             }
             keep
         });
@@ -650,8 +588,8 @@ fn spin_passes(
                 // Polled on every pass, so none is armed; the ones still
                 // busy are polled again at once.
                 for (key, source) in watched {
-                    if !hot.iter().any(|h| h.key == *key) {
-                        source.ready();
+                    if !hot.iter().any(|h| h.key == *key) && source.ready() == Ready::More {
+                        again.owe(*key, source);
                     }
                 }
             }

@@ -4,11 +4,13 @@ use super::*;
 use std::sync::atomic::AtomicUsize;
 
 /// A source over an eventfd: readable once `signal`led; `busy` makes
-/// every poll find work; `ready` says its items came `bunched`.
+/// every poll find work; `ready` says its items came `bunched`, or that
+/// it has items left while `more` turns remain.
 struct Probe {
     fd: RawFd,
     busy: AtomicBool,
     bunched: AtomicBool,
+    more: AtomicUsize,
     readies: AtomicUsize,
     polls: AtomicUsize,
     wants_tick: AtomicBool,
@@ -30,6 +32,7 @@ impl Probe {
             fd,
             busy: AtomicBool::new(false),
             bunched: AtomicBool::new(false),
+            more: AtomicUsize::new(0),
             readies: AtomicUsize::new(0),
             polls: AtomicUsize::new(0),
             wants_tick: AtomicBool::new(false),
@@ -59,13 +62,22 @@ impl Source for Probe {
     fn fd(&self) -> RawFd {
         self.fd
     }
-    fn ready(&self) -> bool {
+    fn ready(&self) -> Ready {
         let mut buf = 0u64;
         // SAFETY: 8 bytes from our eventfd (EAGAIN when unsignalled).
         unsafe { libc::read(self.fd, (&mut buf as *mut u64).cast(), 8) };
         self.spun.store(false, Ordering::SeqCst);
         self.readies.fetch_add(1, Ordering::SeqCst);
-        self.bunched.load(Ordering::SeqCst)
+        let left = self
+            .more
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1));
+        if left.is_ok() {
+            Ready::More
+        } else if self.bunched.load(Ordering::SeqCst) {
+            Ready::Bunched
+        } else {
+            Ready::Done
+        }
     }
     fn spun(&self) {
         self.spun.store(true, Ordering::SeqCst);
@@ -263,7 +275,7 @@ impl Source for Faulty {
     fn fd(&self) -> RawFd {
         self.probe.fd
     }
-    fn ready(&self) -> bool {
+    fn ready(&self) -> Ready {
         self.probe.ready();
         panic!("a defect in a source");
     }
@@ -392,4 +404,41 @@ fn a_source_napped_on_is_polled_unarmed_until_its_items_stop_coming() {
     until("the nap's poll", || {
         probe.nap_polls.load(Ordering::SeqCst) > polls
     });
+}
+
+#[test]
+fn a_source_with_items_left_gets_turns_without_events_and_the_others_theirs() {
+    // No ticks or looks for 100 s: only events and turns make `ready` calls.
+    let poller = sleeping_poller("test-poller", Duration::from_secs(1));
+    let busy = Probe::new();
+    let quiet = Probe::new();
+    poller.add(busy.clone());
+    poller.add(quiet.clone());
+    until("both are made ready when added", || {
+        busy.readies.load(Ordering::SeqCst) >= 1 && quiet.readies.load(Ordering::SeqCst) >= 1
+    });
+    busy.more.store(usize::MAX, Ordering::SeqCst);
+    let turns = busy.readies.load(Ordering::SeqCst);
+    busy.signal();
+    until("turns come without events", || {
+        busy.readies.load(Ordering::SeqCst) >= turns + 100
+    });
+    for _ in 0..3 {
+        let served = quiet.readies.load(Ordering::SeqCst);
+        quiet.signal();
+        until(
+            "the quiet source is served while the busy one has more",
+            || quiet.readies.load(Ordering::SeqCst) > served,
+        );
+    }
+    busy.more.store(0, Ordering::SeqCst);
+    // One turn may be under way; then no more.
+    std::thread::sleep(Duration::from_millis(20));
+    let last = busy.readies.load(Ordering::SeqCst);
+    std::thread::sleep(Duration::from_millis(50));
+    assert_eq!(
+        busy.readies.load(Ordering::SeqCst),
+        last,
+        "turns after it had no more"
+    );
 }

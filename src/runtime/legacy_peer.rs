@@ -52,6 +52,8 @@ pub struct LegacyPeer {
     sends_done: u64,
     /// Polls its CQ while it waits instead of sleeping on the channel.
     spins: bool,
+    /// A received message, copied out of the ring (kept between messages).
+    scratch: Vec<u8>,
 }
 
 impl LegacyPeer {
@@ -147,6 +149,7 @@ impl LegacyPeer {
             version: 0,
             sends_done: 0,
             spins: false,
+            scratch: Vec::new(),
         };
         for slot in 0..RECV_DEPTH as u64 {
             peer.post_recv(slot)?;
@@ -388,8 +391,13 @@ impl LegacyPeer {
         let slot = wc.wr_id();
         match wc.opcode() {
             WcOpcode::RECV => {
-                let at = slot as usize * CMD_LEN;
-                let cmd = Cmd::decode(&self.cmds.as_slice()[at..at + CMD_LEN])
+                // Copied out of its slot first: the peer may be writing
+                // the others.
+                let mut bytes = [0u8; CMD_LEN];
+                if !self.cmds.copy_out_to(slot as usize * CMD_LEN, &mut bytes) {
+                    return Err(Error::OperationFailed(format!("no command slot {slot}")));
+                }
+                let cmd = Cmd::decode(&bytes)
                     .map_err(|e| Error::OperationFailed(format!("bad command: {e}")))?;
                 match cmd.opcode {
                     Opcode::RegLocalAddr => {
@@ -417,14 +425,18 @@ impl LegacyPeer {
             WcOpcode::RECV_RDMA_WITH_IMM => {
                 let offset = wc.imm().unwrap_or(0) as usize;
                 let len = wc.byte_len() as usize;
-                let bytes = self
-                    .ring
-                    .as_slice()
-                    .get(offset..offset + len)
-                    .ok_or_else(|| {
-                        Error::OperationFailed(format!("{len} bytes at {offset}: outside the ring"))
-                    })?;
-                got(bytes)?;
+                // The one read of the bytes, into a buffer kept between
+                // messages: the peer may be writing the ring meanwhile.
+                let mut bytes = std::mem::take(&mut self.scratch);
+                bytes.clear();
+                if !self.ring.copy_out(offset..offset + len, &mut bytes) {
+                    return Err(Error::OperationFailed(format!(
+                        "{len} bytes at {offset}: outside the ring"
+                    )));
+                }
+                let handled = got(&bytes);
+                self.scratch = bytes;
+                handled?;
             }
             other => log::warn!("legacy peer: unexpected completion {other}"),
         }

@@ -432,7 +432,7 @@ fn liar_and_client(answer: Answer) -> (Listener, Client) {
 #[test]
 #[ignore = "needs an RDMA device: run `make test`"]
 fn a_server_that_garbles_its_replies_is_cut_off() {
-    let garbled: [(&str, Answer); 4] = [
+    let garbled: [(&str, Answer); 5] = [
         // A compact reply's tag, then less than its header.
         ("a cut compact header", |id| {
             vec![0xa1, 1, 0, 0, 0, 0, 0, id as u8]
@@ -453,6 +453,11 @@ fn a_server_that_garbles_its_replies_is_cut_off() {
             m
         }),
         ("twelve zero bytes", |_| vec![0; 12]),
+        // Well formed, but to a request the client never sent: filed, it
+        // would sit in the client's replies for good.
+        ("a reply to another id", |id| {
+            Reply::error(id.wrapping_add(1000), KvError::NotFound).encode(&[])
+        }),
     ];
     for (what, answer) in garbled {
         let (liar, client) = liar_and_client(answer);

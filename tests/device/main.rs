@@ -13,6 +13,7 @@ mod credit;
 mod echo_load;
 mod fairness;
 mod hostile;
+mod hostile_links;
 mod kv;
 mod kv_limits;
 mod kv_programs;

@@ -25,13 +25,13 @@ pub(super) struct FfiConn {
     /// The connection the handle is bound to: set when it is bound, and
     /// cleared when a client's attempt that got as far as binding fails
     /// after all (a retry binds its own). Read by every C call on the
-    /// handle (an uncontended read lock).
+    /// handle (an uncontended read lock); written, with the struct's
+    /// fields, under its write lock, so a call that finds it bound finds
+    /// the fields written.
     conn: RwLock<Option<WeakConnection>>,
     pub(super) opts: Options,
     /// Held while `state` is read from the connection and written here.
     state_mirror: Mutex<()>,
-    /// Held while the handle is bound ([`FfiConn::bind`]).
-    binding: Mutex<()>,
 }
 
 impl FfiConn {
@@ -63,7 +63,6 @@ impl FfiConn {
             conn: RwLock::new(None),
             opts,
             state_mirror: Mutex::new(()),
-            binding: Mutex::new(()),
         })
     }
 
@@ -88,18 +87,17 @@ impl FfiConn {
     /// Lets go of a client attempt that failed (`rdmaConnect` returning an
     /// error), however far it got: the handle may try again.
     pub(super) fn unbind(&self) {
-        let _binding = self.binding.lock().unwrap_or_else(PoisonError::into_inner);
         *self.conn.write().unwrap_or_else(PoisonError::into_inner) = None;
     }
 
     /// Binds the handle to `conn` and fills the struct's fields from it.
     /// Called from several threads (the completion thread's report,
-    /// `rdmaConnect` returning): whichever comes second waits for the
-    /// fields the first writes. A connection already ended (a failed
-    /// attempt's late report) is not bound.
+    /// `rdmaConnect` returning): whichever comes second, and every call
+    /// on the handle, waits for the fields the first writes. A connection
+    /// already ended (a failed attempt's late report) is not bound.
     pub(super) fn bind(&self, conn: &Connection) {
-        let _binding = self.binding.lock().unwrap_or_else(PoisonError::into_inner);
-        if self.bound().is_some() || matches!(conn.state(), ConnState::Error | ConnState::Closed) {
+        let mut slot = self.conn.write().unwrap_or_else(PoisonError::into_inner);
+        if slot.is_some() || matches!(conn.state(), ConnState::Error | ConnState::Closed) {
             return;
         }
         let p = self.ptr();
@@ -129,8 +127,7 @@ impl FfiConn {
                 .map_or(std::ptr::null_mut(), |s| s.as_ptr() as *mut c_char);
         }
         *self.ip.lock().expect("ffi lock") = ip;
-        // Last: calls that find the binding find the fields written.
-        *self.conn.write().unwrap_or_else(PoisonError::into_inner) = Some(conn.downgrade());
+        *slot = Some(conn.downgrade());
     }
 
     /// Writes the connection's state (and errno, on an error) into the

@@ -88,7 +88,7 @@ typedef enum snowrdma_broker_status {
    */
   SNOWRDMA_BROKER_PROTOCOL = 7,
   /**
-   * A poll, or the destroy, was called from inside a callback.
+   * A poll was called from inside a callback.
    */
   SNOWRDMA_BROKER_REENTRANT = 8,
   /**
@@ -175,10 +175,10 @@ typedef struct snowrdma_broker_event {
 
 /**
  * The callback: runs on the broker's thread, inside the polls. It may call
- * any broker function except the polls and `snowrdma_broker_destroy`
- * (both return `SNOWRDMA_BROKER_REENTRANT`), and may post replies, which
- * go out before the poll returns; a wait for a send slot does not wait
- * there.
+ * any broker function except the polls (`SNOWRDMA_BROKER_REENTRANT`), and
+ * may post replies, which go out before the poll returns; a wait for a
+ * send slot does not wait there. It may destroy its broker: see
+ * `snowrdma_broker_destroy`.
  */
 typedef void (*snowrdma_broker_callback)(void *user,
                                          snowrdma_broker *broker,
@@ -333,11 +333,21 @@ int snowrdma_broker_peer_region(snowrdma_broker *b, uint32_t peer, uint64_t *add
 int snowrdma_broker_get_stats(snowrdma_broker *b, struct snowrdma_broker_stats *stats);
 
 /**
- * Disconnects and frees the broker, on its owner thread. A second call, or
- * one with NULL, returns `SNOWRDMA_BROKER_INVALID_ARGUMENT`; one from
- * inside its callback returns `SNOWRDMA_BROKER_REENTRANT` and destroys
- * nothing (the poll that runs the callback still uses the broker, its
- * `user` pointer and its memory): destroy it after the poll returns.
+ * Disconnects and frees the broker, on its owner thread (others get
+ * `SNOWRDMA_BROKER_WRONG_THREAD`). The handle is dead once this returns:
+ * a second call, or any call with it, returns
+ * `SNOWRDMA_BROKER_INVALID_ARGUMENT` (and one with NULL does too).
+ *
+ * From inside the broker's own callback it returns `SNOWRDMA_BROKER_OK`
+ * too, but the poll that runs the callback still uses the broker, so the
+ * broker is freed when that poll returns (on this thread, before
+ * `snowrdma_broker_poll_sq` / `_poll_rq` returns to the caller). Until then
+ * no further callback runs, so `user` is not used again; the data region
+ * (`memory`) is still the broker's, and peers may write it, until that
+ * poll returns. The poll returns its count as usual.
+ *
+ * The library frees what it allocated; `user` and a caller-given data
+ * region stay the caller's.
  */
 int snowrdma_broker_destroy(snowrdma_broker *b);
 

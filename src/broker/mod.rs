@@ -126,7 +126,7 @@ pub enum BrokerError {
     InitTimeout { missing: Vec<usize> },
     #[error("a peer broke the protocol: {0}")]
     Protocol(String),
-    /// A poll (or, from C, the destroy) was called from inside a callback.
+    /// A poll was called from inside a callback.
     #[error("called from inside a callback")]
     Reentrant,
     /// Debug builds: called from a thread other than the owner.

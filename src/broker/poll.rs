@@ -1,6 +1,7 @@
 //! Polling: reaping send and receive completions into the callback,
 //! reposting receives, and noticing peers that are gone.
 
+use std::cell::RefMut;
 use std::time::{Duration, Instant};
 
 use super::peer::{self, Peer, Posted, Slot};
@@ -77,14 +78,26 @@ impl Broker {
         Ok(all[range].iter().flatten())
     }
 
+    /// The callback, for a poll to run; [`BrokerError::Reentrant`] while a
+    /// callback runs (the poll that runs it holds it), so a poll from
+    /// inside a callback is refused.
+    fn borrow_callback(&self) -> Result<RefMut<'_, Callback>> {
+        self.callback
+            .try_borrow_mut()
+            .map_err(|_| BrokerError::Reentrant)
+    }
+
+    /// Whether a callback of this broker is running (on its owner thread:
+    /// the only one that polls).
+    pub fn in_callback(&self) -> bool {
+        self.borrow_callback().is_err()
+    }
+
     /// Reaps send completions (of one server, or all): runs the callback for
     /// each finished operation and frees its slot. Returns how many
     /// operations finished.
     pub fn poll_sq(&self, server: Option<usize>) -> Result<u32> {
-        let mut cb = self
-            .callback
-            .try_borrow_mut()
-            .map_err(|_| BrokerError::Reentrant)?;
+        let mut cb = self.borrow_callback()?;
         let peers = self.targets(server)?;
         // Kept between polls, and given back however the poll ends:
         // finishing operations allocates nothing.
@@ -156,10 +169,7 @@ impl Broker {
     /// made in the callback go out in the same poll. Returns how many
     /// messages arrived.
     pub fn poll_rq(&self, server: Option<usize>) -> Result<u32> {
-        let mut cb = self
-            .callback
-            .try_borrow_mut()
-            .map_err(|_| BrokerError::Reentrant)?;
+        let mut cb = self.borrow_callback()?;
         let peers = self.targets(server)?;
         let mut room = self.take_room();
         let received = self.reap_recvs(peers, &mut room, &mut cb);

@@ -75,12 +75,6 @@ impl Broker {
         }
     }
 
-    /// Whether a callback of this broker is running (on its owner thread:
-    /// the only one that polls).
-    pub fn in_callback(&self) -> bool {
-        self.callback.try_borrow_mut().is_err()
-    }
-
     /// The address and length of `server`'s send slot `slot`.
     pub fn slot_ptr(&self, server: usize, slot: u32) -> (*mut u8, usize) {
         let (a, l) = self.shared.send_slot(server, slot);

@@ -43,6 +43,24 @@ pub enum snowrdma_broker_mode {
     SNOWRDMA_BROKER_SOCKET = 1,
 }
 
+/// A `snowrdma_broker_mode` as the int C stored: one no variant has is
+/// refused before Rust ever holds it as the enum.
+impl TryFrom<c_int> for ConnectMode {
+    type Error = BrokerError;
+
+    fn try_from(mode: c_int) -> Result<Self, BrokerError> {
+        const CM: c_int = snowrdma_broker_mode::SNOWRDMA_BROKER_CM as c_int;
+        const SOCKET: c_int = snowrdma_broker_mode::SNOWRDMA_BROKER_SOCKET as c_int;
+        match mode {
+            CM => Ok(ConnectMode::Cm),
+            SOCKET => Ok(ConnectMode::Socket),
+            m => Err(BrokerError::InvalidArgument(format!(
+                "mode {m} is not a snowrdma_broker_mode"
+            ))),
+        }
+    }
+}
+
 /// Results of the broker calls. Numbers are never reused.
 #[allow(non_camel_case_types)]
 #[repr(C)]
@@ -63,7 +81,7 @@ pub enum snowrdma_broker_status {
     SNOWRDMA_BROKER_SYSTEM = 6,
     /// A peer broke the handshake.
     SNOWRDMA_BROKER_PROTOCOL = 7,
-    /// A poll, or the destroy, was called from inside a callback.
+    /// A poll was called from inside a callback.
     SNOWRDMA_BROKER_REENTRANT = 8,
     /// Called from a thread other than the one that created the broker.
     SNOWRDMA_BROKER_WRONG_THREAD = 9,
@@ -136,10 +154,10 @@ pub struct snowrdma_broker_event {
 }
 
 /// The callback: runs on the broker's thread, inside the polls. It may call
-/// any broker function except the polls and `snowrdma_broker_destroy`
-/// (both return `SNOWRDMA_BROKER_REENTRANT`), and may post replies, which
-/// go out before the poll returns; a wait for a send slot does not wait
-/// there.
+/// any broker function except the polls (`SNOWRDMA_BROKER_REENTRANT`), and
+/// may post replies, which go out before the poll returns; a wait for a
+/// send slot does not wait there. It may destroy its broker: see
+/// `snowrdma_broker_destroy`.
 #[allow(non_camel_case_types)]
 pub type snowrdma_broker_callback = Option<
     unsafe extern "C" fn(
@@ -152,6 +170,9 @@ pub type snowrdma_broker_callback = Option<
 struct BrokerHandle {
     owner: ThreadId,
     broker: Broker,
+    /// The handle the callback hands C; NULL once destroyed, and then the
+    /// callback no longer calls C.
+    me: Arc<AtomicPtr<snowrdma_broker>>,
 }
 
 // SAFETY: every access goes through `with`, which refuses any thread but the
@@ -171,7 +192,9 @@ fn status<T>(r: Result<T, BrokerError>) -> c_int {
     }
 }
 
-/// Runs `f` on the broker behind `b`, on its owner thread only.
+/// Runs `f` on the broker behind `b`, on its owner thread only. The
+/// reference held here keeps the broker alive until `f` returns, also when a
+/// callback `f` runs destroys the handle.
 fn with<T>(
     b: *const snowrdma_broker,
     f: impl FnOnce(&Broker) -> Result<T, BrokerError>,
@@ -203,7 +226,6 @@ unsafe fn config_from_c(c: *const snowrdma_broker_config) -> Result<Config, Brok
         .ok_or_else(|| BrokerError::InvalidArgument("hosts is NULL".into()))?;
     let thread_id = u16::try_from(addr_of!((*c).thread_id).read_unaligned())
         .map_err(|_| BrokerError::InvalidArgument("thread_id over 65535".into()))?;
-    let mode = addr_of!((*c).mode).cast::<c_int>().read_unaligned();
     Ok(Config {
         hosts: Config::parse_hosts(&hosts)?,
         server_id: addr_of!((*c).server_id).read_unaligned() as usize,
@@ -213,15 +235,10 @@ unsafe fn config_from_c(c: *const snowrdma_broker_config) -> Result<Config, Brok
         doorbell_batch: addr_of!((*c).doorbell_batch).read_unaligned(),
         data_len: usize::try_from(addr_of!((*c).memory_len).read_unaligned())
             .map_err(|_| BrokerError::InvalidArgument("memory_len too large".into()))?,
-        mode: match mode {
-            m if m == snowrdma_broker_mode::SNOWRDMA_BROKER_CM as c_int => ConnectMode::Cm,
-            m if m == snowrdma_broker_mode::SNOWRDMA_BROKER_SOCKET as c_int => ConnectMode::Socket,
-            m => {
-                return Err(BrokerError::InvalidArgument(format!(
-                    "mode {m} is not a snowrdma_broker_mode"
-                )))
-            }
-        },
+        mode: addr_of!((*c).mode)
+            .cast::<c_int>()
+            .read_unaligned()
+            .try_into()?,
         device: string(addr_of!((*c).device).read_unaligned(), "device")?,
     })
 }
@@ -261,6 +278,12 @@ pub unsafe extern "C" fn snowrdma_broker_create(
         let me2 = me.clone();
         let user = user as usize;
         let call = move |_: &Broker, ev: &Event<'_>| {
+            let handle = me2.load(Ordering::Relaxed);
+            if handle.is_null() {
+                // Destroyed by an earlier callback of this poll: C hears
+                // nothing more of it.
+                return;
+            }
             let event = snowrdma_broker_event {
                 kind: ev.kind,
                 peer: ev.peer as u32,
@@ -276,7 +299,7 @@ pub unsafe extern "C" fn snowrdma_broker_create(
                 status: ev.status.0,
             };
             // SAFETY: the caller's callback, with the pointer it gave us.
-            unsafe { cb(user as *mut c_void, me2.load(Ordering::Relaxed), &event) };
+            unsafe { cb(user as *mut c_void, handle, &event) };
         };
         let memory = addr_of!((*config).memory).read_unaligned();
         let made = if memory.is_null() {
@@ -290,6 +313,7 @@ pub unsafe extern "C" fn snowrdma_broker_create(
                 let h: *mut snowrdma_broker = BROKERS.insert_opaque(BrokerHandle {
                     owner: std::thread::current().id(),
                     broker,
+                    me: me.clone(),
                 });
                 me.store(h, Ordering::Relaxed);
                 h
@@ -567,19 +591,33 @@ pub unsafe extern "C" fn snowrdma_broker_get_stats(
     })
 }
 
-/// Disconnects and frees the broker, on its owner thread. A second call, or
-/// one with NULL, returns `SNOWRDMA_BROKER_INVALID_ARGUMENT`; one from
-/// inside its callback returns `SNOWRDMA_BROKER_REENTRANT` and destroys
-/// nothing (the poll that runs the callback still uses the broker, its
-/// `user` pointer and its memory): destroy it after the poll returns.
+/// Disconnects and frees the broker, on its owner thread (others get
+/// `SNOWRDMA_BROKER_WRONG_THREAD`). The handle is dead once this returns:
+/// a second call, or any call with it, returns
+/// `SNOWRDMA_BROKER_INVALID_ARGUMENT` (and one with NULL does too).
+///
+/// From inside the broker's own callback it returns `SNOWRDMA_BROKER_OK`
+/// too, but the poll that runs the callback still uses the broker, so the
+/// broker is freed when that poll returns (on this thread, before
+/// `snowrdma_broker_poll_sq` / `_poll_rq` returns to the caller). Until then
+/// no further callback runs, so `user` is not used again; the data region
+/// (`memory`) is still the broker's, and peers may write it, until that
+/// poll returns. The poll returns its count as usual.
+///
+/// The library frees what it allocated; `user` and a caller-given data
+/// region stay the caller's.
 #[no_mangle]
 pub extern "C" fn snowrdma_broker_destroy(b: *mut snowrdma_broker) -> c_int {
     guard_or(SNOWRDMA_BROKER_INTERNAL as c_int, || {
-        let r = with(b, |br| match br.in_callback() {
-            true => Err(BrokerError::Reentrant),
-            false => Ok(()),
-        })
-        .map(|()| drop(BROKERS.remove(b)));
+        let r = with(b, |_| Ok(())).map(|()| {
+            if let Some(h) = BROKERS.remove(b) {
+                h.me.store(std::ptr::null_mut(), Ordering::Relaxed);
+                // The last reference, unless a poll of this broker is
+                // running a callback: that poll's `with` holds another, and
+                // the broker is dropped when it lets go.
+                drop(h);
+            }
+        });
         status(r)
     })
 }

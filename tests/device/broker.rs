@@ -1,14 +1,24 @@
 //! The RC message broker on a real device: the full mesh in both connection
 //! modes and any start order, all-to-all messages with every byte checked,
 //! immediates, replies from the callback, a full ring, WRITE and READ,
-//! doorbell counting, and a peer that dies.
+//! doorbell counting, a peer that dies, and a C callback that destroys its
+//! broker.
 
+use std::cell::Cell;
+use std::ffi::{c_int, c_void, CString};
 use std::net::{IpAddr, SocketAddr};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use snowrdma::broker::{Broker, BrokerError, Config, ConnectMode, EventKind, Local, Remote};
+use snowrdma::ffi::broker::{
+    snowrdma_broker, snowrdma_broker_config, snowrdma_broker_create, snowrdma_broker_destroy,
+    snowrdma_broker_event, snowrdma_broker_flush, snowrdma_broker_init, snowrdma_broker_mode,
+    snowrdma_broker_poll_rq, snowrdma_broker_poll_sq, snowrdma_broker_post_send,
+    snowrdma_broker_send_buf, snowrdma_broker_status,
+};
+use snowrdma::verbs::CmId;
 
 use crate::device_ip;
 
@@ -552,4 +562,122 @@ fn broker_a_callback_never_waits_for_a_slot_and_a_failed_post_keeps_none() {
     assert!(refused, "a post longer than a slot is refused");
     assert!(again, "... and its slot is handed out again");
     server.join().unwrap();
+}
+
+/// What a C callback that destroys its broker saw, for the test to read
+/// between polls.
+#[derive(Default)]
+struct Destroyer {
+    /// What `snowrdma_broker_destroy` returned inside the callback.
+    destroyed: Cell<Option<c_int>>,
+    /// What a second destroy, and a flush, with the same handle returned
+    /// right after it, still inside the callback.
+    again: Cell<c_int>,
+    flush_after: Cell<c_int>,
+    /// Callbacks that ran after the destroy.
+    late: Cell<u32>,
+}
+
+/// Destroys its broker on the first FAILED event, as a C program that
+/// gives up on a failure does.
+unsafe extern "C" fn destroy_on_failure(
+    user: *mut c_void,
+    b: *mut snowrdma_broker,
+    ev: *const snowrdma_broker_event,
+) {
+    // SAFETY: `user` is the test's `Destroyer`, which outlives the broker;
+    // `ev` is valid during the callback.
+    let (d, kind) = unsafe { (&*user.cast::<Destroyer>(), (*ev).kind) };
+    if d.destroyed.get().is_some() {
+        d.late.set(d.late.get() + 1);
+    } else if kind == EventKind::Failed {
+        d.destroyed.set(Some(snowrdma_broker_destroy(b)));
+        d.again.set(snowrdma_broker_destroy(b));
+        d.flush_after.set(snowrdma_broker_flush(b, -1));
+    }
+}
+
+/// A C callback destroys its broker when a send to a dead peer fails: the
+/// destroy returns OK, the handle is dead at once (inside the callback and
+/// after), no callback runs after it, the poll that ran it returns
+/// normally, and the broker is freed when that poll returns (its RDMA CM
+/// listener's address is free again).
+#[test]
+#[ignore = "needs an RDMA device: run `make test`"]
+fn broker_a_c_callback_that_destroys_its_broker_on_a_failure_frees_it_after_the_poll() {
+    const OK: c_int = snowrdma_broker_status::SNOWRDMA_BROKER_OK as c_int;
+    const BAD_HANDLE: c_int = snowrdma_broker_status::SNOWRDMA_BROKER_INVALID_ARGUMENT as c_int;
+    let port = 19360;
+    let (tx, rx) = mpsc::channel();
+    let peer = std::thread::spawn(move || {
+        let (_seen, cb) = recorder();
+        let b = Broker::new(config(2, 1, 0, port, ConnectMode::Cm), cb).unwrap();
+        b.init(INIT).unwrap();
+        tx.send(()).unwrap();
+        // Dies here: its queue pair is destroyed.
+    });
+    let me = config(2, 0, 0, port, ConnectMode::Cm);
+    let hosts: Vec<String> = me.hosts.iter().map(|h| h.to_string()).collect();
+    let hosts = CString::new(hosts.join(",")).unwrap();
+    let cfg = snowrdma_broker_config {
+        hosts: hosts.as_ptr(),
+        server_id: 0,
+        thread_id: 0,
+        slots_per_peer: me.slots,
+        slot_size: me.slot_size,
+        doorbell_batch: me.doorbell_batch,
+        memory: std::ptr::null_mut(),
+        memory_len: me.data_len as u64,
+        mode: snowrdma_broker_mode::SNOWRDMA_BROKER_CM,
+        device: std::ptr::null(),
+    };
+    let d = Destroyer::default();
+    let user = &d as *const Destroyer as *mut c_void;
+    // SAFETY: a valid config; the broker allocates its data region.
+    let b = unsafe { snowrdma_broker_create(&cfg, Some(destroy_on_failure), user) };
+    assert!(!b.is_null());
+    assert_eq!(snowrdma_broker_init(b, INIT.as_millis() as u32), OK);
+    rx.recv_timeout(WAIT).unwrap();
+    peer.join().unwrap();
+    let listen = me.hosts[0];
+    assert!(
+        CmId::listen_on(listen, 1).is_err(),
+        "the live broker listens on {listen}"
+    );
+
+    let start = Instant::now();
+    let polled = loop {
+        for _ in 0..4 {
+            let buf = snowrdma_broker_send_buf(b, 1);
+            if !buf.is_null() {
+                // Refused once the peer is found failed; the sends posted
+                // before then fail, each a FAILED event.
+                // SAFETY: NULL wr_id is allowed.
+                let _ = unsafe { snowrdma_broker_post_send(b, buf, 1, 1, 0, std::ptr::null_mut()) };
+            }
+        }
+        let _ = snowrdma_broker_flush(b, 1);
+        let sq = snowrdma_broker_poll_sq(b, -1);
+        if d.destroyed.get().is_some() {
+            break sq;
+        }
+        assert!(sq >= 0, "poll_sq: {sq}");
+        let rq = snowrdma_broker_poll_rq(b, -1);
+        assert!(rq >= 0, "poll_rq: {rq}");
+        assert!(
+            start.elapsed() < WAIT * 2,
+            "no send to the dead peer failed"
+        );
+    };
+    assert_eq!(d.destroyed.get(), Some(OK), "destroy inside the callback");
+    assert!(polled >= 1, "the poll that ran the callback: {polled}");
+    assert_eq!(d.again.get(), BAD_HANDLE, "a second destroy inside it");
+    assert_eq!(d.flush_after.get(), BAD_HANDLE, "a flush inside it");
+    assert_eq!(d.late.get(), 0, "callbacks after the destroy");
+    assert_eq!(snowrdma_broker_poll_sq(b, -1), -i64::from(BAD_HANDLE));
+    assert_eq!(snowrdma_broker_destroy(b), BAD_HANDLE);
+    assert!(snowrdma_broker_send_buf(b, 1).is_null());
+    // Freed when the poll returned: its listener is gone.
+    CmId::listen_on(listen, 1)
+        .unwrap_or_else(|e| panic!("{listen} still taken after the poll: {e}"));
 }

@@ -96,7 +96,7 @@ fn a_socket_peer_that_sends_bytes_after_the_handshake_is_cut_off() {
 #[test]
 #[ignore = "needs an RDMA device: run `make test`"]
 fn broker_a_silent_socket_client_does_not_hold_up_the_mesh() {
-    let base_port = 19800;
+    let base_port = 20000;
     let config = move |me: usize| Config {
         hosts: (0..2)
             .map(|i| SocketAddr::new(IpAddr::V4(device_ip()), base_port + 10 * i as u16))

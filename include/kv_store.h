@@ -110,7 +110,8 @@ typedef struct kv_config {
    */
   size_t hash_table_size;
   /**
-   * Worker threads for large values (0: 4).
+   * Worker threads for large values (0: 4; at most 1024, beyond which
+   * `kv_server_create` returns NULL).
    */
   int num_workers;
   conn_mode_t conn_mode;
@@ -123,7 +124,7 @@ typedef struct kv_config {
 /**
  * A server's limits (see the README's Limits section). Start from
  * `kv_limits_default()` and change the fields you need; every field must
- * be positive.
+ * be positive, and `worker_queue` at most 65536.
  */
 typedef struct kv_limits {
   /**
@@ -141,7 +142,7 @@ typedef struct kv_limits {
   uint64_t reply_queue_bytes;
   /**
    * Requests that may wait for each worker thread; beyond, new ones wait
-   * for room.
+   * for room. At most 65536 (each queue is allocated whole at start).
    */
   uint64_t worker_queue;
   /**
@@ -235,7 +236,7 @@ struct kv_limits kv_limits_default(void);
  * and lease limits apply at once; `setup_deadline_ms`,
  * `reply_queue_bytes` and `worker_queue` from the next `kv_server_start`.
  * Returns KV_OK, or KV_ERR_INVALID_ARGUMENT for a NULL or unknown handle,
- * a NULL `limits` or a zero field.
+ * a NULL `limits`, a zero field or a `worker_queue` over 65536.
  *
  * # Safety
  * A non-NULL `limits` must point to a `kv_limits`.

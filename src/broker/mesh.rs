@@ -138,9 +138,21 @@ impl Shared {
                                     .iter()
                                     .any(|(_, p)| p.server == h.server_id as usize) =>
                         {
-                            let peer = Peer::on_cm(self, &id, h)?;
-                            id.accept(&param(self.my_hello()))?;
-                            accepting.push((id, peer));
+                            // One request that cannot be taken (its QP, or
+                            // the accept, failed) is refused; the peer tries
+                            // again, and the others' setup goes on.
+                            let accept = || -> Result<Peer> {
+                                let peer = Peer::on_cm(self, &id, h)?;
+                                id.accept(&param(self.my_hello()))?;
+                                Ok(peer)
+                            };
+                            match accept() {
+                                Ok(peer) => accepting.push((id, peer)),
+                                Err(e) => {
+                                    log::warn!("broker: accepting server {}: {e}", h.server_id);
+                                    let _ = id.reject(&[]);
+                                }
+                            }
                         }
                         _ => {
                             log::warn!(
@@ -186,10 +198,12 @@ impl Shared {
                                 peer.remote = h.region;
                                 peers[s] = Some(peer);
                             }
+                            // Dropped (the server hears us leave), and tried
+                            // again: a server that keeps answering so is
+                            // missing when the deadline comes.
                             _ => {
-                                return Err(BrokerError::Protocol(format!(
-                                    "server {s} answered with a bad hello"
-                                )))
+                                log::warn!("broker: server {s} answered with a bad hello");
+                                next_try[s] = Instant::now() + RETRY;
                             }
                         }
                     }
@@ -210,10 +224,8 @@ impl Shared {
                 let left = deadline.saturating_duration_since(Instant::now());
                 match CmId::resolve(self.addr_of(s), None, left.min(Duration::from_secs(2))) {
                     Ok(id) => {
-                        let peer = Peer::on_cm(
-                            self,
-                            &id,
-                            Hello {
+                        let connect = || -> Result<Peer> {
+                            let hello = Hello {
                                 server_id: s as u16,
                                 thread_id: self.config.thread_id,
                                 region: RemoteRegion {
@@ -221,10 +233,18 @@ impl Shared {
                                     len: 0,
                                     rkey: 0,
                                 },
-                            },
-                        )?;
-                        id.connect(&param(self.my_hello()))?;
-                        connecting.push((s, id, peer));
+                            };
+                            let peer = Peer::on_cm(self, &id, hello)?;
+                            id.connect(&param(self.my_hello()))?;
+                            Ok(peer)
+                        };
+                        match connect() {
+                            Ok(peer) => connecting.push((s, id, peer)),
+                            Err(e) => {
+                                log::warn!("broker: connecting to server {s}: {e}");
+                                next_try[s] = Instant::now() + RETRY;
+                            }
+                        }
                     }
                     Err(e) => {
                         log::debug!("broker: resolving server {s}: {e}");

@@ -2,7 +2,9 @@
 //! connect, how long their setup may take, how much may wait for them
 //! (replies, requests), how much memory values outside the pool and leases
 //! may hold. Each limit, when hit, is counted in [`super::Stats`] and logged
-//! once per episode.
+//! once per episode. Also the largest worker settings a server accepts
+//! ([`MAX_WORKERS`], [`MAX_WORKER_QUEUE`]): both come from callers (the C
+//! `kv_config` and `kv_limits`), and both are allocated up front.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -10,6 +12,22 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use super::store::Block;
+
+/// The most worker threads a server starts ([`super::ServerConfig::workers`]).
+/// A worker beyond the machine's CPUs only takes turns on them, and 1024 is
+/// above the hardware threads of today's largest two-socket servers; every
+/// worker is spawned at start with its queue preallocated, so a million
+/// asked for would be a million threads.
+pub const MAX_WORKERS: usize = 1024;
+
+/// The deepest worker queue a server accepts ([`Limits::worker_queue`]).
+/// The queue is preallocated (every slot, at start), and an allocation that
+/// fails aborts the process, so the depth must stay modest: 65,536 slots of
+/// a few dozen bytes are a few MiB per worker. Depth beyond that buys
+/// nothing: a full queue only makes the completion thread wait (nothing is
+/// lost), and at the default [`Limits::client_jobs`] it already holds the
+/// whole share of 256 clients.
+pub const MAX_WORKER_QUEUE: usize = 1 << 16;
 
 /// The limits of a server ([`super::ServerConfig::limits`]); `Default`
 /// gives the defaults listed in the README.
@@ -26,7 +44,7 @@ pub struct Limits {
     pub reply_queue_bytes: usize,
     /// Requests waiting for each worker thread; when full, the completion
     /// thread waits for room (back-pressure: everyone slows, nobody is
-    /// dropped).
+    /// dropped). At most [`MAX_WORKER_QUEUE`].
     pub worker_queue: usize,
     /// Requests of one client waiting for its worker (or served, their
     /// answers held a moment to share a doorbell); beyond, its requests

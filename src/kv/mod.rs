@@ -21,7 +21,7 @@ use std::time::Duration;
 
 pub use client::{BatchOp, Client, ClientOptions, KvMemory};
 pub use codes::KV_DEFAULT_PORT;
-pub use limits::Limits;
+pub use limits::{Limits, MAX_WORKERS, MAX_WORKER_QUEUE};
 pub use pool::QUARANTINE;
 pub use server::{Server, ServerConfig, Stats};
 
@@ -29,6 +29,15 @@ pub use server::{Server, ServerConfig, Stats};
 pub const MAX_KEY_LEN: usize = 1024;
 /// Default largest value (inclusive).
 pub const DEFAULT_MAX_VALUE: u64 = 1 << 30;
+/// The largest `max_value` a server may be configured with, and the largest
+/// a client accepts from one (a HELLO advertising more is refused: every
+/// byte from the server is its word, not a fact). 256 TiB: more memory than
+/// any machine holds (the largest hold tens of TiB) and all that a 48-bit
+/// virtual address space (x86-64 and arm64 with 4-level page tables) maps,
+/// so no value past it could be stored or fetched; and far enough below
+/// 2^63 that a block's length (header and key added) and a buffer for it
+/// rounded up to a power of two cannot overflow.
+pub const LARGEST_MAX_VALUE: u64 = 1 << 48;
 /// Environment variable overriding the largest value a server accepts, in
 /// bytes.
 pub const MAX_VALUE_ENV: &str = "SNOWRDMA_KV_MAX_VALUE";

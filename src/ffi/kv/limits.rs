@@ -14,7 +14,7 @@ use super::types::{kv_server, KV_ERR_INVALID_ARGUMENT, KV_OK};
 #[allow(non_camel_case_types)]
 /// A server's limits (see the README's Limits section). Start from
 /// `kv_limits_default()` and change the fields you need; every field must
-/// be positive.
+/// be positive, and `worker_queue` at most 65536.
 #[repr(C)]
 #[derive(Clone, Copy)]
 pub struct kv_limits {
@@ -26,7 +26,7 @@ pub struct kv_limits {
     /// disconnected.
     pub reply_queue_bytes: u64,
     /// Requests that may wait for each worker thread; beyond, new ones wait
-    /// for room.
+    /// for room. At most 65536 (each queue is allocated whole at start).
     pub worker_queue: u64,
     /// Requests of one client that may wait for its worker; beyond, they
     /// are answered KV_ERR_NO_MEMORY.
@@ -84,7 +84,7 @@ pub extern "C" fn kv_limits_default() -> kv_limits {
 /// and lease limits apply at once; `setup_deadline_ms`,
 /// `reply_queue_bytes` and `worker_queue` from the next `kv_server_start`.
 /// Returns KV_OK, or KV_ERR_INVALID_ARGUMENT for a NULL or unknown handle,
-/// a NULL `limits` or a zero field.
+/// a NULL `limits`, a zero field or a `worker_queue` over 65536.
 ///
 /// # Safety
 /// A non-NULL `limits` must point to a `kv_limits`.
@@ -181,6 +181,38 @@ mod tests {
             assert_eq!(kv_server_set_limits(server, &zero), KV_ERR_INVALID_ARGUMENT);
             assert_eq!(kv_server_get_limits(server, &mut out), KV_OK);
             assert_eq!(out.client_jobs, limits.client_jobs, "unchanged");
+        }
+        kv_server_destroy(server);
+    }
+
+    #[test]
+    fn a_worker_queue_past_the_maximum_is_refused_before_it_is_allocated() {
+        use crate::ffi::kv::{kv_server_create, kv_server_destroy};
+        use crate::kv::MAX_WORKER_QUEUE;
+        // SAFETY: NULL config: defaults (the pool is mapped, not touched).
+        let server = unsafe { kv_server_create(std::ptr::null()) };
+        assert!(!server.is_null());
+        let most = kv_limits {
+            worker_queue: MAX_WORKER_QUEUE as u64,
+            ..kv_limits_default()
+        };
+        let mut out = kv_limits_default();
+        // SAFETY: valid pointers to kv_limits.
+        unsafe {
+            assert_eq!(kv_server_set_limits(server, &most), KV_OK);
+            for too_deep in [MAX_WORKER_QUEUE as u64 + 1, u64::MAX] {
+                let limits = kv_limits {
+                    worker_queue: too_deep,
+                    ..most
+                };
+                assert_eq!(
+                    kv_server_set_limits(server, &limits),
+                    KV_ERR_INVALID_ARGUMENT,
+                    "{too_deep}"
+                );
+            }
+            assert_eq!(kv_server_get_limits(server, &mut out), KV_OK);
+            assert_eq!(out.worker_queue, most.worker_queue, "unchanged");
         }
         kv_server_destroy(server);
     }

@@ -1,4 +1,4 @@
-use std::ffi::c_char;
+use std::ffi::{c_char, c_int};
 
 use crate::kv::KvError;
 
@@ -145,5 +145,19 @@ fn a_table_or_memory_size_past_the_address_space_is_refused() {
         cfg.num_workers = 1;
         let s = unsafe { kv_server_create(&cfg) };
         assert!(s.is_null(), "memory {memory}, table {table}: refused");
+    }
+}
+
+#[test]
+fn a_worker_count_past_the_maximum_is_refused() {
+    let mut cfg: kv_config = unsafe { std::mem::zeroed() };
+    cfg.memory_size = 4 << 20;
+    cfg.hash_table_size = 16;
+    let most = c_int::try_from(crate::kv::MAX_WORKERS).unwrap();
+    for (workers, refused) in [(most, false), (most + 1, true), (c_int::MAX, true)] {
+        cfg.num_workers = workers;
+        let s = unsafe { kv_server_create(&cfg) };
+        assert_eq!(s.is_null(), refused, "{workers} workers");
+        kv_server_destroy(s);
     }
 }

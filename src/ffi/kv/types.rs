@@ -36,7 +36,8 @@ pub struct kv_config {
     pub use_huge_pages: bool,
     /// Hash index buckets (0: 65536).
     pub hash_table_size: usize,
-    /// Worker threads for large values (0: 4).
+    /// Worker threads for large values (0: 4; at most 1024, beyond which
+    /// `kv_server_create` returns NULL).
     pub num_workers: c_int,
     pub conn_mode: conn_mode_t,
     /// Device name for socket mode, NUL-terminated; "" means the first.

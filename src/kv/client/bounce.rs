@@ -98,6 +98,14 @@ impl Drop for BounceGuard<'_> {
     }
 }
 
+/// The size of a bounce buffer for `len` bytes: at least 1 MiB, rounded up
+/// to a power of two so that it seldom grows again; `None` past the largest
+/// power of two (a length from a server's reply can be anything).
+fn bounce_size(len: usize) -> Option<usize> {
+    len.checked_next_power_of_two()
+        .map(|size| size.max(1 << 20))
+}
+
 impl Client {
     /// The bounce buffer, grown to at least `len` bytes, locked until the
     /// guard is dropped.
@@ -115,7 +123,7 @@ impl Client {
             if let Some(old) = slot.take() {
                 self.conn.deregister(&old.mr);
             }
-            let size = len.next_power_of_two().max(1 << 20);
+            let size = bounce_size(len).ok_or(KvError::NoMemory)?;
             // Only our own READs and WRITEs use it: no remote access.
             let mr = self
                 .conn
@@ -157,5 +165,20 @@ impl Client {
         len: usize,
     ) -> Result<()> {
         self.transfer_at(read, bounce.addr + local as u64, bounce.lkey, remote, len)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_bounce_buffer_past_the_largest_power_of_two_is_refused_not_a_panic() {
+        assert_eq!(bounce_size(1), Some(1 << 20));
+        assert_eq!(bounce_size((1 << 20) + 1), Some(2 << 20));
+        let top = usize::MAX / 2 + 1;
+        assert_eq!(bounce_size(top), Some(top));
+        assert_eq!(bounce_size(top + 1), None);
+        assert_eq!(bounce_size(usize::MAX), None);
     }
 }

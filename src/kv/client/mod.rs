@@ -19,7 +19,7 @@ use crate::copy;
 use crate::runtime::{BatchMessage, CommMode, Connection, Options, WriteAhead};
 
 use super::proto::{Header, Op, Reply, Request, ServerInfo};
-use super::{ConnMode, KvError, Result, TIMEOUT_ENV};
+use super::{ConnMode, KvError, Result, LARGEST_MAX_VALUE, TIMEOUT_ENV};
 
 mod batch;
 mod bounce;
@@ -94,6 +94,23 @@ type GetResult = Result<(Vec<u8>, u64)>;
 /// value (lent for the call) with its version, or the error. Called once
 /// per key, in no particular order.
 type Each<'a> = dyn FnMut(usize, Result<(&[u8], u64)>) + 'a;
+
+/// What a server's HELLO reply advertises, refused (and the connection
+/// with it) when malformed or when its largest value is past
+/// [`LARGEST_MAX_VALUE`]: the lengths of its values size our buffers, and
+/// past 2^63 rounding one up to a power of two overflows.
+fn server_info(payload: &[u8]) -> Result<ServerInfo> {
+    let info = ServerInfo::decode(payload)
+        .ok_or_else(|| KvError::Internal("the server's HELLO reply is malformed".into()))?;
+    if info.max_value > LARGEST_MAX_VALUE {
+        return Err(KvError::Internal(format!(
+            "refusing the server: it advertises values of up to {} bytes, \
+             more than the {LARGEST_MAX_VALUE} any client can hold",
+            info.max_value
+        )));
+    }
+    Ok(info)
+}
 
 fn failed_verification() -> KvError {
     KvError::Internal("the value read from the server failed verification".into())
@@ -182,8 +199,7 @@ impl Client {
             timeout: opts.timeout,
         };
         let (_, payload) = client.call(Request::new(Op::Hello, 0), &[], &[], 0)?;
-        client.info = ServerInfo::decode(&payload)
-            .ok_or_else(|| KvError::Internal("the server's HELLO reply is malformed".into()))?;
+        client.info = server_info(&payload)?;
         Ok(client)
     }
 
@@ -481,4 +497,30 @@ fn status(reply: &Reply) -> Result<()> {
         _ => reply.value_len,
     };
     Err(KvError::from_code(reply.status, detail))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_server_advertising_values_no_client_can_hold_is_refused() {
+        let info = |max_value| {
+            ServerInfo {
+                max_value,
+                ..ServerInfo::default()
+            }
+            .encode()
+        };
+        assert_eq!(
+            server_info(&info(LARGEST_MAX_VALUE)).unwrap().max_value,
+            LARGEST_MAX_VALUE
+        );
+        for hostile in [LARGEST_MAX_VALUE + 1, (1 << 63) + 1, u64::MAX] {
+            let e = server_info(&info(hostile)).unwrap_err();
+            assert_eq!(e.code(), crate::kv::codes::KV_ERR_INTERNAL, "{e}");
+            assert!(e.to_string().contains("advertises"), "{e}");
+        }
+        assert!(server_info(&info(1)[..10]).is_err(), "malformed");
+    }
 }

@@ -54,7 +54,10 @@ impl Client {
                 reply.value_len, self.info.max_value
             )));
         }
-        let total = block_len(key.len(), reply.value_len as usize);
+        // Saturated, not truncated, where usize is narrower: the bounce
+        // buffer then refuses it.
+        let value_len = usize::try_from(reply.value_len).unwrap_or(usize::MAX);
+        let total = block_len(key.len(), value_len);
         let result = self.with_bounce(total, |b| {
             self.transfer(
                 true,

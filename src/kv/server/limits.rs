@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Sender, TrySendError};
 
-use crate::kv::limits::Limits;
+use crate::kv::limits::{Limits, MAX_WORKER_QUEUE};
 use crate::kv::proto::Reply;
 use crate::kv::{KvError, Result};
 use crate::runtime::Connection;
@@ -180,8 +180,16 @@ impl Shared {
     }
 }
 
-/// Limits of zero would refuse everything: a mistake, not a setting.
+/// Limits of zero would refuse everything: a mistake, not a setting. A
+/// worker queue past [`MAX_WORKER_QUEUE`] is refused too: it is allocated
+/// whole at start, where a failed allocation aborts the process.
 pub(super) fn check_limits(l: &Limits) -> Result<()> {
+    if l.worker_queue > MAX_WORKER_QUEUE {
+        return Err(KvError::InvalidArgument(format!(
+            "the limit worker_queue is {}, more than the maximum of {MAX_WORKER_QUEUE}",
+            l.worker_queue
+        )));
+    }
     let zero = [
         ("max_connections", l.max_connections == 0),
         ("setup_deadline", l.setup_deadline.is_zero()),

@@ -26,11 +26,13 @@ use crate::runtime::{
 };
 use crate::verbs::{self, CmId, Context, EventChannel};
 
-use super::limits::{Episode, Leases, Limits};
+use super::limits::{Episode, Leases, Limits, MAX_WORKERS};
 use super::pool::SLAB_PAGE;
 use super::proto::{Request, REQUEST_LEN};
 use super::store::{Store, Target};
-use super::{ConnMode, KvError, Result, DEFAULT_MAX_VALUE, MAX_KEY_LEN, MAX_VALUE_ENV};
+use super::{
+    ConnMode, KvError, Result, DEFAULT_MAX_VALUE, LARGEST_MAX_VALUE, MAX_KEY_LEN, MAX_VALUE_ENV,
+};
 
 mod answer;
 mod conn;
@@ -56,11 +58,13 @@ pub struct ServerConfig {
     pub huge_pages: bool,
     /// Hash index buckets.
     pub table_size: usize,
+    /// Worker threads (0 starts one); at most [`MAX_WORKERS`].
     pub workers: usize,
     pub conn_mode: ConnMode,
     /// Device name (socket mode); `None`: the first device.
     pub device: Option<String>,
-    /// Largest value accepted (`SNOWRDMA_KV_MAX_VALUE`, default 1 GiB).
+    /// Largest value accepted (`SNOWRDMA_KV_MAX_VALUE`, default 1 GiB; at
+    /// most [`LARGEST_MAX_VALUE`]).
     pub max_value: u64,
     /// Each client's request buffer (values up to this size are PUT in one
     /// round trip).
@@ -285,6 +289,22 @@ impl Server {
             return Err(KvError::InvalidArgument(
                 "the table size and memory size must be positive".into(),
             ));
+        }
+        // Checked here, not at start: every worker is a thread spawned
+        // then, and a count no machine can use is a mistake.
+        if cfg.workers > MAX_WORKERS {
+            return Err(KvError::InvalidArgument(format!(
+                "{} workers asked for, more than the maximum of {MAX_WORKERS}",
+                cfg.workers
+            )));
+        }
+        // Clients refuse a server advertising more: refused here, it is a
+        // clear error at create rather than every connect failing.
+        if cfg.max_value > LARGEST_MAX_VALUE {
+            return Err(KvError::InvalidArgument(format!(
+                "a largest value of {} bytes, more than the maximum of {LARGEST_MAX_VALUE}",
+                cfg.max_value
+            )));
         }
         check_limits(&cfg.limits)?;
         let store = Store::new(
@@ -599,4 +619,26 @@ fn only_device(listen: SocketAddr) -> Option<Context> {
     let id = CmId::new(&channel).ok()?;
     id.bind(SocketAddr::new(ip.into(), 0)).ok()?;
     id.context()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_largest_value_no_client_accepts_is_refused_at_create() {
+        let cfg = |max_value| ServerConfig {
+            memory_size: 4 << 20,
+            table_size: 16,
+            max_value,
+            ..ServerConfig::default()
+        };
+        assert!(Server::new(cfg(LARGEST_MAX_VALUE)).is_ok());
+        for too_large in [LARGEST_MAX_VALUE + 1, u64::MAX] {
+            assert!(matches!(
+                Server::new(cfg(too_large)),
+                Err(KvError::InvalidArgument(_))
+            ));
+        }
+    }
 }

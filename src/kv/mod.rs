@@ -38,6 +38,9 @@ pub const DEFAULT_MAX_VALUE: u64 = 1 << 30;
 /// 2^63 that a block's length (header and key added) and a buffer for it
 /// rounded up to a power of two cannot overflow.
 pub const LARGEST_MAX_VALUE: u64 = 1 << 48;
+/// The largest request buffer a server may have and a client accepts: a
+/// value that fits it goes in one RDMA WRITE, whose length is 32 bits.
+pub const LARGEST_REQUEST_BUF: u64 = u32::MAX as u64;
 /// Environment variable overriding the largest value a server accepts, in
 /// bytes.
 pub const MAX_VALUE_ENV: &str = "SNOWRDMA_KV_MAX_VALUE";

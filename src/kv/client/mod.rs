@@ -19,7 +19,7 @@ use crate::copy;
 use crate::runtime::{BatchMessage, CommMode, Connection, Options, WriteAhead};
 
 use super::proto::{Header, Op, Reply, Request, ServerInfo};
-use super::{ConnMode, KvError, Result, LARGEST_MAX_VALUE, TIMEOUT_ENV};
+use super::{ConnMode, KvError, Result, LARGEST_MAX_VALUE, LARGEST_REQUEST_BUF, TIMEOUT_ENV};
 
 mod batch;
 mod bounce;
@@ -96,9 +96,11 @@ type GetResult = Result<(Vec<u8>, u64)>;
 type Each<'a> = dyn FnMut(usize, Result<(&[u8], u64)>) + 'a;
 
 /// What a server's HELLO reply advertises, refused (and the connection
-/// with it) when malformed or when its largest value is past
-/// [`LARGEST_MAX_VALUE`]: the lengths of its values size our buffers, and
-/// past 2^63 rounding one up to a power of two overflows.
+/// with it) when malformed, when its largest value is past
+/// [`LARGEST_MAX_VALUE`] (the lengths of its values size our buffers, and
+/// past 2^63 rounding one up to a power of two overflows), or when its
+/// request buffer is larger than one RDMA WRITE can fill (a value that
+/// fits it goes in one WRITE, whose length is 32 bits).
 fn server_info(payload: &[u8]) -> Result<ServerInfo> {
     let info = ServerInfo::decode(payload)
         .ok_or_else(|| KvError::Internal("the server's HELLO reply is malformed".into()))?;
@@ -107,6 +109,13 @@ fn server_info(payload: &[u8]) -> Result<ServerInfo> {
             "refusing the server: it advertises values of up to {} bytes, \
              more than the {LARGEST_MAX_VALUE} any client can hold",
             info.max_value
+        )));
+    }
+    if info.request_buf_len > LARGEST_REQUEST_BUF {
+        return Err(KvError::Internal(format!(
+            "refusing the server: it advertises a request buffer of {} bytes, \
+             more than one RDMA WRITE can fill",
+            info.request_buf_len
         )));
     }
     Ok(info)
@@ -522,5 +531,23 @@ mod tests {
             assert!(e.to_string().contains("advertises"), "{e}");
         }
         assert!(server_info(&info(1)[..10]).is_err(), "malformed");
+    }
+
+    #[test]
+    fn a_server_advertising_a_request_buffer_no_write_can_fill_is_refused() {
+        let info = |request_buf_len| {
+            ServerInfo {
+                request_buf_len,
+                max_value: 1 << 20,
+                ..ServerInfo::default()
+            }
+            .encode()
+        };
+        let most = LARGEST_REQUEST_BUF;
+        assert_eq!(server_info(&info(most)).unwrap().request_buf_len, most);
+        for hostile in [most + 1, u64::MAX] {
+            let e = server_info(&info(hostile)).unwrap_err();
+            assert!(e.to_string().contains("request buffer"), "{e}");
+        }
     }
 }

@@ -52,14 +52,16 @@ impl ConnHandler for ServerConn {
         let heavy = req.op == Op::Alloc || (req.op == Op::Write && req.source != Source::Inline);
         let queued = client.queued.load(Ordering::Acquire);
         let full = queued >= self.shared.limit(|l| l.client_jobs);
-        if full && req.op != Op::Release && (heavy || queued > 0) {
+        // For a worker: heavy, or behind the client's requests already there.
+        let for_worker = heavy || queued > 0;
+        if full && req.op != Op::Release && for_worker {
             return self.shared.refuse_busy(conn, client, req.req_id, queued);
         }
         // A release is always taken: behind the client's queued requests
         // while there is room, at once beyond (one for a lease a queued
         // request has yet to give then ends nothing, and that lease
         // expires), so a stream of releases cannot grow the queue.
-        if (heavy || queued > 0) && !full {
+        if for_worker && !full {
             let tx = {
                 let jobs = self.shared.jobs.lock().expect("jobs lock");
                 jobs.get(client.worker % jobs.len().max(1)).cloned()

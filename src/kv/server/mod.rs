@@ -31,7 +31,8 @@ use super::pool::SLAB_PAGE;
 use super::proto::{Request, REQUEST_LEN};
 use super::store::{Store, Target};
 use super::{
-    ConnMode, KvError, Result, DEFAULT_MAX_VALUE, LARGEST_MAX_VALUE, MAX_KEY_LEN, MAX_VALUE_ENV,
+    ConnMode, KvError, Result, DEFAULT_MAX_VALUE, LARGEST_MAX_VALUE, LARGEST_REQUEST_BUF,
+    MAX_KEY_LEN, MAX_VALUE_ENV,
 };
 
 mod answer;
@@ -304,6 +305,12 @@ impl Server {
             return Err(KvError::InvalidArgument(format!(
                 "a largest value of {} bytes, more than the maximum of {LARGEST_MAX_VALUE}",
                 cfg.max_value
+            )));
+        }
+        if cfg.request_buf_len as u64 > LARGEST_REQUEST_BUF {
+            return Err(KvError::InvalidArgument(format!(
+                "a request buffer of {} bytes, more than the maximum of {LARGEST_REQUEST_BUF}",
+                cfg.request_buf_len
             )));
         }
         check_limits(&cfg.limits)?;

@@ -118,6 +118,7 @@ impl Shared {
         // Connecting, waiting for ESTABLISHED or a refusal.
         let mut connecting: Vec<(usize, CmId, Peer)> = Vec::new();
         let mut next_try = vec![Instant::now(); me];
+        let mut complaints = Complaints::new(self.config.hosts.len());
         let param = |hello: Hello| ConnParam {
             private_data: hello.to_bytes().to_vec(),
             rnr_retry_count: 7,
@@ -149,7 +150,10 @@ impl Shared {
                             match accept() {
                                 Ok(peer) => accepting.push((id, peer)),
                                 Err(e) => {
-                                    log::warn!("broker: accepting server {}: {e}", h.server_id);
+                                    complaints.warn(
+                                        h.server_id as usize,
+                                        format!("accepting server {}: {e}", h.server_id),
+                                    );
                                     let _ = id.reject(&[]);
                                 }
                             }
@@ -202,7 +206,7 @@ impl Shared {
                             // again: a server that keeps answering so is
                             // missing when the deadline comes.
                             _ => {
-                                log::warn!("broker: server {s} answered with a bad hello");
+                                complaints.warn(s, format!("server {s} answered with a bad hello"));
                                 next_try[s] = Instant::now() + RETRY;
                             }
                         }
@@ -241,7 +245,7 @@ impl Shared {
                         match connect() {
                             Ok(peer) => connecting.push((s, id, peer)),
                             Err(e) => {
-                                log::warn!("broker: connecting to server {s}: {e}");
+                                complaints.warn(s, format!("connecting to server {s}: {e}"));
                                 next_try[s] = Instant::now() + RETRY;
                             }
                         }
@@ -333,6 +337,25 @@ impl Shared {
         peer.tcp = Some(tcp);
         peers[hello.server_id as usize] = Some(peer);
         Ok(())
+    }
+}
+
+/// What went wrong with each server during setup, to log each different
+/// failure once rather than at every retry.
+struct Complaints(Vec<Option<String>>);
+
+impl Complaints {
+    fn new(servers: usize) -> Complaints {
+        Complaints(vec![None; servers])
+    }
+
+    fn warn(&mut self, server: usize, what: String) {
+        if let Some(last) = self.0.get_mut(server) {
+            if last.as_deref() != Some(&what) {
+                log::warn!("broker: {what} (retrying until the init deadline)");
+                *last = Some(what);
+            }
+        }
     }
 }
 

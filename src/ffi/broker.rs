@@ -199,12 +199,16 @@ fn with<T>(
     b: *const snowrdma_broker,
     f: impl FnOnce(&Broker) -> Result<T, BrokerError>,
 ) -> Result<T, BrokerError> {
+    // The owner is checked before a reference is taken: one held by another
+    // thread could be the last when the handle is destroyed, and drop the
+    // broker there.
+    let me = std::thread::current().id();
     let h = BROKERS
-        .get(b)
-        .ok_or_else(|| BrokerError::InvalidArgument("not a live broker handle".into()))?;
-    if h.owner != std::thread::current().id() {
-        return Err(BrokerError::WrongThread);
-    }
+        .get_checked(b, |h| match h.owner == me {
+            true => Ok(()),
+            false => Err(BrokerError::WrongThread),
+        })
+        .ok_or_else(|| BrokerError::InvalidArgument("not a live broker handle".into()))??;
     f(&h.broker)
 }
 

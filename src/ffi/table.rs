@@ -110,6 +110,20 @@ impl<T> HandleTable<T> {
             .map(|(v, _)| v.clone())
     }
 
+    /// The object behind a live handle if `check` lets it out (checked
+    /// under the table's lock, so a refused caller never holds a reference
+    /// that could outlive the handle's removal); `None` when not live.
+    pub(crate) fn get_checked<H, E>(
+        &self,
+        handle: *const H,
+        check: impl FnOnce(&T) -> Result<(), E>,
+    ) -> Option<Result<Arc<T>, E>> {
+        self.lock()
+            .live
+            .get(&(handle as usize))
+            .map(|(v, _)| check(v).map(|()| v.clone()))
+    }
+
     /// Takes a live handle out of the table (its memory goes to the
     /// quarantine) and returns its object; `None` when it was not live.
     pub(crate) fn remove<H>(&self, handle: *const H) -> Option<Arc<T>> {

@@ -120,10 +120,11 @@ impl Client {
         // buffer is scratch space and still whole.
         let mut slot = self.bounce.lock().unwrap_or_else(PoisonError::into_inner);
         if slot.as_ref().is_none_or(|b| b.len < len) {
+            // Sized first: a size that cannot be had keeps the old buffer.
+            let size = bounce_size(len).ok_or(KvError::NoMemory)?;
             if let Some(old) = slot.take() {
                 self.conn.deregister(&old.mr);
             }
-            let size = bounce_size(len).ok_or(KvError::NoMemory)?;
             // Only our own READs and WRITEs use it: no remote access.
             let mr = self
                 .conn

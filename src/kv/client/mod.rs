@@ -95,21 +95,23 @@ type GetResult = Result<(Vec<u8>, u64)>;
 /// per key, in no particular order.
 type Each<'a> = dyn FnMut(usize, Result<(&[u8], u64)>) + 'a;
 
-/// What a server's HELLO reply advertises, refused (and the connection
-/// with it) when malformed, when its largest value is past
-/// [`LARGEST_MAX_VALUE`] (the lengths of its values size our buffers, and
-/// past 2^63 rounding one up to a power of two overflows), or when its
-/// request buffer is larger than one RDMA WRITE can fill (a value that
-/// fits it goes in one WRITE, whose length is 32 bits).
+/// What a server's HELLO reply advertises: refused (and the connection
+/// with it) when malformed, or when its request buffer is larger than one
+/// RDMA WRITE can fill (a value that fits it goes in one WRITE, whose
+/// length is 32 bits). A largest value past [`LARGEST_MAX_VALUE`] (an
+/// older server told "no limit") is taken as that bound: the lengths of
+/// values size our buffers, and past 2^63 rounding one up to a power of
+/// two overflows; each reply's own length is checked anyway.
 fn server_info(payload: &[u8]) -> Result<ServerInfo> {
-    let info = ServerInfo::decode(payload)
+    let mut info = ServerInfo::decode(payload)
         .ok_or_else(|| KvError::Internal("the server's HELLO reply is malformed".into()))?;
     if info.max_value > LARGEST_MAX_VALUE {
-        return Err(KvError::Internal(format!(
-            "refusing the server: it advertises values of up to {} bytes, \
-             more than the {LARGEST_MAX_VALUE} any client can hold",
+        log::warn!(
+            "the server advertises values of up to {} bytes, more than the {LARGEST_MAX_VALUE} \
+             any client can hold: taking {LARGEST_MAX_VALUE}",
             info.max_value
-        )));
+        );
+        info.max_value = LARGEST_MAX_VALUE;
     }
     if info.request_buf_len > LARGEST_REQUEST_BUF {
         return Err(KvError::Internal(format!(
@@ -513,7 +515,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_server_advertising_values_no_client_can_hold_is_refused() {
+    fn a_server_advertising_values_no_client_can_hold_is_held_to_the_bound() {
         let info = |max_value| {
             ServerInfo {
                 max_value,
@@ -526,9 +528,8 @@ mod tests {
             LARGEST_MAX_VALUE
         );
         for hostile in [LARGEST_MAX_VALUE + 1, (1 << 63) + 1, u64::MAX] {
-            let e = server_info(&info(hostile)).unwrap_err();
-            assert_eq!(e.code(), crate::kv::codes::KV_ERR_INTERNAL, "{e}");
-            assert!(e.to_string().contains("advertises"), "{e}");
+            let got = server_info(&info(hostile)).unwrap();
+            assert_eq!(got.max_value, LARGEST_MAX_VALUE, "{hostile}");
         }
         assert!(server_info(&info(1)[..10]).is_err(), "malformed");
     }

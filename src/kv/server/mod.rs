@@ -85,14 +85,25 @@ impl Default for ServerConfig {
             workers: 4,
             conn_mode: ConnMode::Cm,
             device: None,
-            max_value: std::env::var(MAX_VALUE_ENV)
-                .ok()
-                .and_then(|v| v.trim().parse().ok())
-                .unwrap_or(DEFAULT_MAX_VALUE),
+            max_value: max_value_from_env(),
             request_buf_len: SLAB_PAGE,
             limits: Limits::default(),
         }
     }
+}
+
+/// `SNOWRDMA_KV_MAX_VALUE`, or the default; a value past
+/// [`LARGEST_MAX_VALUE`] (say `u64::MAX` meant as "no limit") is taken as
+/// that bound, with a warning, rather than making every server fail.
+fn max_value_from_env() -> u64 {
+    let asked = std::env::var(MAX_VALUE_ENV)
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(DEFAULT_MAX_VALUE);
+    if asked > LARGEST_MAX_VALUE {
+        log::warn!("{MAX_VALUE_ENV}={asked} is past the largest value any client holds: using {LARGEST_MAX_VALUE}");
+    }
+    asked.min(LARGEST_MAX_VALUE)
 }
 
 /// A snapshot of the server's counters.

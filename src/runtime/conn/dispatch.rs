@@ -192,8 +192,9 @@ impl Connection {
             + self.poll_cq(true, &mut room, usize::MAX, true)
     }
 
-    /// Handles everything on both CQs (completion thread, top level), unless
-    /// a caller is polling the connection right now. Returns whether the
+    /// Handles what both CQs hold, up to [`DRAIN_BUDGET`] completions
+    /// (completion thread, top level), unless a caller is polling the
+    /// connection right now. Returns whether the
     /// peer's messages came bunched ([`BUNCHED`] or more receives) with nothing
     /// waiting on them: no thread waiting on the connection, no message or
     /// command posted in answer during the round. A request/reply peer
@@ -213,8 +214,8 @@ impl Connection {
     }
 
     /// The completion thread's look at the connection after a nap on its
-    /// stream (`Source::nap_poll`): handles everything on both CQs without
-    /// arming them. Returns whether there was something, with nothing
+    /// stream (`Source::nap_poll`): handles what both CQs hold, up to
+    /// [`DRAIN_BUDGET`] completions, without arming them. Returns whether there was something, with nothing
     /// posted in answer and nobody waiting on the connection: the stream
     /// goes on, and the thread naps again. False too when the drain
     /// stopped at its budget: the thread's `ready` then takes the rest in

@@ -4,6 +4,7 @@
 use std::time::Duration;
 
 use crate::runtime::poller::{Ready, Source};
+use crate::runtime::DRAIN_BUDGET;
 use crate::verbs::{self};
 
 use super::Connection;
@@ -36,14 +37,14 @@ impl Source for CqSource {
         }
     }
 
-    fn woken(&self) -> bool {
+    fn woken(&self) -> Option<Ready> {
         if self.0.inner.opts.caller_polls {
-            return self.ready() == Ready::More;
+            return Some(self.ready());
         }
         // The spinning thread polls it from now on: no re-arming.
         self.0.take_cq_event();
         self.0.poll_round();
-        true
+        None
     }
 
     /// A stream's messages are taken unarmed between the completion
@@ -68,8 +69,14 @@ impl Source for CqSource {
 
     fn tick(&self) {
         if self.0.inner.opts.caller_polls {
-            // Nobody may be waiting on it: what came meanwhile is handled now.
-            while self.0.poll_round() {}
+            // Nobody may be waiting on it: what came meanwhile is handled
+            // now, a drain's worth (each round takes up to 4 from each CQ);
+            // more waits for the next tick, as this thread serves others.
+            for _ in 0..DRAIN_BUDGET / 4 {
+                if !self.0.poll_round() {
+                    break;
+                }
+            }
         }
         self.0.maybe_send_credit(true);
     }

@@ -346,6 +346,7 @@ fn run(shared: &Shared, tick: Duration, spin: Duration, nap: Duration) {
             napping.retain(|(key, _)| watched.contains_key(key));
             bunched.retain(|(key, _)| watched.contains_key(key));
             turns.retain(|(key, _)| watched.contains_key(key));
+            again.0.retain(|(key, _)| watched.contains_key(key));
             // A wake may carry work queued by another thread.
             for (key, source) in &watched {
                 if source.poll_once() && spins {
@@ -353,7 +354,9 @@ fn run(shared: &Shared, tick: Duration, spin: Duration, nap: Duration) {
                 }
             }
         }
-        if n == 0 && !spinning && !napped {
+        // Idle only if the wait timed out (a round for owed turns did not
+        // wait).
+        if n == 0 && timeout != 0 {
             idle_ticks += ticks;
             if idle_ticks >= LOOK_ALL_EVERY {
                 idle_ticks = 0;
@@ -530,6 +533,7 @@ fn spin_passes(
     let hot_for = spin * HOT_FOR_SPINS;
     let mut last_work = hot.iter().map(|h| h.last).max();
     let mut last_look: Option<Instant> = None;
+    let mut last_turns: Option<Instant> = None;
     // Whatever leaves the polled set below, or is not in `hot` when this
     // returns, is `ready`d; the rest is polled again at once.
     if few {
@@ -560,14 +564,30 @@ fn spin_passes(
                 let n = shared.wait(events, 0);
                 for ev in &events[..n] {
                     let key = ev.u64;
-                    match watched.get(&key) {
-                        Some(source) if source.woken() => {
+                    let Some(source) = watched.get(&key) else {
+                        continue;
+                    };
+                    match source.woken() {
+                        None => {
                             source.spun();
                             mark_hot(hot, key, source, now);
                             last_work = Some(now);
                         }
-                        _ => {}
+                        Some(Ready::More) => again.owe(key, source),
+                        Some(_) => {}
                     }
+                }
+            }
+        }
+        // Turns owed (sources this spin does not poll, such as those left
+        // to their callers) come round while it lasts, not only after.
+        if !again.0.is_empty()
+            && last_turns.is_none_or(|at| now.duration_since(at) >= EVENT_LOOK_INTERVAL)
+        {
+            last_turns = Some(now);
+            for (key, source) in std::mem::take(&mut again.0) {
+                if watched.contains_key(&key) && source.ready() == Ready::More {
+                    again.owe(key, &source);
                 }
             }
         }

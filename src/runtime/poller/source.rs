@@ -25,12 +25,12 @@ pub trait Source: Send + Sync {
         false
     }
     /// Called instead of `ready` when `fd` became readable while the thread
-    /// spins: handles what is pending, and returns true if the thread should
-    /// poll the source with `poll_once` from now on (it then need not be
-    /// re-armed until it goes quiet).
-    fn woken(&self) -> bool {
-        // Items left: polled (`poll_once`) until `ready` is called again.
-        self.ready() == Ready::More
+    /// spins: handles what is pending, and returns `None` if the thread
+    /// should poll the source with `poll_once` from now on (it then need
+    /// not be re-armed until it goes quiet), else what its `ready` said
+    /// (a `More` is owed a turn).
+    fn woken(&self) -> Option<Ready> {
+        Some(self.ready())
     }
     /// The thread polls the source with `poll_once` on its spin's passes
     /// from now on, unarmed (between two runs of passes it may handle its
@@ -81,8 +81,9 @@ pub enum Ready {
     Bunched,
     /// It handled its share and stopped with items left, which may raise
     /// no event: the thread calls `ready` again once every other source
-    /// with work had its turn, so one busy source (a peer sending faster
-    /// than its messages are handled) cannot keep the thread from the rest.
+    /// with an event had its turn (while it spins, every 20 us of its
+    /// spin), so one busy source (a peer sending faster than its messages
+    /// are handled) cannot keep the thread from the rest.
     More,
 }
 
@@ -119,8 +120,10 @@ impl Source for Guarded {
     fn poll_once(&self) -> bool {
         self.call("poll_once", |s| s.poll_once())
     }
-    fn woken(&self) -> bool {
-        self.call("woken", |s| s.woken())
+    fn woken(&self) -> Option<Ready> {
+        // A source that panicked is not polled on.
+        self.call("woken", |s| Some(s.woken()))
+            .unwrap_or(Some(Ready::Done))
     }
     fn spun(&self) {
         self.call("spun", |s| s.spun())

@@ -11,6 +11,9 @@ struct Probe {
     busy: AtomicBool,
     bunched: AtomicBool,
     more: AtomicUsize,
+    /// Whether `woken` asks to be polled (else it says what `ready` did,
+    /// as a connection left to its callers does).
+    pollable: AtomicBool,
     readies: AtomicUsize,
     polls: AtomicUsize,
     wants_tick: AtomicBool,
@@ -33,6 +36,7 @@ impl Probe {
             busy: AtomicBool::new(false),
             bunched: AtomicBool::new(false),
             more: AtomicUsize::new(0),
+            pollable: AtomicBool::new(true),
             readies: AtomicUsize::new(0),
             polls: AtomicUsize::new(0),
             wants_tick: AtomicBool::new(false),
@@ -86,9 +90,9 @@ impl Source for Probe {
         self.polls.fetch_add(1, Ordering::SeqCst);
         self.busy.load(Ordering::SeqCst)
     }
-    fn woken(&self) -> bool {
-        self.ready();
-        true
+    fn woken(&self) -> Option<Ready> {
+        let ready = self.ready();
+        (!self.pollable.load(Ordering::SeqCst)).then_some(ready)
     }
     fn nap_poll(&self, _evented: bool) -> bool {
         self.nap_polls.fetch_add(1, Ordering::SeqCst);
@@ -440,5 +444,22 @@ fn a_source_with_items_left_gets_turns_without_events_and_the_others_theirs() {
         busy.readies.load(Ordering::SeqCst),
         last,
         "turns after it had no more"
+    );
+}
+
+#[test]
+fn a_source_not_polled_by_the_spin_gets_its_turns_while_the_thread_spins() {
+    // Many sources: the spin polls the busy one and hears the others'
+    // events; one of them, not pollable, has items left for 50 turns.
+    let probes: Vec<Arc<Probe>> = (0..2 * FEW).map(|_| Probe::new()).collect();
+    let _poller = spinning_for(&probes);
+    let left = &probes[5];
+    left.pollable.store(false, Ordering::SeqCst);
+    left.more.store(50, Ordering::SeqCst);
+    let before = left.readies.load(Ordering::SeqCst);
+    left.signal();
+    until(
+        "its turns come while the busy source keeps the spin going",
+        || left.readies.load(Ordering::SeqCst) > before + 50,
     );
 }

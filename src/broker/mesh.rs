@@ -312,7 +312,15 @@ impl Shared {
         // Bounded on its own: the handshakes run one at a time, and one
         // with a peer that says nothing (or a byte now and then) must not
         // hold up the others until the init deadline.
-        let until = deadline.min(Instant::now() + HANDSHAKE_TIMEOUT);
+        // The side that connected waits longer: the server it connected
+        // to may first spend its own deadline on another client, and if we
+        // gave up while it went on to finish with us, it would count us
+        // connected and we would not.
+        let wait = match expect {
+            Some(_) => 3 * HANDSHAKE_TIMEOUT,
+            None => HANDSHAKE_TIMEOUT,
+        };
+        let until = deadline.min(Instant::now() + wait);
         let (peer_qp, local) = Peer::manual(self)?;
         let mut out = Vec::with_capacity(HELLO_LEN + QP_INFO_WIRE_LEN);
         out.extend_from_slice(&self.my_hello().to_bytes());

@@ -2,7 +2,7 @@
 # Generates the C headers from src/ffi with the pinned cbindgen:
 #   include/rdma.h      <- src/ffi/mod.rs, src/ffi/rdma/ (cbindgen.toml)
 #   include/kv_store.h  <- src/ffi/kv/, kv_strings.rs      (cbindgen-kv.toml)
-#   include/snowrdma/broker.h <- src/ffi/broker.rs         (cbindgen-broker.toml)
+#   include/snowrdma/broker.h <- src/ffi/broker.rs, broker_mem.rs (cbindgen-broker.toml)
 # cbindgen sees the whole crate, so each header's config excludes the items
 # the other header declares and the constants of the Rust layers (its
 # "@FOREIGN@" entry is replaced by their names).
@@ -19,7 +19,7 @@ items() {
 # src/kv/codes.rs is kv_store.h's: the error codes and the default port.
 internal=$(grep -rhoE --exclude=codes.rs '^ *pub (const|static) [A-Za-z0-9_]+' src/kv src/runtime src/verbs src/broker src/safe \
     | awk '{print "\"" $NF "\""}' | grep -v '"RDMA_CMD_MAGIC"' | sort -u | paste -sd, -)
-broker_items=$(items src/ffi/broker.rs),\"EventKind\",\"BrokerStats\"
+broker_items=$(items src/ffi/broker.rs src/ffi/broker_mem.rs),\"EventKind\",\"BrokerStats\"
 kv_items=$(items src/ffi/kv/*.rs src/ffi/kv_strings.rs src/kv/codes.rs)
 # RDMA_CMD_MAGIC lives in the runtime's protocol module.
 rdma_items=$(items src/ffi/mod.rs src/ffi/rdma/*.rs),\"RDMA_CMD_MAGIC\"

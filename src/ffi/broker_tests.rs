@@ -3,6 +3,7 @@
 use std::ptr::addr_of_mut;
 
 use super::*;
+use crate::ffi::broker_mem::{snowrdma_mem_manager_create, snowrdma_mem_manager_destroy};
 
 unsafe extern "C" fn ignore(
     _: *mut c_void,

@@ -6,6 +6,7 @@
 
 mod boundary;
 pub mod broker;
+pub mod broker_mem;
 #[cfg(test)]
 mod facts;
 pub mod kv;

@@ -6,6 +6,10 @@
 //! connection whose peer has not finished the handshake and advertised its
 //! ring by then is dropped. Socket-mode QP exchanges are driven by the CM
 //! thread as bytes arrive, never waited for, so a silent peer delays no one.
+//! At most [`Options::listen_backlog`] setups are under way at once: a
+//! connect request past them is refused before anything is built for it, so
+//! a flood of requests that never finish pins no more than that many
+//! connections' memory.
 
 use std::collections::HashMap;
 use std::io::ErrorKind;
@@ -58,6 +62,11 @@ pub(crate) struct ListenerInner {
     /// Socket-mode QP exchanges under way, by poller key.
     handshakes: Mutex<HashMap<u64, Arc<HandshakeSource>>>,
     setup_timeouts: AtomicU64,
+    /// Connect requests refused because `listen_backlog` setups were under
+    /// way.
+    setups_refused: AtomicU64,
+    /// A refusal was logged and no connection finished its setup since.
+    refusal_logged: AtomicBool,
     /// A timeout was logged and no connection finished its setup since:
     /// one line per episode, not one per silent peer.
     timeout_logged: AtomicBool,
@@ -135,6 +144,8 @@ impl Listener {
                 pending: Mutex::new(Vec::new()),
                 handshakes: Mutex::new(HashMap::new()),
                 setup_timeouts: AtomicU64::new(0),
+                setups_refused: AtomicU64::new(0),
+                refusal_logged: AtomicBool::new(false),
                 timeout_logged: AtomicBool::new(false),
             }),
         })
@@ -173,6 +184,12 @@ impl Listener {
     /// [`Options::setup_deadline`].
     pub fn setup_timeouts(&self) -> u64 {
         self.inner.setup_timeouts.load(Ordering::Relaxed)
+    }
+
+    /// Connect requests refused because [`Options::listen_backlog`] setups
+    /// were under way.
+    pub fn setups_refused(&self) -> u64 {
+        self.inner.setups_refused.load(Ordering::Relaxed)
     }
 
     /// The address actually bound (with the chosen port).
@@ -262,7 +279,7 @@ impl Listener {
             return;
         }
         let Some(id) = ev.take_new_id() else { return };
-        if !*self.inner.serving.lock().expect("listener lock") {
+        if !*self.inner.serving.lock().expect("listener lock") || !self.inner.room_for_a_setup() {
             let _ = id.reject(&[]);
             return;
         }
@@ -296,26 +313,30 @@ impl Listener {
         }
     }
 
-    /// Takes the waiting TCP connections (socket mode, CM thread).
-    pub(crate) fn accept_sockets(&self) {
+    /// Takes up to `budget` waiting TCP connections (socket mode, CM
+    /// thread); true when it stopped with more perhaps waiting.
+    pub(crate) fn accept_sockets(&self, budget: usize) -> bool {
         let Endpoint::Socket { tcp, .. } = &self.inner.endpoint else {
-            return;
+            return false;
         };
-        loop {
+        let mut taken = 0;
+        while taken < budget {
             match tcp.accept() {
                 Ok((stream, peer)) => {
+                    taken += 1;
                     if let Err(e) = self.accept_socket(stream, peer) {
                         log::warn!("refusing a socket-mode connection from {peer}: {e}");
                     }
                 }
-                Err(e) if e.kind() == ErrorKind::WouldBlock => return,
+                Err(e) if e.kind() == ErrorKind::WouldBlock => return false,
                 Err(e) if e.kind() == ErrorKind::Interrupted => continue,
                 Err(e) => {
                     log::warn!("accepting a socket-mode connection: {e}");
-                    return;
+                    return false;
                 }
             }
         }
+        true
     }
 
     /// Sets up one socket-mode connection: builds it, sends our QP
@@ -325,7 +346,8 @@ impl Listener {
         let Endpoint::Socket { ctx, .. } = &self.inner.endpoint else {
             return Ok(());
         };
-        if !*self.inner.serving.lock().expect("listener lock") {
+        // Dropping the stream closes it.
+        if !*self.inner.serving.lock().expect("listener lock") || !self.inner.room_for_a_setup() {
             return Ok(());
         }
         let _ = stream.set_nodelay(true);
@@ -372,6 +394,37 @@ impl Listener {
 impl ListenerInner {
     fn deadline(&self) -> Instant {
         Instant::now() + self.opts.setup_deadline
+    }
+
+    /// Whether fewer than `listen_backlog` setups are under way (CM
+    /// thread, which alone adds them); counts a refusal when not.
+    fn room_for_a_setup(&self) -> bool {
+        let most = self.opts.listen_backlog.max(1) as usize;
+        let exchanging = self.handshakes.lock().expect("listener lock").len();
+        let waiting = self
+            .pending
+            .lock()
+            .expect("listener lock")
+            .iter()
+            .filter_map(|(weak, _)| weak.upgrade())
+            .filter(|c| {
+                !matches!(
+                    c.state(),
+                    ConnState::MrReady | ConnState::Closed | ConnState::Error
+                )
+            })
+            .count();
+        if exchanging + waiting < most {
+            return true;
+        }
+        if !self.refusal_logged.swap(true, Ordering::Relaxed) {
+            log::warn!(
+                "refusing connect requests: {most} setups are under way (the listen backlog; \
+                 further refusals are not logged until a connection completes its setup)"
+            );
+        }
+        self.setups_refused.fetch_add(1, Ordering::Relaxed);
+        false
     }
 
     /// Watches an accepted connection until it is ready or its deadline.
@@ -450,6 +503,7 @@ impl ListenerInner {
                 match conn.state() {
                     ConnState::MrReady => {
                         self.timeout_logged.store(false, Ordering::Relaxed);
+                        self.refusal_logged.store(false, Ordering::Relaxed);
                         false
                     }
                     ConnState::Closed | ConnState::Error => false,

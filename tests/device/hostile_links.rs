@@ -1,13 +1,16 @@
-//! Peers that misuse the TCP side of socket mode: bytes after the
-//! handshake, and a client that connects and says nothing.
+//! Peers that misuse how connections are set up: bytes on the socket after
+//! socket mode's handshake, a client that connects and says nothing, and a
+//! flood of setups that never finish.
 
+use std::io::{ErrorKind, Read};
 use std::net::{IpAddr, SocketAddr, TcpStream};
 use std::sync::Arc;
 use std::thread;
 use std::time::{Duration, Instant};
 
 use snowrdma::broker::{Broker, Config, ConnectMode};
-use snowrdma::runtime::{ConnHandler, Connection, Listener};
+use snowrdma::runtime::{ConnHandler, Connection, Listener, Options};
+use snowrdma::verbs::{CmEventKind, CmId, ConnParam};
 
 use crate::runtime::{blocking, Collect, Echo};
 use crate::{device_ip, TIMEOUT};
@@ -127,4 +130,136 @@ fn broker_a_silent_socket_client_does_not_hold_up_the_mesh() {
     joined(first, "server 0");
     joined(second, "server 1");
     drop(silent);
+}
+
+/// The setups a listener with a backlog of 3 holds, and how long it holds
+/// them.
+const BACKLOG: i32 = 3;
+const SETUP_DEADLINE: Duration = Duration::from_secs(2);
+
+fn backlog_options() -> Options {
+    Options {
+        listen_backlog: BACKLOG,
+        setup_deadline: SETUP_DEADLINE,
+        ..blocking()
+    }
+}
+
+/// Waits (bounded) until the listener dropped `n` setups at their deadline.
+fn until_timed_out(server: &Listener, n: u64) {
+    let deadline = Instant::now() + SETUP_DEADLINE + TIMEOUT;
+    while server.setup_timeouts() < n {
+        assert!(
+            Instant::now() < deadline,
+            "the silent setups were never dropped"
+        );
+        thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// An RDMA CM peer that sends a connect request and stops there (a QP on
+/// its side, no ring, no receive posted); `Err` is the event it got instead
+/// of ESTABLISHED.
+fn silent_cm_peer(addr: SocketAddr) -> Result<Box<dyn std::any::Any>, CmEventKind> {
+    let id = CmId::resolve(addr, None, TIMEOUT).unwrap();
+    let ctx = id.context().unwrap();
+    let pd = ctx.alloc_pd().unwrap();
+    let cq = ctx.create_cq(16, None).unwrap();
+    let qp = id.create_qp(&pd, &cq, &cq, &Default::default()).unwrap();
+    id.connect(&ConnParam::default()).unwrap();
+    let ev = id.channel().get_event(TIMEOUT).unwrap();
+    if ev.kind != CmEventKind::ESTABLISHED {
+        return Err(ev.kind);
+    }
+    // A tuple drops in order: the QP before its CQ and PD, the id last.
+    Ok(Box::new((qp, cq, pd, id)))
+}
+
+/// Connect requests that never finish their setup fill the listen backlog
+/// and no more: one past it is refused at once, before a QP or a ring is
+/// made for it (a flood of them pinned a connection's memory each), and
+/// once the silent ones are dropped at the setup deadline a client
+/// connects and is served.
+#[test]
+#[ignore = "needs an RDMA device: run `make test`"]
+fn cm_setups_past_the_listen_backlog_are_refused_until_the_silent_ones_go() {
+    let opts = backlog_options();
+    let server = Listener::bind(
+        SocketAddr::new(IpAddr::V4(device_ip()), 0),
+        &opts,
+        Box::new(|_| Some(Arc::new(Echo) as Arc<dyn ConnHandler>)),
+    )
+    .unwrap();
+    server.start();
+    let addr = server.local_addr().unwrap();
+    let silent: Vec<_> = (0..BACKLOG)
+        .map(|i| silent_cm_peer(addr).unwrap_or_else(|e| panic!("silent peer {i}: {e}")))
+        .collect();
+    let start = Instant::now();
+    match silent_cm_peer(addr) {
+        Err(kind) => assert_eq!(kind, CmEventKind::REJECTED),
+        Ok(_) => panic!("a setup past the backlog was accepted"),
+    }
+    assert!(start.elapsed() < SETUP_DEADLINE, "refused at once");
+    assert_eq!(server.setups_refused(), 1);
+
+    until_timed_out(&server, BACKLOG as u64);
+    let echo = Arc::new(Collect::default());
+    let conn = Connection::connect(addr, &opts, echo.clone()).unwrap();
+    assert_eq!(conn.send(b"served").unwrap(), 6);
+    assert_eq!(echo.wait_bytes(6, TIMEOUT), b"served");
+    assert_eq!(server.setups_refused(), 1);
+    conn.close();
+    drop(silent);
+    server.release();
+}
+
+/// As above, in socket mode: a TCP client past the backlog is closed
+/// before the listener sends it anything (the ones within it got the
+/// listener's QP information).
+#[test]
+#[ignore = "needs an RDMA device: run `make test`"]
+fn socket_setups_past_the_listen_backlog_are_refused_until_the_silent_ones_go() {
+    let opts = backlog_options();
+    let server = Listener::bind_socket(
+        SocketAddr::new(IpAddr::V4(device_ip()), 0),
+        None,
+        &opts,
+        Box::new(|_| Some(Arc::new(Echo) as Arc<dyn ConnHandler>)),
+        None,
+    )
+    .unwrap();
+    server.start();
+    let addr = server.local_addr().unwrap();
+    let first_bytes = |s: &mut TcpStream| {
+        s.set_read_timeout(Some(TIMEOUT)).unwrap();
+        let mut buf = [0u8; 256];
+        match s.read(&mut buf) {
+            Ok(n) => n,
+            Err(e) if e.kind() == ErrorKind::ConnectionReset => 0,
+            Err(e) => panic!("the listener neither answered nor closed the socket: {e}"),
+        }
+    };
+    let silent: Vec<TcpStream> = (0..BACKLOG)
+        .map(|i| {
+            let mut s = TcpStream::connect(addr).unwrap();
+            assert!(
+                first_bytes(&mut s) > 0,
+                "silent peer {i} got no QP information"
+            );
+            s
+        })
+        .collect();
+    let mut refused = TcpStream::connect(addr).unwrap();
+    assert_eq!(first_bytes(&mut refused), 0, "closed without a word");
+    assert_eq!(server.setups_refused(), 1);
+
+    until_timed_out(&server, BACKLOG as u64);
+    let echo = Arc::new(Collect::default());
+    let conn = Connection::connect_socket(addr, None, &opts, echo.clone()).unwrap();
+    assert_eq!(conn.send(b"served").unwrap(), 6);
+    assert_eq!(echo.wait_bytes(6, TIMEOUT), b"served");
+    conn.close();
+    drop(silent);
+    server.release();
 }

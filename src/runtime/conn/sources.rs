@@ -102,13 +102,17 @@ impl Source for CmSource {
         }
     }
 
-    /// Connection events come one at a time: never a reason to nap.
+    /// Connection events come one at a time: never a reason to nap. At most
+    /// [`CM_EVENT_BUDGET`] per turn: a peer that floods a listener with
+    /// connect requests shares the CM thread with every other channel.
     fn ready(&self) -> Ready {
-        self.take_events();
-        Ready::Done
+        match self.take_events() {
+            true => Ready::More,
+            false => Ready::Done,
+        }
     }
 
-    /// Its fd stays readable while an event waits (`ready` reads them all).
+    /// Its fd stays readable while an event waits.
     fn needs_looks(&self) -> bool {
         false
     }
@@ -121,25 +125,33 @@ impl Source for CmSource {
     }
 }
 
+/// How many RDMA CM events (or socket-mode connections) one CM source takes
+/// per turn of the CM thread. Each connect request builds a connection (a
+/// QP and registered memory: tens of milliseconds under emulation), so a
+/// flood of them would otherwise hold the thread for as long as it lasts.
+pub(crate) const CM_EVENT_BUDGET: usize = 8;
+
 impl CmSource {
-    fn take_events(&self) {
+    /// Takes up to [`CM_EVENT_BUDGET`] events; true when it stopped with
+    /// more perhaps waiting.
+    fn take_events(&self) -> bool {
         let channel = match self {
             CmSource::Client(c) => match c.cm_id() {
                 Some(id) => id.channel().clone(),
-                None => return,
+                None => return false,
             },
             CmSource::Listener(l) => match l.cm_id() {
                 Some(id) => id.channel().clone(),
-                None => return l.accept_sockets(),
+                None => return l.accept_sockets(CM_EVENT_BUDGET),
             },
         };
-        loop {
+        for _ in 0..CM_EVENT_BUDGET {
             let ev = match channel.get_event(Duration::ZERO) {
                 Ok(ev) => ev,
-                Err(verbs::Error::Timeout { .. }) => return,
+                Err(verbs::Error::Timeout { .. }) => return false,
                 Err(e) => {
                     log::error!("RDMA CM event channel: {e}");
-                    return;
+                    return false;
                 }
             };
             match self {
@@ -147,5 +159,6 @@ impl CmSource {
                 CmSource::Listener(l) => l.on_cm_event(ev),
             }
         }
+        true
     }
 }

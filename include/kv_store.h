@@ -17,6 +17,21 @@ typedef struct kv_config kv_config_t;
 
 
 /**
+ * Longest key accepted, in bytes.
+ */
+#define KV_MAX_KEY_LEN 1024
+
+/**
+ * Most worker threads a server takes (`kv_config.num_workers`).
+ */
+#define KV_MAX_WORKERS 1024
+
+/**
+ * Largest `kv_limits.worker_queue`.
+ */
+#define KV_MAX_WORKER_QUEUE 65536
+
+/**
  * Success.
  */
 #define KV_OK 0
@@ -110,8 +125,8 @@ typedef struct kv_config {
    */
   size_t hash_table_size;
   /**
-   * Worker threads for large values (0: 4; at most 1024, beyond which
-   * `kv_server_create` returns NULL).
+   * Worker threads for large values (0: 4; at most KV_MAX_WORKERS,
+   * beyond which `kv_server_create` returns NULL).
    */
   int num_workers;
   conn_mode_t conn_mode;
@@ -124,7 +139,7 @@ typedef struct kv_config {
 /**
  * A server's limits (see the README's Limits section). Start from
  * `kv_limits_default()` and change the fields you need; every field must
- * be positive, and `worker_queue` at most 65536.
+ * be positive, and `worker_queue` at most KV_MAX_WORKER_QUEUE.
  */
 typedef struct kv_limits {
   /**
@@ -142,7 +157,8 @@ typedef struct kv_limits {
   uint64_t reply_queue_bytes;
   /**
    * Requests that may wait for each worker thread; beyond, new ones wait
-   * for room. At most 65536 (each queue is allocated whole at start).
+   * for room. At most KV_MAX_WORKER_QUEUE (each queue is allocated whole
+   * at start).
    */
   uint64_t worker_queue;
   /**
@@ -236,7 +252,8 @@ struct kv_limits kv_limits_default(void);
  * and lease limits apply at once; `setup_deadline_ms`,
  * `reply_queue_bytes` and `worker_queue` from the next `kv_server_start`.
  * Returns KV_OK, or KV_ERR_INVALID_ARGUMENT for a NULL or unknown handle,
- * a NULL `limits`, a zero field or a `worker_queue` over 65536.
+ * a NULL `limits`, a zero field or a `worker_queue` over
+ * KV_MAX_WORKER_QUEUE.
  *
  * # Safety
  * A non-NULL `limits` must point to a `kv_limits`.

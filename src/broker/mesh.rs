@@ -103,10 +103,10 @@ impl Shared {
             .collect()
     }
 
-    fn timed_out(&self, peers: &[Option<Peer>]) -> BrokerError {
-        BrokerError::InitTimeout {
-            missing: self.missing(peers),
-        }
+    fn timed_out(&self, peers: &[Option<Peer>], heard: &Complaints) -> BrokerError {
+        let missing = self.missing(peers);
+        let why = heard.about(&missing);
+        BrokerError::InitTimeout { missing, why }
     }
 
     fn mesh_cm(&self, deadline: Instant) -> Result<(Vec<Option<Peer>>, CmId)> {
@@ -126,7 +126,7 @@ impl Shared {
         };
         while !self.missing(&peers).is_empty() {
             if Instant::now() >= deadline {
-                return Err(self.timed_out(&peers));
+                return Err(self.timed_out(&peers, &complaints));
             }
             // Requests and ESTABLISHED events of accepted ids.
             while let Ok(mut ev) = listener.channel().get_event(Duration::ZERO) {
@@ -211,8 +211,9 @@ impl Shared {
                             }
                         }
                     }
-                    Ok(_) => {
+                    Ok(ev) => {
                         let (s, ..) = connecting.swap_remove(i);
+                        complaints.note(s, format!("server {s} answered {}", ev.kind));
                         next_try[s] = Instant::now() + RETRY;
                     }
                     Err(_) => i += 1,
@@ -252,6 +253,7 @@ impl Shared {
                     }
                     Err(e) => {
                         log::debug!("broker: resolving server {s}: {e}");
+                        complaints.note(s, format!("resolving server {s}: {e}"));
                         next_try[s] = Instant::now() + RETRY;
                     }
                 }
@@ -266,9 +268,10 @@ impl Shared {
         let mut peers: Vec<Option<Peer>> = (0..self.config.hosts.len()).map(|_| None).collect();
         let listener = TcpListener::bind(self.addr_of(me))?;
         listener.set_nonblocking(true)?;
+        let mut complaints = Complaints::new(self.config.hosts.len());
         while !self.missing(&peers).is_empty() {
             if Instant::now() >= deadline {
-                return Err(self.timed_out(&peers));
+                return Err(self.timed_out(&peers, &complaints));
             }
             // A peer that left while we still wait for others (its own
             // setup gave up) is forgotten, to be connected afresh.
@@ -286,12 +289,13 @@ impl Shared {
                 if peers[s].is_some() {
                     continue;
                 }
-                if let Ok(tcp) =
-                    TcpStream::connect_timeout(&self.addr_of(s), Duration::from_millis(200))
-                {
-                    if let Err(e) = self.handshake(tcp, Some(s), deadline, &mut peers) {
-                        log::warn!("broker: handshake with server {s} failed, retrying: {e}");
+                match TcpStream::connect_timeout(&self.addr_of(s), Duration::from_millis(200)) {
+                    Ok(tcp) => {
+                        if let Err(e) = self.handshake(tcp, Some(s), deadline, &mut peers) {
+                            complaints.warn(s, format!("handshake with server {s}: {e}"));
+                        }
                     }
+                    Err(e) => complaints.note(s, format!("connecting to server {s}: {e}")),
                 }
             }
             std::thread::sleep(RETRY);
@@ -348,22 +352,51 @@ impl Shared {
     }
 }
 
-/// What went wrong with each server during setup, to log each different
-/// failure once rather than at every retry.
-struct Complaints(Vec<Option<String>>);
+/// The last thing that went wrong with each server during setup: what a
+/// timed-out init says of each missing one, and what is logged (each
+/// different failure once rather than at every retry).
+struct Complaints {
+    last: Vec<Option<String>>,
+    logged: Vec<Option<String>>,
+}
 
 impl Complaints {
     fn new(servers: usize) -> Complaints {
-        Complaints(vec![None; servers])
+        Complaints {
+            last: vec![None; servers],
+            logged: vec![None; servers],
+        }
     }
 
+    /// A failure worth a warning: logged unless it was the last one logged
+    /// for that server.
     fn warn(&mut self, server: usize, what: String) {
-        if let Some(last) = self.0.get_mut(server) {
-            if last.as_deref() != Some(&what) {
+        if let Some(logged) = self.logged.get_mut(server) {
+            if logged.as_deref() != Some(&what) {
                 log::warn!("broker: {what} (retrying until the init deadline)");
-                *last = Some(what);
+                *logged = Some(what.clone());
             }
         }
+        self.note(server, what);
+    }
+
+    /// A failure expected while servers start (one not listening yet):
+    /// kept for a timed-out init to tell, not logged.
+    fn note(&mut self, server: usize, what: String) {
+        if let Some(last) = self.last.get_mut(server) {
+            *last = Some(what);
+        }
+    }
+
+    /// The last failure of each of `servers`.
+    fn about(&self, servers: &[usize]) -> Vec<String> {
+        servers
+            .iter()
+            .map(|&s| match self.last.get(s).cloned().flatten() {
+                Some(what) => what,
+                None => format!("server {s}: never heard from"),
+            })
+            .collect()
     }
 }
 
@@ -448,5 +481,32 @@ mod tests {
         assert_eq!(Hello::parse(&hello(u64::MAX - 10, 64).to_bytes()), None);
         let top = hello(u64::MAX - 64, 64);
         assert_eq!(Hello::parse(&top.to_bytes()), Some(top));
+    }
+
+    #[test]
+    fn a_timed_out_init_tells_the_last_failure_of_each_missing_server() {
+        let mut heard = Complaints::new(4);
+        heard.note(1, "server 1 answered REJECTED".into());
+        heard.warn(1, "connecting to server 1: no QP".into());
+        heard.note(3, "resolving server 3: unreachable".into());
+        let why = heard.about(&[1, 2, 3]);
+        assert_eq!(
+            why,
+            [
+                "connecting to server 1: no QP",
+                "server 2: never heard from",
+                "resolving server 3: unreachable"
+            ]
+        );
+        let e = BrokerError::InitTimeout {
+            missing: vec![1, 2, 3],
+            why,
+        };
+        assert_eq!(
+            e.to_string(),
+            "init timed out; not connected to servers [1, 2, 3] (connecting to server 1: no QP; \
+             server 2: never heard from; resolving server 3: unreachable)"
+        );
+        assert_eq!(heard.about(&[9]), ["server 9: never heard from"]);
     }
 }

@@ -122,8 +122,13 @@ pub enum BrokerError {
     PeerFailed(usize),
     #[error("not connected to server {0}")]
     NoSuchPeer(usize),
-    #[error("init timed out; not connected to servers {missing:?}")]
-    InitTimeout { missing: Vec<usize> },
+    /// `why`: the last thing heard of each missing server, in the order of
+    /// `missing` ("server 1: never heard from" when nothing was).
+    #[error("init timed out; not connected to servers {missing:?} ({})", .why.join("; "))]
+    InitTimeout {
+        missing: Vec<usize>,
+        why: Vec<String>,
+    },
     #[error("a peer broke the protocol: {0}")]
     Protocol(String),
     /// A poll was called from inside a callback.

@@ -148,6 +148,31 @@ fn every_kv_error_code() {
 }
 
 #[test]
+fn kv_bounds_are_the_key_value_layers() {
+    use crate::ffi::kv::{KV_MAX_KEY_LEN, KV_MAX_WORKERS, KV_MAX_WORKER_QUEUE};
+    let bounds = [
+        ("KV_MAX_KEY_LEN", KV_MAX_KEY_LEN, crate::kv::MAX_KEY_LEN),
+        (
+            "KV_MAX_WORKERS",
+            KV_MAX_WORKERS as usize,
+            crate::kv::MAX_WORKERS,
+        ),
+        (
+            "KV_MAX_WORKER_QUEUE",
+            KV_MAX_WORKER_QUEUE as usize,
+            crate::kv::MAX_WORKER_QUEUE,
+        ),
+    ];
+    for (name, ffi, kv) in bounds {
+        assert_eq!(
+            ffi, kv,
+            "{name}: the C side differs from the key-value layer"
+        );
+        assert_eq!(header_value(name), kv as i64, "{name}: the header is stale");
+    }
+}
+
+#[test]
 fn result_codes_and_broker_events() {
     use snowrdma_broker_status::*;
     use snowrdma_result::*;

@@ -457,7 +457,15 @@ fn leaves_during_setup(mode: ConnectMode, port: u16, leaver: usize, stayer: usiz
         let (_seen, cb) = recorder();
         let early = Broker::new(config(3, leaver, 0, port, mode), cb).unwrap();
         match early.init(Duration::from_secs(8)) {
-            Err(BrokerError::InitTimeout { missing }) => assert_eq!(missing, [1], "{mode:?}"),
+            Err(BrokerError::InitTimeout { missing, why }) => {
+                assert_eq!(missing, [1], "{mode:?}");
+                // What it last heard of server 1: its own attempts' refusal
+                // (it connects to lower ids), or nothing (higher ids
+                // connect to it).
+                assert_eq!(why.len(), 1);
+                let nothing = why[0].contains("never heard from");
+                assert_eq!(nothing, leaver < 1, "{mode:?}: {}", why[0]);
+            }
             other => panic!("server {leaver} without server 1: {other:?}"),
         }
     }

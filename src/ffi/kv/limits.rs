@@ -14,7 +14,7 @@ use super::types::{kv_server, KV_ERR_INVALID_ARGUMENT, KV_OK};
 #[allow(non_camel_case_types)]
 /// A server's limits (see the README's Limits section). Start from
 /// `kv_limits_default()` and change the fields you need; every field must
-/// be positive, and `worker_queue` at most 65536.
+/// be positive, and `worker_queue` at most KV_MAX_WORKER_QUEUE.
 #[repr(C)]
 #[derive(Clone, Copy)]
 pub struct kv_limits {
@@ -26,7 +26,8 @@ pub struct kv_limits {
     /// disconnected.
     pub reply_queue_bytes: u64,
     /// Requests that may wait for each worker thread; beyond, new ones wait
-    /// for room. At most 65536 (each queue is allocated whole at start).
+    /// for room. At most KV_MAX_WORKER_QUEUE (each queue is allocated whole
+    /// at start).
     pub worker_queue: u64,
     /// Requests of one client that may wait for its worker; beyond, they
     /// are answered KV_ERR_NO_MEMORY.
@@ -84,7 +85,8 @@ pub extern "C" fn kv_limits_default() -> kv_limits {
 /// and lease limits apply at once; `setup_deadline_ms`,
 /// `reply_queue_bytes` and `worker_queue` from the next `kv_server_start`.
 /// Returns KV_OK, or KV_ERR_INVALID_ARGUMENT for a NULL or unknown handle,
-/// a NULL `limits`, a zero field or a `worker_queue` over 65536.
+/// a NULL `limits`, a zero field or a `worker_queue` over
+/// KV_MAX_WORKER_QUEUE.
 ///
 /// # Safety
 /// A non-NULL `limits` must point to a `kv_limits`.

@@ -19,8 +19,18 @@ pub use crate::kv::codes::{
     KV_ERR_NO_MEMORY, KV_ERR_TIMEOUT, KV_ERR_VALUE_TOO_LONG, KV_OK,
 };
 
-/// Longest key accepted.
-pub const KV_MAX_KEY_LEN: usize = crate::kv::MAX_KEY_LEN;
+// The bounds below are the key-value layer's (`crate::kv`), written out
+// because cbindgen emits only literal constants; `facts.rs` checks that they
+// agree.
+
+/// Longest key accepted, in bytes.
+pub const KV_MAX_KEY_LEN: usize = 1024;
+
+/// Most worker threads a server takes (`kv_config.num_workers`).
+pub const KV_MAX_WORKERS: c_int = 1024;
+
+/// Largest `kv_limits.worker_queue`.
+pub const KV_MAX_WORKER_QUEUE: u64 = 65536;
 
 #[allow(non_camel_case_types)]
 /// Server settings, in the legacy field order; zero fields take defaults
@@ -36,8 +46,8 @@ pub struct kv_config {
     pub use_huge_pages: bool,
     /// Hash index buckets (0: 65536).
     pub hash_table_size: usize,
-    /// Worker threads for large values (0: 4; at most 1024, beyond which
-    /// `kv_server_create` returns NULL).
+    /// Worker threads for large values (0: 4; at most KV_MAX_WORKERS,
+    /// beyond which `kv_server_create` returns NULL).
     pub num_workers: c_int,
     pub conn_mode: conn_mode_t,
     /// Device name for socket mode, NUL-terminated; "" means the first.

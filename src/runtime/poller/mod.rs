@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use rustc_hash::FxHashMap;
+use rustc_hash::{FxHashMap, FxHashSet};
 
 use super::spin::Spin;
 
@@ -289,6 +289,8 @@ fn run(shared: &Shared, tick: Duration, spin: Duration, nap: Duration) {
     // Sources that stopped at their share with items left (`Ready::More`):
     // `ready`d again on the next round, after the events.
     let mut again = Turns::default();
+    // This round's turns, taken from `again`; kept for its room.
+    let mut turns = Turns::default();
     while !shared.stop.load(Ordering::SeqCst) {
         let spinning = !hot.is_empty();
         // Ticks waited for when this wait times out.
@@ -297,7 +299,7 @@ fn run(shared: &Shared, tick: Duration, spin: Duration, nap: Duration) {
         } else {
             LOOK_ALL_EVERY
         };
-        let timeout = if spinning || napped || !again.0.is_empty() {
+        let timeout = if spinning || napped || !again.is_empty() {
             0
         } else if ticks == LOOK_ALL_EVERY && !watched.values().any(|s| s.needs_looks()) {
             -1 // Until an event, or a wake (a change to the set, a stop).
@@ -311,7 +313,7 @@ fn run(shared: &Shared, tick: Duration, spin: Duration, nap: Duration) {
         napping_evented.clear();
         // This round's turns for what had items left: a source whose event
         // came too gets the one turn, below.
-        let mut turns = std::mem::take(&mut again.0);
+        again.move_into(&mut turns);
         for ev in &events[..n] {
             let key = ev.u64;
             if key == WAKE_KEY {
@@ -322,7 +324,7 @@ fn run(shared: &Shared, tick: Duration, spin: Duration, nap: Duration) {
             } else if napping.iter().any(|(k, _)| *k == key) {
                 napping_evented.push(key);
             } else if let Some(source) = watched.get(&key) {
-                if turns.iter().any(|(k, _)| *k == key) {
+                if turns.owes(key) {
                     continue;
                 }
                 match source.ready() {
@@ -345,8 +347,8 @@ fn run(shared: &Shared, tick: Duration, spin: Duration, nap: Duration) {
             hot.retain(|h| watched.contains_key(&h.key));
             napping.retain(|(key, _)| watched.contains_key(key));
             bunched.retain(|(key, _)| watched.contains_key(key));
-            turns.retain(|(key, _)| watched.contains_key(key));
-            again.0.retain(|(key, _)| watched.contains_key(key));
+            turns.retain_watched(&watched);
+            again.retain_watched(&watched);
             // A wake may carry work queued by another thread.
             for (key, source) in &watched {
                 if source.poll_once() && spins {
@@ -370,7 +372,7 @@ fn run(shared: &Shared, tick: Duration, spin: Duration, nap: Duration) {
                 }
             }
         }
-        for (key, source) in turns {
+        for (key, source) in turns.drain() {
             match source.ready() {
                 Ready::Bunched if !nap.is_zero() => bunched.push((key, source)),
                 Ready::More => again.owe(key, &source),
@@ -412,7 +414,7 @@ fn run(shared: &Shared, tick: Duration, spin: Duration, nap: Duration) {
         }
         let nap_now = !spun
             && hot.is_empty()
-            && again.0.is_empty()
+            && again.is_empty()
             && !shared.pending.load(Ordering::SeqCst)
             && !shared.stop.load(Ordering::SeqCst);
         if nap_now && !napping.is_empty() {
@@ -476,15 +478,48 @@ fn update_watched(
 }
 
 /// Sources owed a turn because they stopped with items left
-/// ([`Ready::More`]), each once however many times it said so.
+/// ([`Ready::More`]), each once however many times it said so, in the
+/// order they said it; looked up by key in constant time (a flood over many
+/// connections owes many turns a round).
 #[derive(Default)]
-struct Turns(Vec<(u64, Arc<dyn Source>)>);
+struct Turns {
+    order: Vec<(u64, Arc<dyn Source>)>,
+    owed: FxHashSet<u64>,
+}
 
 impl Turns {
     fn owe(&mut self, key: u64, source: &Arc<dyn Source>) {
-        if !self.0.iter().any(|(k, _)| *k == key) {
-            self.0.push((key, source.clone()));
+        if self.owed.insert(key) {
+            self.order.push((key, source.clone()));
         }
+    }
+
+    fn owes(&self, key: u64) -> bool {
+        self.owed.contains(&key)
+    }
+
+    fn is_empty(&self) -> bool {
+        self.order.is_empty()
+    }
+
+    /// Drops the turns of sources no longer watched.
+    fn retain_watched(&mut self, watched: &FxHashMap<u64, Arc<dyn Source>>) {
+        self.order.retain(|(key, _)| watched.contains_key(key));
+        self.owed.retain(|key| watched.contains_key(key));
+    }
+
+    /// Moves the turns owed into `into` (emptied first, its room kept for
+    /// the next round), leaving none owed.
+    fn move_into(&mut self, into: &mut Turns) {
+        into.order.clear();
+        into.owed.clear();
+        std::mem::swap(self, into);
+    }
+
+    /// The turns, in order; none is owed afterwards.
+    fn drain(&mut self) -> impl Iterator<Item = (u64, Arc<dyn Source>)> + '_ {
+        self.owed.clear();
+        self.order.drain(..)
     }
 }
 
@@ -581,11 +616,13 @@ fn spin_passes(
         }
         // Turns owed (sources this spin does not poll, such as those left
         // to their callers) come round while it lasts, not only after.
-        if !again.0.is_empty()
+        if !again.is_empty()
             && last_turns.is_none_or(|at| now.duration_since(at) >= EVENT_LOOK_INTERVAL)
         {
             last_turns = Some(now);
-            for (key, source) in std::mem::take(&mut again.0) {
+            let mut owed = Turns::default();
+            again.move_into(&mut owed);
+            for (key, source) in owed.drain() {
                 if watched.contains_key(&key) && source.ready() == Ready::More {
                     again.owe(key, &source);
                 }

@@ -463,3 +463,28 @@ fn a_source_not_polled_by_the_spin_gets_its_turns_while_the_thread_spins() {
         || left.readies.load(Ordering::SeqCst) > before + 50,
     );
 }
+
+#[test]
+fn turns_are_owed_once_each_in_order_and_dropped_with_their_source() {
+    let sources: Vec<Arc<dyn Source>> = (0..3).map(|_| Probe::new() as Arc<dyn Source>).collect();
+    let mut again = Turns::default();
+    for key in [2, 0, 2, 1, 0] {
+        again.owe(key, &sources[key as usize]);
+    }
+    let mut turns = Turns::default();
+    again.move_into(&mut turns);
+    assert!(again.is_empty() && !again.owes(2), "all moved");
+    assert!(turns.owes(0) && turns.owes(1) && turns.owes(2));
+    // Source 1 is no longer watched.
+    let watched: FxHashMap<u64, Arc<dyn Source>> =
+        [(0, sources[0].clone()), (2, sources[2].clone())]
+            .into_iter()
+            .collect();
+    turns.retain_watched(&watched);
+    assert!(!turns.owes(1));
+    let order: Vec<u64> = turns.drain().map(|(key, _)| key).collect();
+    assert_eq!(order, [2, 0]);
+    assert!(turns.is_empty() && !turns.owes(2));
+    turns.owe(2, &sources[2]);
+    assert!(turns.owes(2), "owed afresh after a drain");
+}

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use snowrdma::broker::{Broker, Config, ConnectMode};
 use snowrdma::runtime::{ConnHandler, Connection, Listener, Options};
-use snowrdma::verbs::{CmEventKind, CmId, ConnParam};
+use snowrdma::verbs::{CmEventKind, CmId, CompletionQueue, ConnParam, ProtectionDomain, QueuePair};
 
 use crate::runtime::{blocking, Collect, Echo};
 use crate::{device_ip, TIMEOUT};
@@ -45,16 +45,7 @@ fn socket_to(peer: SocketAddr) -> libc::c_int {
 #[ignore = "needs an RDMA device: run `make test`"]
 fn a_socket_peer_that_sends_bytes_after_the_handshake_is_cut_off() {
     let opts = blocking();
-    let server = Listener::bind_socket(
-        SocketAddr::new(IpAddr::V4(device_ip()), 0),
-        None,
-        &opts,
-        Box::new(|_| Some(Arc::new(Echo) as Arc<dyn ConnHandler>)),
-        None,
-    )
-    .unwrap();
-    server.start();
-    let addr = server.local_addr().unwrap();
+    let (server, addr) = echo_listener(&opts, true);
     let rude = Arc::new(Collect::default());
     let rude_conn = Connection::connect_socket(addr, None, &opts, rude.clone()).unwrap();
     // Its socket, as the peer's program could write it: the only one of
@@ -157,22 +148,58 @@ fn until_timed_out(server: &Listener, n: u64) {
     }
 }
 
-/// An RDMA CM peer that sends a connect request and stops there (a QP on
-/// its side, no ring, no receive posted); `Err` is the event it got instead
-/// of ESTABLISHED.
-fn silent_cm_peer(addr: SocketAddr) -> Result<Box<dyn std::any::Any>, CmEventKind> {
-    let id = CmId::resolve(addr, None, TIMEOUT).unwrap();
-    let ctx = id.context().unwrap();
-    let pd = ctx.alloc_pd().unwrap();
-    let cq = ctx.create_cq(16, None).unwrap();
-    let qp = id.create_qp(&pd, &cq, &cq, &Default::default()).unwrap();
-    id.connect(&ConnParam::default()).unwrap();
-    let ev = id.channel().get_event(TIMEOUT).unwrap();
-    if ev.kind != CmEventKind::ESTABLISHED {
-        return Err(ev.kind);
+/// An RDMA CM peer that completes the RDMA CM handshake and stops there
+/// (a QP on its side, no ring advertised, no receive posted).
+pub(crate) struct SilentCmPeer {
+    // Dropped in this order: the QP before its CQ and PD, the id last.
+    _qp: QueuePair,
+    _cq: CompletionQueue,
+    _pd: ProtectionDomain,
+    id: CmId,
+}
+
+impl SilentCmPeer {
+    /// Connects to `addr`; `Err` is the event it got instead of
+    /// ESTABLISHED.
+    pub(crate) fn connect(addr: SocketAddr) -> Result<SilentCmPeer, CmEventKind> {
+        let id = CmId::resolve(addr, None, TIMEOUT).unwrap();
+        let ctx = id.context().unwrap();
+        let pd = ctx.alloc_pd().unwrap();
+        let cq = ctx.create_cq(16, None).unwrap();
+        let qp = id.create_qp(&pd, &cq, &cq, &Default::default()).unwrap();
+        id.connect(&ConnParam::default()).unwrap();
+        let ev = id.channel().get_event(TIMEOUT).unwrap();
+        if ev.kind != CmEventKind::ESTABLISHED {
+            return Err(ev.kind);
+        }
+        Ok(SilentCmPeer {
+            _qp: qp,
+            _cq: cq,
+            _pd: pd,
+            id,
+        })
     }
-    // A tuple drops in order: the QP before its CQ and PD, the id last.
-    Ok(Box::new((qp, cq, pd, id)))
+
+    /// Waits (bounded) for the server to disconnect it.
+    pub(crate) fn wait_disconnected(&self) {
+        self.id
+            .expect_event(CmEventKind::DISCONNECTED, TIMEOUT)
+            .expect("the server disconnects the silent peer");
+    }
+}
+
+/// A listener that echoes, over RDMA CM or (`socket`) in socket mode.
+fn echo_listener(opts: &Options, socket: bool) -> (Listener, SocketAddr) {
+    let addr = SocketAddr::new(IpAddr::V4(device_ip()), 0);
+    let echo = || Box::new(|_: &Connection| Some(Arc::new(Echo) as Arc<dyn ConnHandler>));
+    let server = match socket {
+        true => Listener::bind_socket(addr, None, opts, echo(), None),
+        false => Listener::bind(addr, opts, echo()),
+    }
+    .unwrap();
+    server.start();
+    let addr = server.local_addr().unwrap();
+    (server, addr)
 }
 
 /// Connect requests that never finish their setup fill the listen backlog
@@ -184,19 +211,12 @@ fn silent_cm_peer(addr: SocketAddr) -> Result<Box<dyn std::any::Any>, CmEventKin
 #[ignore = "needs an RDMA device: run `make test`"]
 fn cm_setups_past_the_listen_backlog_are_refused_until_the_silent_ones_go() {
     let opts = backlog_options();
-    let server = Listener::bind(
-        SocketAddr::new(IpAddr::V4(device_ip()), 0),
-        &opts,
-        Box::new(|_| Some(Arc::new(Echo) as Arc<dyn ConnHandler>)),
-    )
-    .unwrap();
-    server.start();
-    let addr = server.local_addr().unwrap();
+    let (server, addr) = echo_listener(&opts, false);
     let silent: Vec<_> = (0..BACKLOG)
-        .map(|i| silent_cm_peer(addr).unwrap_or_else(|e| panic!("silent peer {i}: {e}")))
+        .map(|i| SilentCmPeer::connect(addr).unwrap_or_else(|e| panic!("silent peer {i}: {e}")))
         .collect();
     let start = Instant::now();
-    match silent_cm_peer(addr) {
+    match SilentCmPeer::connect(addr) {
         Err(kind) => assert_eq!(kind, CmEventKind::REJECTED),
         Ok(_) => panic!("a setup past the backlog was accepted"),
     }
@@ -221,16 +241,7 @@ fn cm_setups_past_the_listen_backlog_are_refused_until_the_silent_ones_go() {
 #[ignore = "needs an RDMA device: run `make test`"]
 fn socket_setups_past_the_listen_backlog_are_refused_until_the_silent_ones_go() {
     let opts = backlog_options();
-    let server = Listener::bind_socket(
-        SocketAddr::new(IpAddr::V4(device_ip()), 0),
-        None,
-        &opts,
-        Box::new(|_| Some(Arc::new(Echo) as Arc<dyn ConnHandler>)),
-        None,
-    )
-    .unwrap();
-    server.start();
-    let addr = server.local_addr().unwrap();
+    let (server, addr) = echo_listener(&opts, true);
     let first_bytes = |s: &mut TcpStream| {
         s.set_read_timeout(Some(TIMEOUT)).unwrap();
         let mut buf = [0u8; 256];

@@ -13,8 +13,8 @@ use std::time::{Duration, Instant};
 use snowrdma::kv::proto::{Op, Reply, Request};
 use snowrdma::kv::{Client, ClientOptions, ConnMode, KvError, Limits, Server, ServerConfig, Stats};
 use snowrdma::runtime::{ConnHandler, ConnState, Connection, Options};
-use snowrdma::verbs::{CmEventKind, CmId, ConnParam};
 
+use crate::hostile_links::SilentCmPeer;
 use crate::{device_ip, TIMEOUT};
 
 fn server(mode: ConnMode, limits: Limits, workers: usize) -> (Server, SocketAddr) {
@@ -143,20 +143,8 @@ fn kv_limit_setup_deadline_drops_a_silent_socket_peer() {
 #[ignore = "needs an RDMA device: run `make test`"]
 fn kv_limit_setup_deadline_drops_a_silent_cm_peer() {
     silent_peer_is_dropped(ConnMode::Cm, |addr| {
-        // Completes the RDMA CM handshake, then never advertises its ring
-        // (and posts no receive for the server's advertisement).
-        let id = CmId::resolve(addr, None, TIMEOUT).unwrap();
-        let ctx = id.context().unwrap();
-        let pd = ctx.alloc_pd().unwrap();
-        let cq = ctx.create_cq(16, None).unwrap();
-        let qp = id.create_qp(&pd, &cq, &cq, &Default::default()).unwrap();
-        id.connect(&ConnParam::default()).unwrap();
-        id.expect_event(CmEventKind::ESTABLISHED, TIMEOUT).unwrap();
-        Box::new(move || {
-            id.expect_event(CmEventKind::DISCONNECTED, TIMEOUT)
-                .expect("the server disconnects the silent peer");
-            drop((qp, cq, pd));
-        })
+        let silent = SilentCmPeer::connect(addr).expect("the RDMA CM handshake");
+        Box::new(move || silent.wait_disconnected())
     });
 }
 

@@ -158,11 +158,18 @@ impl Shared {
                                 }
                             }
                         }
-                        _ => {
+                        other => {
                             log::warn!(
                                 "broker: refused a connect request from {:?}",
                                 id.peer_addr()
                             );
+                            if let Some(h) = other {
+                                let s = h.server_id as usize;
+                                complaints.note(
+                                    s,
+                                    format!("refused a connect request from server {s}: {h:?}"),
+                                );
+                            }
                             let _ = id.reject(&[]);
                         }
                     }
@@ -175,7 +182,7 @@ impl Shared {
                 } else {
                     // A failed accept: the peer will try again.
                     accepting.retain(|(id, _)| id.id_ref() != ev.id);
-                    forget_if_left(&mut peers, &ev);
+                    forget_if_left(&mut peers, &ev, &mut complaints);
                 }
             }
             // Peers we connected to report on channels of their own.
@@ -185,7 +192,7 @@ impl Shared {
                     None => continue,
                 };
                 if let Ok(ev) = ev {
-                    forget_if_left(&mut peers, &ev);
+                    forget_if_left(&mut peers, &ev, &mut complaints);
                 }
             }
             // Our own attempts.
@@ -277,7 +284,7 @@ impl Shared {
             // setup gave up) is forgotten, to be connected afresh.
             for slot in peers.iter_mut() {
                 if let Some(why) = slot.as_ref().and_then(Peer::socket_end) {
-                    forget(slot, &why);
+                    forget(slot, &why, &mut complaints);
                 }
             }
             while let Ok((tcp, _)) = listener.accept() {
@@ -421,7 +428,7 @@ fn read_exact_by(tcp: &mut TcpStream, mut buf: &mut [u8], until: Instant) -> std
 /// A peer that left while we still wait for others (its own setup gave up)
 /// is forgotten, to be connected or accepted afresh when it comes back,
 /// never handed on dead.
-fn forget_if_left(peers: &mut [Option<Peer>], ev: &CmEvent) {
+fn forget_if_left(peers: &mut [Option<Peer>], ev: &CmEvent, heard: &mut Complaints) {
     if !matches!(
         ev.kind,
         CmEventKind::DISCONNECTED | CmEventKind::DEVICE_REMOVAL
@@ -434,18 +441,19 @@ fn forget_if_left(peers: &mut [Option<Peer>], ev: &CmEvent) {
             .is_some_and(|id| id.id_ref() == ev.id)
     });
     if let Some(slot) = left {
-        forget(slot, &format!("RDMA CM reported {}", ev.kind));
+        forget(slot, &format!("RDMA CM reported {}", ev.kind), heard);
     }
 }
 
 /// Drops a peer that left before the mesh was complete, for it to be
 /// connected or accepted afresh.
-fn forget(slot: &mut Option<Peer>, why: &str) {
+fn forget(slot: &mut Option<Peer>, why: &str, heard: &mut Complaints) {
     if let Some(peer) = slot.take() {
+        let s = peer.server;
         log::warn!(
-            "broker: server {} left before the mesh was complete ({why}); waiting for it again",
-            peer.server
+            "broker: server {s} left before the mesh was complete ({why}); waiting for it again"
         );
+        heard.note(s, format!("server {s} left during setup ({why})"));
     }
 }
 

@@ -6,9 +6,9 @@
 //! connection whose peer has not finished the handshake and advertised its
 //! ring by then is dropped. Socket-mode QP exchanges are driven by the CM
 //! thread as bytes arrive, never waited for, so a silent peer delays no one.
-//! At most [`Options::listen_backlog`] setups are under way at once: a
-//! connect request past them is refused before anything is built for it, so
-//! a flood of requests that never finish pins no more than that many
+//! At most [`Options::max_setups`] setups are under way at once: a connect
+//! request past them is refused before anything is built for it, so a
+//! flood of requests that never finish pins no more than that many
 //! connections' memory.
 
 use std::collections::HashMap;
@@ -62,7 +62,7 @@ pub(crate) struct ListenerInner {
     /// Socket-mode QP exchanges under way, by poller key.
     handshakes: Mutex<HashMap<u64, Arc<HandshakeSource>>>,
     setup_timeouts: AtomicU64,
-    /// Connect requests refused because `listen_backlog` setups were under
+    /// Connect requests refused because `max_setups` setups were under
     /// way.
     setups_refused: AtomicU64,
     /// A refusal was logged and no connection finished its setup since.
@@ -186,8 +186,8 @@ impl Listener {
         self.inner.setup_timeouts.load(Ordering::Relaxed)
     }
 
-    /// Connect requests refused because [`Options::listen_backlog`] setups
-    /// were under way.
+    /// Connect requests refused because [`Options::max_setups`] setups were
+    /// under way.
     pub fn setups_refused(&self) -> u64 {
         self.inner.setups_refused.load(Ordering::Relaxed)
     }
@@ -396,10 +396,13 @@ impl ListenerInner {
         Instant::now() + self.opts.setup_deadline
     }
 
-    /// Whether fewer than `listen_backlog` setups are under way (CM
-    /// thread, which alone adds them); counts a refusal when not.
+    /// Whether fewer than `max_setups` setups are under way (CM thread,
+    /// which alone adds them); counts a refusal when not.
     fn room_for_a_setup(&self) -> bool {
-        let most = self.opts.listen_backlog.max(1) as usize;
+        let most = match self.opts.max_setups {
+            0 => super::options::DEFAULT_MAX_SETUPS,
+            n => n,
+        };
         let exchanging = self.handshakes.lock().expect("listener lock").len();
         let waiting = self
             .pending
@@ -419,8 +422,9 @@ impl ListenerInner {
         }
         if !self.refusal_logged.swap(true, Ordering::Relaxed) {
             log::warn!(
-                "refusing connect requests: {most} setups are under way (the listen backlog; \
-                 further refusals are not logged until a connection completes its setup)"
+                "refusing connect requests: {most} setups are under way (Options::max_setups, \
+                 {}; further refusals are not logged until a connection completes its setup)",
+                super::options::MAX_SETUPS_ENV
             );
         }
         self.setups_refused.fetch_add(1, Ordering::Relaxed);

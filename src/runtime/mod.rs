@@ -29,8 +29,8 @@ pub use conn::{
 };
 pub use listener::{AcceptHook, Listener};
 pub use options::{
-    CommMode, Options, CHOSEN_INLINE_DATA, DEFAULT_RECV_BUF_LEN, DEFAULT_SETUP_DEADLINE, NAP_ENV,
-    SEND_QUEUE_ENV,
+    CommMode, Options, CHOSEN_INLINE_DATA, DEFAULT_MAX_SETUPS, DEFAULT_RECV_BUF_LEN,
+    DEFAULT_SETUP_DEADLINE, MAX_SETUPS_ENV, NAP_ENV, SEND_QUEUE_ENV,
 };
 pub(crate) use poller::thread_token;
 pub use send_queue::SendQueueStats;

@@ -86,6 +86,12 @@ pub struct Options {
     /// ring advertisement); a peer still not ready then is dropped, so
     /// clients that connect and go silent hold nothing for long.
     pub setup_deadline: Duration,
+    /// Listeners: how many connections may be setting up at once (accepted,
+    /// or exchanging QP information, and not yet ready); a connect request
+    /// past them is refused before a QP or a ring is made for it, so a
+    /// flood of requests that never finish pins a bounded amount of memory.
+    /// 0 takes the default. Environment: [`MAX_SETUPS_ENV`].
+    pub max_setups: usize,
     /// The newest protocol version this side speaks
     /// ([`proto::VERSION`](crate::runtime::proto::VERSION) unless lowered),
     /// so a program can talk to a peer on an older snowrdma as that one
@@ -96,6 +102,22 @@ pub struct Options {
 /// Default [`Options::setup_deadline`]: far beyond a setup's few round
 /// trips, even under emulation.
 pub const DEFAULT_SETUP_DEADLINE: Duration = Duration::from_secs(10);
+
+/// Environment variable overriding [`Options::max_setups`].
+pub const MAX_SETUPS_ENV: &str = "SNOWRDMA_MAX_SETUPS";
+
+/// Default [`Options::max_setups`]: far more setups than legitimate clients
+/// start at once (each takes a few round trips), while a flood of requests
+/// that never finish pins at most about 512 MiB (2 MiB of rings each).
+pub const DEFAULT_MAX_SETUPS: usize = 256;
+
+fn default_max_setups() -> usize {
+    std::env::var(MAX_SETUPS_ENV)
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
+        .filter(|&n| n > 0)
+        .unwrap_or(DEFAULT_MAX_SETUPS)
+}
 
 /// Environment variable overriding [`Options::send_queue_bytes`], in bytes.
 pub const SEND_QUEUE_ENV: &str = "SNOWRDMA_SEND_QUEUE_BYTES";
@@ -171,6 +193,7 @@ impl Default for Options {
             caller_polls: false,
             send_queue_bytes: default_send_queue_bytes(),
             setup_deadline: DEFAULT_SETUP_DEADLINE,
+            max_setups: default_max_setups(),
             protocol_version: crate::runtime::proto::VERSION,
         }
     }

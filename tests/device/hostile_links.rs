@@ -123,14 +123,14 @@ fn broker_a_silent_socket_client_does_not_hold_up_the_mesh() {
     drop(silent);
 }
 
-/// The setups a listener with a backlog of 3 holds, and how long it holds
+/// The setups the listeners below take at once, and how long they hold
 /// them.
-const BACKLOG: i32 = 3;
+const MAX_SETUPS: usize = 3;
 const SETUP_DEADLINE: Duration = Duration::from_secs(2);
 
-fn backlog_options() -> Options {
+fn max_setups_options() -> Options {
     Options {
-        listen_backlog: BACKLOG,
+        max_setups: MAX_SETUPS,
         setup_deadline: SETUP_DEADLINE,
         ..blocking()
     }
@@ -202,28 +202,28 @@ fn echo_listener(opts: &Options, socket: bool) -> (Listener, SocketAddr) {
     (server, addr)
 }
 
-/// Connect requests that never finish their setup fill the listen backlog
-/// and no more: one past it is refused at once, before a QP or a ring is
+/// Connect requests that never finish their setup fill `max_setups` and no
+/// more: one past it is refused at once, before a QP or a ring is
 /// made for it (a flood of them pinned a connection's memory each), and
 /// once the silent ones are dropped at the setup deadline a client
 /// connects and is served.
 #[test]
 #[ignore = "needs an RDMA device: run `make test`"]
-fn cm_setups_past_the_listen_backlog_are_refused_until_the_silent_ones_go() {
-    let opts = backlog_options();
+fn cm_setups_past_max_setups_are_refused_until_the_silent_ones_go() {
+    let opts = max_setups_options();
     let (server, addr) = echo_listener(&opts, false);
-    let silent: Vec<_> = (0..BACKLOG)
+    let silent: Vec<_> = (0..MAX_SETUPS)
         .map(|i| SilentCmPeer::connect(addr).unwrap_or_else(|e| panic!("silent peer {i}: {e}")))
         .collect();
     let start = Instant::now();
     match SilentCmPeer::connect(addr) {
         Err(kind) => assert_eq!(kind, CmEventKind::REJECTED),
-        Ok(_) => panic!("a setup past the backlog was accepted"),
+        Ok(_) => panic!("a setup past max_setups was accepted"),
     }
     assert!(start.elapsed() < SETUP_DEADLINE, "refused at once");
     assert_eq!(server.setups_refused(), 1);
 
-    until_timed_out(&server, BACKLOG as u64);
+    until_timed_out(&server, MAX_SETUPS as u64);
     let echo = Arc::new(Collect::default());
     let conn = Connection::connect(addr, &opts, echo.clone()).unwrap();
     assert_eq!(conn.send(b"served").unwrap(), 6);
@@ -234,13 +234,13 @@ fn cm_setups_past_the_listen_backlog_are_refused_until_the_silent_ones_go() {
     server.release();
 }
 
-/// As above, in socket mode: a TCP client past the backlog is closed
+/// As above, in socket mode: a TCP client past `max_setups` is closed
 /// before the listener sends it anything (the ones within it got the
 /// listener's QP information).
 #[test]
 #[ignore = "needs an RDMA device: run `make test`"]
-fn socket_setups_past_the_listen_backlog_are_refused_until_the_silent_ones_go() {
-    let opts = backlog_options();
+fn socket_setups_past_max_setups_are_refused_until_the_silent_ones_go() {
+    let opts = max_setups_options();
     let (server, addr) = echo_listener(&opts, true);
     let first_bytes = |s: &mut TcpStream| {
         s.set_read_timeout(Some(TIMEOUT)).unwrap();
@@ -251,7 +251,7 @@ fn socket_setups_past_the_listen_backlog_are_refused_until_the_silent_ones_go() 
             Err(e) => panic!("the listener neither answered nor closed the socket: {e}"),
         }
     };
-    let silent: Vec<TcpStream> = (0..BACKLOG)
+    let silent: Vec<TcpStream> = (0..MAX_SETUPS)
         .map(|i| {
             let mut s = TcpStream::connect(addr).unwrap();
             assert!(
@@ -265,7 +265,7 @@ fn socket_setups_past_the_listen_backlog_are_refused_until_the_silent_ones_go() 
     assert_eq!(first_bytes(&mut refused), 0, "closed without a word");
     assert_eq!(server.setups_refused(), 1);
 
-    until_timed_out(&server, BACKLOG as u64);
+    until_timed_out(&server, MAX_SETUPS as u64);
     let echo = Arc::new(Collect::default());
     let conn = Connection::connect_socket(addr, None, &opts, echo.clone()).unwrap();
     assert_eq!(conn.send(b"served").unwrap(), 6);

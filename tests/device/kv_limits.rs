@@ -10,7 +10,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use snowrdma::kv::proto::{Op, Reply, Request};
+use snowrdma::kv::proto::{block_len, Op, Reply, Request};
 use snowrdma::kv::{Client, ClientOptions, ConnMode, KvError, Limits, Server, ServerConfig, Stats};
 use snowrdma::runtime::{ConnHandler, ConnState, Connection, Options};
 
@@ -271,6 +271,102 @@ fn kv_limit_large_value_quota_and_leases_capped_and_expired() {
     c.put(b"big-3", &big(3)).unwrap();
     assert_eq!(c.get(b"big-3").unwrap().0, big(3));
     hoarder.close();
+}
+
+#[test]
+#[ignore = "needs an RDMA device: run `make test`"]
+fn kv_limit_a_release_is_taken_when_the_client_queue_is_full() {
+    const MIB: usize = 1 << 20;
+    // The largest value the test server takes: registering a target this
+    // size keeps the worker busy for milliseconds.
+    const TARGET: usize = 16 * MIB;
+    let limits = Limits {
+        // Only a release can end the lease within the test.
+        lease_time: Duration::from_secs(3600),
+        ..Limits::default()
+    };
+    let (server, addr) = server(ConnMode::Cm, limits.clone(), 1);
+    // Set up under the default limits: with one job per client, the
+    // client's own PUT could find its previous job still counted.
+    let c = client(addr, ConnMode::Cm).unwrap();
+    c.put(b"leased", &vec![3u8; 3 * MIB]).unwrap();
+    let (tx, replies) = mpsc::channel();
+    let raw =
+        Connection::connect(addr, &Options::default(), Arc::new(Replies(Mutex::new(tx)))).unwrap();
+    raw.send(&Request::new(Op::Get, 1).encode(b"leased", &[]))
+        .unwrap();
+    let leased = replies.recv_timeout(TIMEOUT).unwrap();
+    assert!(leased.status == 0 && leased.lease != 0, "{leased:?}");
+    // Gone from the store: only the lease holds the value now.
+    c.delete(b"leased").unwrap();
+    assert!(
+        server.stats().large_bytes >= 3 * MIB as u64,
+        "the lease holds the value"
+    );
+    server
+        .set_limits(Limits {
+            client_jobs: 1,
+            ..limits
+        })
+        .unwrap();
+
+    // One doorbell: a request for the worker (it fills the client's queue
+    // of one), the release, and a GET that must wait behind the first.
+    let mut alloc = Request::new(Op::Alloc, 2);
+    alloc.value_len = TARGET as u64;
+    let alloc = alloc.encode(b"target", &[]);
+    let (release, more) = Request::release(&[leased.lease], &mut []);
+    let release = release.encode(more, &[]);
+    let probe = Request::new(Op::Get, 3).encode(b"leased", &[]);
+    let posted = raw
+        .send_batch(&[&[&alloc[..]], &[&release[..]], &[&probe[..]]])
+        .unwrap();
+    assert_eq!(posted, 3, "all three go together");
+    // The stats as the GET's answer comes: the release, before it in the
+    // connection's order, has been dealt with by then.
+    let mut at_probe = None;
+    let mut got = Vec::new();
+    for _ in 0..2 {
+        let reply = replies.recv_timeout(TIMEOUT).unwrap();
+        if reply.req_id == 3 {
+            at_probe = Some(server.stats());
+        }
+        got.push(reply);
+    }
+    got.sort_by_key(|r| r.req_id);
+    let ids: Vec<u64> = got.iter().map(|r| r.req_id).collect();
+    assert_eq!(ids, [2, 3], "the release takes no reply: {got:?}");
+    let (alloc, probe) = (&got[0], &got[1]);
+    assert_eq!(alloc.status, 0, "the target is granted: {alloc:?}");
+    // The GET found the queue full. Only the release came between it and
+    // the request that filled the queue, and with one job per client a
+    // release never joins the queue, so the release found it full too. No
+    // worker can be held deterministically: a registration of 16 MiB
+    // outlasts the arrival of three messages sent together by far.
+    assert_eq!(
+        probe.status,
+        KvError::NoMemory.code(),
+        "the GET behind the queued request is refused busy: {probe:?}"
+    );
+    let stats = at_probe.unwrap();
+    assert_eq!(
+        stats.busy_refusals, 1,
+        "only the GET, not the release: {stats}"
+    );
+    // The lease ended at once, an hour before its time, not behind the
+    // queued request: only the target may be held, and the worker may not
+    // have counted it yet.
+    let target = block_len(b"target".len(), TARGET) as u64;
+    assert!(
+        [0, target].contains(&stats.large_bytes),
+        "the leased value is freed: {stats}"
+    );
+    assert_eq!(
+        (stats.leases_expired, stats.leases_capped),
+        (0, 0),
+        "{stats}"
+    );
+    raw.close();
 }
 
 /// Blocks the connection's callbacks (so it returns no credit) until opened.

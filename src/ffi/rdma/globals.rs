@@ -177,6 +177,7 @@ pub(super) unsafe fn resolve_options(opt: *const RdmaOptions) -> Options {
         caller_polls: false,
         send_queue_bytes: defaults.send_queue_bytes,
         setup_deadline: defaults.setup_deadline,
+        max_setups: defaults.max_setups,
         protocol_version: defaults.protocol_version,
     }
 }

@@ -485,6 +485,9 @@ fn update_watched(
 struct Turns {
     order: Vec<(u64, Arc<dyn Source>)>,
     owed: FxHashSet<u64>,
+    /// Room for [`Turns::serve`]'s list, kept so that serving allocates
+    /// nothing.
+    spare: Vec<(u64, Arc<dyn Source>)>,
 }
 
 impl Turns {
@@ -514,6 +517,20 @@ impl Turns {
         into.order.clear();
         into.owed.clear();
         std::mem::swap(self, into);
+    }
+
+    /// Gives every owed turn, in order, to `ready`; the ones it answers
+    /// [`Ready::More`] are owed again, after the others.
+    fn serve(&mut self, mut ready: impl FnMut(u64, &Arc<dyn Source>) -> Ready) {
+        let mut serving = std::mem::take(&mut self.spare);
+        std::mem::swap(&mut serving, &mut self.order);
+        self.owed.clear();
+        for (key, source) in serving.drain(..) {
+            if ready(key, &source) == Ready::More {
+                self.owe(key, &source);
+            }
+        }
+        self.spare = serving;
     }
 
     /// The turns, in order; none is owed afterwards.
@@ -620,13 +637,10 @@ fn spin_passes(
             && last_turns.is_none_or(|at| now.duration_since(at) >= EVENT_LOOK_INTERVAL)
         {
             last_turns = Some(now);
-            let mut owed = Turns::default();
-            again.move_into(&mut owed);
-            for (key, source) in owed.drain() {
-                if watched.contains_key(&key) && source.ready() == Ready::More {
-                    again.owe(key, &source);
-                }
-            }
+            again.serve(|key, source| match watched.contains_key(&key) {
+                true => source.ready(),
+                false => Ready::Done,
+            });
         }
         let may_spin = allowed.as_mut().is_some_and(|s| s.pass(now));
         let quiet = !may_spin || last_work.is_none_or(|at| now.duration_since(at) >= spin);

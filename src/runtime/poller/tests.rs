@@ -488,3 +488,25 @@ fn turns_are_owed_once_each_in_order_and_dropped_with_their_source() {
     turns.owe(2, &sources[2]);
     assert!(turns.owes(2), "owed afresh after a drain");
 }
+
+#[test]
+fn served_turns_go_in_order_and_the_unfinished_ones_are_owed_again() {
+    let sources: Vec<Arc<dyn Source>> = (0..3).map(|_| Probe::new() as Arc<dyn Source>).collect();
+    let mut again = Turns::default();
+    for key in [1, 0, 2] {
+        again.owe(key, &sources[key as usize]);
+    }
+    let mut seen = Vec::new();
+    again.serve(|key, _| {
+        seen.push(key);
+        if key == 0 {
+            Ready::More
+        } else {
+            Ready::Done
+        }
+    });
+    assert_eq!(seen, [1, 0, 2]);
+    assert!(again.owes(0) && !again.owes(1) && !again.owes(2));
+    let left: Vec<u64> = again.drain().map(|(key, _)| key).collect();
+    assert_eq!(left, [0]);
+}

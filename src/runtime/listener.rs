@@ -12,6 +12,7 @@
 //! connections' memory.
 
 use std::collections::HashMap;
+use std::fs::File;
 use std::io::ErrorKind;
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::fd::{AsRawFd, RawFd};
@@ -38,6 +39,10 @@ enum Endpoint {
         tcp: TcpListener,
         ctx: Context,
         accepted: Mutex<Vec<WeakConnection>>,
+        /// A descriptor held in reserve (`/dev/null`), given up for a
+        /// moment when the process has run out of them: see
+        /// [`Listener::refuse_without_descriptors`].
+        reserve: Mutex<Option<File>>,
     },
 }
 
@@ -115,6 +120,7 @@ impl Listener {
             tcp,
             ctx,
             accepted: Mutex::new(Vec::new()),
+            reserve: Mutex::new(File::open("/dev/null").ok()),
         };
         Listener::new(endpoint, opts, on_accept, pds)
     }
@@ -186,8 +192,8 @@ impl Listener {
         self.inner.setup_timeouts.load(Ordering::Relaxed)
     }
 
-    /// Connect requests refused because [`Options::max_setups`] setups were
-    /// under way.
+    /// Connect requests refused: [`Options::max_setups`] setups were under
+    /// way, or (socket mode) the process was out of file descriptors.
     pub fn setups_refused(&self) -> u64 {
         self.inner.setups_refused.load(Ordering::Relaxed)
     }
@@ -330,12 +336,51 @@ impl Listener {
                 }
                 Err(e) if e.kind() == ErrorKind::WouldBlock => return false,
                 Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+                Err(e) if matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE)) => {
+                    if !self.refuse_without_descriptors() {
+                        return false;
+                    }
+                    taken += 1;
+                }
                 Err(e) => {
                     log::warn!("accepting a socket-mode connection: {e}");
                     return false;
                 }
             }
         }
+        true
+    }
+
+    /// The process (or the system) has no descriptor left for a waiting TCP
+    /// connection, which stays in the kernel's queue and keeps the socket
+    /// readable: the CM thread would be called for it again and again. The
+    /// reserve descriptor is closed for the moment it takes to accept that
+    /// connection and close it (it is refused), then taken back. False when
+    /// there was no reserve or nothing was taken.
+    fn refuse_without_descriptors(&self) -> bool {
+        let Endpoint::Socket { tcp, reserve, .. } = &self.inner.endpoint else {
+            return false;
+        };
+        let mut reserve = reserve.lock().expect("listener lock");
+        if reserve.take().is_none() {
+            log::error!(
+                "out of file descriptors, with none in reserve: socket-mode connections wait"
+            );
+            return false;
+        }
+        let refused = tcp.accept();
+        *reserve = File::open("/dev/null").ok();
+        let Ok((_, peer)) = refused else {
+            return false;
+        };
+        if !self.inner.refusal_logged.swap(true, Ordering::Relaxed) {
+            log::warn!(
+                "refusing socket-mode connections (the first from {peer}): out of file \
+                 descriptors (further refusals are not logged until a connection completes its \
+                 setup)"
+            );
+        }
+        self.inner.setups_refused.fetch_add(1, Ordering::Relaxed);
         true
     }
 

@@ -274,3 +274,77 @@ fn socket_setups_past_max_setups_are_refused_until_the_silent_ones_go() {
     drop(silent);
     server.release();
 }
+
+/// Lowers this process's soft limit of open files until dropped.
+struct FileLimit(libc::rlimit);
+
+impl FileLimit {
+    fn lower_to(soft: u64) -> FileLimit {
+        let mut old = libc::rlimit {
+            rlim_cur: 0,
+            rlim_max: 0,
+        };
+        // SAFETY: plain system calls on a local struct.
+        unsafe {
+            assert_eq!(libc::getrlimit(libc::RLIMIT_NOFILE, &mut old), 0);
+            let low = libc::rlimit {
+                rlim_cur: soft.min(old.rlim_cur),
+                rlim_max: old.rlim_max,
+            };
+            assert_eq!(libc::setrlimit(libc::RLIMIT_NOFILE, &low), 0);
+        }
+        FileLimit(old)
+    }
+}
+
+impl Drop for FileLimit {
+    fn drop(&mut self) {
+        // SAFETY: restores the limit read above.
+        unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &self.0) };
+    }
+}
+
+/// A socket-mode listener in a process that has run out of file
+/// descriptors refuses (closes) a waiting connection rather than leaving it
+/// in the kernel's queue, where it kept the listening socket readable and
+/// the CM thread called for it without end; once descriptors are free
+/// again, clients are served.
+#[test]
+#[ignore = "needs an RDMA device: run `make test`"]
+fn a_socket_listener_out_of_descriptors_refuses_rather_than_spins() {
+    let opts = blocking();
+    let (server, addr) = echo_listener(&opts, true);
+    let open_now = std::fs::read_dir("/proc/self/fd").unwrap().count() as u64;
+    let limit = FileLimit::lower_to(open_now + 16);
+    let mut hogs = Vec::new();
+    loop {
+        match std::fs::File::open("/dev/null") {
+            Ok(f) => hogs.push(f),
+            Err(e) => {
+                assert_eq!(e.raw_os_error(), Some(libc::EMFILE), "{e}");
+                break;
+            }
+        }
+    }
+    // One descriptor for the client's socket, none for the listener's
+    // accept.
+    drop(hogs.pop());
+    let mut refused = TcpStream::connect(addr).unwrap();
+    refused.set_read_timeout(Some(TIMEOUT)).unwrap();
+    let mut buf = [0u8; 64];
+    match refused.read(&mut buf) {
+        Ok(0) => {}
+        Err(e) if e.kind() == ErrorKind::ConnectionReset => {}
+        other => panic!("the waiting connection was neither served nor closed: {other:?}"),
+    }
+    assert_eq!(server.setups_refused(), 1);
+
+    drop(hogs);
+    drop(limit);
+    let echo = Arc::new(Collect::default());
+    let conn = Connection::connect_socket(addr, None, &opts, echo.clone()).unwrap();
+    assert_eq!(conn.send(b"served").unwrap(), 6);
+    assert_eq!(echo.wait_bytes(6, TIMEOUT), b"served");
+    conn.close();
+    server.release();
+}

@@ -354,18 +354,27 @@ fn broker_a_dead_peer_is_noticed_over_sockets_too() {
     dead_peer(ConnectMode::Socket, 19600);
 }
 
-/// Three servers; server 2 dies; server 0 keeps talking to 1.
+/// Three servers; server 2 dies once every init is done; server 0 keeps
+/// talking to 1.
 fn dead_peer(mode: ConnectMode, port: u16) {
     let (tx, rx) = mpsc::channel();
+    // Server 2 dies only once the mesh is complete on every side: dying as
+    // soon as its own init returned, it could leave while server 0 still
+    // waited for server 1, and server 0 then waited for it again until its
+    // init timed out.
+    let (die_tx, die_rx) = mpsc::channel::<()>();
+    let mut die_rx = Some(die_rx);
     let mut others = Vec::new();
     for me in 1..3 {
         let tx = tx.clone();
+        let die = if me == 2 { die_rx.take() } else { None };
         others.push(std::thread::spawn(move || {
             let (seen, cb) = recorder();
             let b = Broker::new(config(3, me, 0, port, mode), cb).unwrap();
             b.init(INIT).unwrap();
             tx.send(me).unwrap();
-            if me == 2 {
+            if let Some(die) = die {
+                die.recv_timeout(WAIT).unwrap();
                 return; // dies: its queue pairs are destroyed
             }
             poll_until(&b, || {
@@ -384,6 +393,7 @@ fn dead_peer(mode: ConnectMode, port: u16) {
     for _ in 0..2 {
         rx.recv_timeout(WAIT).unwrap();
     }
+    die_tx.send(()).unwrap();
     others.remove(1).join().unwrap();
     let start = Instant::now();
     loop {

@@ -373,14 +373,11 @@ impl Listener {
         let Ok((_, peer)) = refused else {
             return false;
         };
-        if !self.inner.refusal_logged.swap(true, Ordering::Relaxed) {
-            log::warn!(
-                "refusing socket-mode connections (the first from {peer}): out of file \
-                 descriptors (further refusals are not logged until a connection completes its \
-                 setup)"
-            );
-        }
-        self.inner.setups_refused.fetch_add(1, Ordering::Relaxed);
+        self.inner.refused(|| {
+            format!(
+                "refusing socket-mode connections (the first from {peer}): out of file descriptors"
+            )
+        });
         true
     }
 
@@ -465,15 +462,25 @@ impl ListenerInner {
         if exchanging + waiting < most {
             return true;
         }
+        self.refused(|| {
+            format!(
+                "refusing connect requests: {most} setups are under way (Options::max_setups, {})",
+                super::options::MAX_SETUPS_ENV
+            )
+        });
+        false
+    }
+
+    /// Counts a refused connection, and logs `why` if it is the first
+    /// refusal since a connection completed its setup.
+    fn refused(&self, why: impl FnOnce() -> String) {
         if !self.refusal_logged.swap(true, Ordering::Relaxed) {
             log::warn!(
-                "refusing connect requests: {most} setups are under way (Options::max_setups, \
-                 {}; further refusals are not logged until a connection completes its setup)",
-                super::options::MAX_SETUPS_ENV
+                "{} (further refusals are not logged until a connection completes its setup)",
+                why()
             );
         }
         self.setups_refused.fetch_add(1, Ordering::Relaxed);
-        false
     }
 
     /// Watches an accepted connection until it is ready or its deadline.

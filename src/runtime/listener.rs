@@ -193,7 +193,9 @@ impl Listener {
     }
 
     /// Connect requests refused: [`Options::max_setups`] setups were under
-    /// way, or (socket mode) the process was out of file descriptors.
+    /// way, the connection could not be built (out of memory, queue pairs
+    /// or file descriptors), or (socket mode) the process had no descriptor
+    /// left to accept it.
     pub fn setups_refused(&self) -> u64 {
         self.inner.setups_refused.load(Ordering::Relaxed)
     }
@@ -301,8 +303,9 @@ impl Listener {
         ) {
             Ok((c, _)) => c,
             Err(e) => {
-                log::warn!("refusing a connection from {:?}: {e}", id.peer_addr());
                 let _ = id.reject(&[]);
+                self.inner
+                    .refused(|| format!("refusing a connection from {:?}: {e}", id.peer_addr()));
                 return;
             }
         };
@@ -331,7 +334,9 @@ impl Listener {
                 Ok((stream, peer)) => {
                     taken += 1;
                     if let Err(e) = self.accept_socket(stream, peer) {
-                        log::warn!("refusing a socket-mode connection from {peer}: {e}");
+                        self.inner.refused(|| {
+                            format!("refusing a socket-mode connection from {peer}: {e}")
+                        });
                     }
                 }
                 Err(e) if e.kind() == ErrorKind::WouldBlock => return false,
@@ -368,17 +373,23 @@ impl Listener {
             );
             return false;
         }
-        let refused = tcp.accept();
-        *reserve = File::open("/dev/null").ok();
-        let Ok((_, peer)) = refused else {
-            return false;
+        let taken = match tcp.accept() {
+            Ok((stream, peer)) => {
+                self.inner.refused(|| {
+                    format!(
+                        "refusing socket-mode connections (the first from {peer}): out of file \
+                         descriptors"
+                    )
+                });
+                // Closed before the reserve is opened again: it holds the
+                // reserve's descriptor.
+                drop(stream);
+                true
+            }
+            Err(_) => false,
         };
-        self.inner.refused(|| {
-            format!(
-                "refusing socket-mode connections (the first from {peer}): out of file descriptors"
-            )
-        });
-        true
+        *reserve = File::open("/dev/null").ok();
+        taken
     }
 
     /// Sets up one socket-mode connection: builds it, sends our QP

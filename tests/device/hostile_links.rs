@@ -148,6 +148,20 @@ fn until_timed_out(server: &Listener, n: u64) {
     }
 }
 
+/// Waits until `server` has refused `n` connect requests.
+fn until_refused(server: &Listener, n: u64) {
+    let deadline = Instant::now() + TIMEOUT;
+    while server.setups_refused() < n {
+        assert!(
+            Instant::now() < deadline,
+            "only {} refused",
+            server.setups_refused()
+        );
+        thread::sleep(Duration::from_millis(10));
+    }
+    assert_eq!(server.setups_refused(), n);
+}
+
 /// An RDMA CM peer that completes the RDMA CM handshake and stops there
 /// (a QP on its side, no ring advertised, no receive posted).
 pub(crate) struct SilentCmPeer {
@@ -275,6 +289,28 @@ fn socket_setups_past_max_setups_are_refused_until_the_silent_ones_go() {
     server.release();
 }
 
+/// How many descriptors this process has open, once the count has stayed
+/// the same for half a second.
+fn steady_descriptor_count() -> u64 {
+    let count = || std::fs::read_dir("/proc/self/fd").unwrap().count() as u64;
+    let deadline = Instant::now() + TIMEOUT;
+    let mut last = count();
+    let mut steady_since = Instant::now();
+    while steady_since.elapsed() < Duration::from_millis(500) {
+        assert!(
+            Instant::now() < deadline,
+            "descriptors kept opening and closing"
+        );
+        thread::sleep(Duration::from_millis(50));
+        let now = count();
+        if now != last {
+            last = now;
+            steady_since = Instant::now();
+        }
+    }
+    last
+}
+
 /// Lowers this process's soft limit of open files until dropped.
 struct FileLimit(libc::rlimit);
 
@@ -314,30 +350,37 @@ impl Drop for FileLimit {
 fn a_socket_listener_out_of_descriptors_refuses_rather_than_spins() {
     let opts = blocking();
     let (server, addr) = echo_listener(&opts, true);
-    let open_now = std::fs::read_dir("/proc/self/fd").unwrap().count() as u64;
+    // Threads of earlier tests in this process may still be closing their
+    // descriptors, which would give the listener one back.
+    let open_now = steady_descriptor_count();
     let limit = FileLimit::lower_to(open_now + 16);
     let mut hogs = Vec::new();
-    loop {
-        match std::fs::File::open("/dev/null") {
-            Ok(f) => hogs.push(f),
-            Err(e) => {
-                assert_eq!(e.raw_os_error(), Some(libc::EMFILE), "{e}");
-                break;
+    // Each client finds every descriptor taken but one, for its own
+    // socket: none for the listener's accept but its reserve. The second
+    // client checks that the reserve came back after the first refusal.
+    for nth in 1..=2 {
+        loop {
+            match std::fs::File::open("/dev/null") {
+                Ok(f) => hogs.push(f),
+                Err(e) => {
+                    assert_eq!(e.raw_os_error(), Some(libc::EMFILE), "{e}");
+                    break;
+                }
             }
         }
+        drop(hogs.pop());
+        let mut refused = TcpStream::connect(addr).unwrap();
+        refused.set_read_timeout(Some(TIMEOUT)).unwrap();
+        let mut buf = [0u8; 64];
+        match refused.read(&mut buf) {
+            Ok(0) => {}
+            Err(e) if e.kind() == ErrorKind::ConnectionReset => {}
+            other => panic!("waiting connection {nth} was neither served nor closed: {other:?}"),
+        }
+        // A connection refused after it was accepted (its setup failed)
+        // may be closed before it is counted.
+        until_refused(&server, nth);
     }
-    // One descriptor for the client's socket, none for the listener's
-    // accept.
-    drop(hogs.pop());
-    let mut refused = TcpStream::connect(addr).unwrap();
-    refused.set_read_timeout(Some(TIMEOUT)).unwrap();
-    let mut buf = [0u8; 64];
-    match refused.read(&mut buf) {
-        Ok(0) => {}
-        Err(e) if e.kind() == ErrorKind::ConnectionReset => {}
-        other => panic!("the waiting connection was neither served nor closed: {other:?}"),
-    }
-    assert_eq!(server.setups_refused(), 1);
 
     drop(hogs);
     drop(limit);

@@ -75,6 +75,10 @@ pub(crate) struct ListenerInner {
     /// A timeout was logged and no connection finished its setup since:
     /// one line per episode, not one per silent peer.
     timeout_logged: AtomicBool,
+    /// Socket mode, out of descriptors with none in reserve: the listening
+    /// socket, readable while a connection waits, is not watched until the
+    /// [`SetupReaper`]'s next tick.
+    accept_paused: AtomicBool,
 }
 
 /// A listening server. Cheap to clone.
@@ -153,6 +157,7 @@ impl Listener {
                 setups_refused: AtomicU64::new(0),
                 refusal_logged: AtomicBool::new(false),
                 timeout_logged: AtomicBool::new(false),
+                accept_paused: AtomicBool::new(false),
             }),
         })
     }
@@ -210,7 +215,19 @@ impl Listener {
 
     /// Starts accepting connections (on the runtime's CM thread).
     pub fn start(&self) {
-        *self.inner.serving.lock().expect("listener lock") = true;
+        let mut serving = self.inner.serving.lock().expect("listener lock");
+        *serving = true;
+        self.watch_listening();
+        if self.inner.reaper.load(Ordering::SeqCst) == 0 {
+            let reaper = Arc::new(SetupReaper(Arc::downgrade(&self.inner)));
+            let key = self.inner.rt.cm.add(reaper);
+            self.inner.reaper.store(key, Ordering::SeqCst);
+        }
+    }
+
+    /// Has the CM thread watch the listening channel or socket, unless it
+    /// does (under the `serving` lock).
+    fn watch_listening(&self) {
         if self.inner.source.load(Ordering::SeqCst) == 0 {
             let key = self
                 .inner
@@ -218,9 +235,17 @@ impl Listener {
                 .cm
                 .add(Arc::new(CmSource::Listener(self.clone())));
             self.inner.source.store(key, Ordering::SeqCst);
-            let reaper = Arc::new(SetupReaper(Arc::downgrade(&self.inner)));
-            let key = self.inner.rt.cm.add(reaper);
-            self.inner.reaper.store(key, Ordering::SeqCst);
+        }
+    }
+
+    /// Watches the listening socket again after a pause for want of
+    /// descriptors ([`ListenerInner::accept_paused`]; CM thread, on a
+    /// tick), unless the listener has stopped meanwhile
+    /// ([`Listener::start`] watches it again).
+    fn resume_accepting(&self) {
+        let serving = self.inner.serving.lock().expect("listener lock");
+        if self.inner.accept_paused.swap(false, Ordering::SeqCst) && *serving {
+            self.watch_listening();
         }
     }
 
@@ -367,10 +392,13 @@ impl Listener {
             return false;
         };
         let mut reserve = reserve.lock().expect("listener lock");
+        if reserve.is_none() {
+            // Lost to another thread of the process while it was given up,
+            // or never had at bind.
+            *reserve = File::open("/dev/null").ok();
+        }
         if reserve.take().is_none() {
-            log::error!(
-                "out of file descriptors, with none in reserve: socket-mode connections wait"
-            );
+            self.inner.pause_accepting();
             return false;
         }
         let taken = match tcp.accept() {
@@ -484,6 +512,24 @@ impl ListenerInner {
 
     /// Counts a refused connection, and logs `why` if it is the first
     /// refusal since a connection completed its setup.
+    /// Out of descriptors with none in reserve, a waiting TCP connection
+    /// can be neither taken nor refused, and keeps the listening socket
+    /// readable: it is not watched until the next tick, when the reserve is
+    /// tried again (CM thread).
+    fn pause_accepting(&self) {
+        if !self.refusal_logged.swap(true, Ordering::Relaxed) {
+            log::error!(
+                "out of file descriptors, with none in reserve: socket-mode connections wait \
+                 (tried again every tick)"
+            );
+        }
+        self.accept_paused.store(true, Ordering::SeqCst);
+        let key = self.source.swap(0, Ordering::SeqCst);
+        if key != 0 {
+            self.rt.cm.remove(key);
+        }
+    }
+
     fn refused(&self, why: impl FnOnce() -> String) {
         if !self.refusal_logged.swap(true, Ordering::Relaxed) {
             log::warn!(
@@ -645,16 +691,20 @@ impl Source for SetupReaper {
     }
 
     /// While setups are pending (added on this thread, which looks again
-    /// before it sleeps).
+    /// before it sleeps), or accepting is paused.
     fn wants_tick(&self) -> bool {
-        self.0
-            .upgrade()
-            .is_some_and(|l| !l.pending.lock().expect("listener lock").is_empty())
+        self.0.upgrade().is_some_and(|l| {
+            l.accept_paused.load(Ordering::SeqCst)
+                || !l.pending.lock().expect("listener lock").is_empty()
+        })
     }
 
     fn tick(&self) {
-        if let Some(listener) = self.0.upgrade() {
-            listener.reap();
+        if let Some(inner) = self.0.upgrade() {
+            inner.reap();
+            if inner.accept_paused.load(Ordering::SeqCst) {
+                Listener { inner }.resume_accepting();
+            }
         }
     }
 

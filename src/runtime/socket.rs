@@ -72,18 +72,30 @@ impl Source for SocketWatch {
             return Ready::Done;
         };
         let mut buf = [0u8; 64];
-        loop {
+        let ended = loop {
             match (&link.stream).read(&mut buf) {
-                Ok(0) => break self.0.peer_left(),
+                Ok(0) => {
+                    self.0.peer_left();
+                    break true;
+                }
                 Ok(_) => {
                     self.0
                         .fail("the peer sent bytes on its socket after the handshake");
-                    break;
+                    break true;
                 }
-                Err(e) if e.kind() == ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == ErrorKind::WouldBlock => break false,
                 Err(e) if e.kind() == ErrorKind::Interrupted => continue,
-                Err(_) => break self.0.peer_left(),
+                Err(_) => {
+                    self.0.peer_left();
+                    break true;
+                }
             }
+        };
+        if ended {
+            // A socket at its end stays readable: watched, it would call
+            // the CM thread again and again until the connection is
+            // dropped (a client's may live on long after).
+            self.0.unwatch_link();
         }
         Ready::Done
     }

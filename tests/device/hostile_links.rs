@@ -311,6 +311,19 @@ fn steady_descriptor_count() -> u64 {
     last
 }
 
+/// Opens files until the process has no descriptor left.
+fn take_every_descriptor(hogs: &mut Vec<std::fs::File>) {
+    loop {
+        match std::fs::File::open("/dev/null") {
+            Ok(f) => hogs.push(f),
+            Err(e) => {
+                assert_eq!(e.raw_os_error(), Some(libc::EMFILE), "{e}");
+                return;
+            }
+        }
+    }
+}
+
 /// Lowers this process's soft limit of open files until dropped.
 struct FileLimit(libc::rlimit);
 
@@ -359,15 +372,7 @@ fn a_socket_listener_out_of_descriptors_refuses_rather_than_spins() {
     // socket: none for the listener's accept but its reserve. The second
     // client checks that the reserve came back after the first refusal.
     for nth in 1..=2 {
-        loop {
-            match std::fs::File::open("/dev/null") {
-                Ok(f) => hogs.push(f),
-                Err(e) => {
-                    assert_eq!(e.raw_os_error(), Some(libc::EMFILE), "{e}");
-                    break;
-                }
-            }
-        }
+        take_every_descriptor(&mut hogs);
         drop(hogs.pop());
         let mut refused = TcpStream::connect(addr).unwrap();
         refused.set_read_timeout(Some(TIMEOUT)).unwrap();
@@ -389,5 +394,120 @@ fn a_socket_listener_out_of_descriptors_refuses_rather_than_spins() {
     assert_eq!(conn.send(b"served").unwrap(), 6);
     assert_eq!(echo.wait_bytes(6, TIMEOUT), b"served");
     conn.close();
+    server.release();
+}
+
+/// The runtime's CM thread(s) (`snowrdma-cm`), whose CPU time is read
+/// through files opened once: a process out of descriptors can still read
+/// them.
+struct CmThreadCpu(Vec<std::fs::File>);
+
+impl CmThreadCpu {
+    fn open() -> CmThreadCpu {
+        let mut stats = Vec::new();
+        for task in std::fs::read_dir("/proc/self/task").unwrap().flatten() {
+            let comm = std::fs::read_to_string(task.path().join("comm")).unwrap_or_default();
+            if comm.trim_end() == "snowrdma-cm" {
+                stats.push(std::fs::File::open(task.path().join("stat")).unwrap());
+            }
+        }
+        assert!(!stats.is_empty(), "no snowrdma-cm thread");
+        CmThreadCpu(stats)
+    }
+
+    /// Their CPU time so far.
+    fn used(&self) -> Duration {
+        use std::os::unix::fs::FileExt;
+        // SAFETY: sysconf has no preconditions.
+        let ticks_per_s = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as u64;
+        let mut ticks = 0;
+        for file in &self.0 {
+            let mut buf = [0u8; 1024];
+            let n = file.read_at(&mut buf, 0).unwrap();
+            let stat = std::str::from_utf8(&buf[..n]).unwrap();
+            // After the name in parentheses: state is field 3, utime 14,
+            // stime 15.
+            let fields: Vec<&str> = stat[stat.rfind(')').unwrap() + 2..].split(' ').collect();
+            ticks += fields[11].parse::<u64>().unwrap() + fields[12].parse::<u64>().unwrap();
+        }
+        Duration::from_millis(ticks * 1000 / ticks_per_s)
+    }
+
+    /// Asserts they used less than a fifth of the next 500 ms.
+    fn idle_for_half_a_second(&self) {
+        let before = self.used();
+        thread::sleep(Duration::from_millis(500));
+        let used = self.used() - before;
+        assert!(
+            used < Duration::from_millis(100),
+            "the CM thread used {used:?} of the last 500 ms"
+        );
+    }
+}
+
+/// A socket-mode client whose server has left does not keep the CM thread
+/// busy: its socket, at its end and so readable for good, is no longer
+/// watched, though the program keeps the connection.
+#[test]
+#[ignore = "needs an RDMA device: run `make test`"]
+fn a_socket_client_whose_server_left_leaves_the_cm_thread_idle() {
+    let opts = blocking();
+    let (server, addr) = echo_listener(&opts, true);
+    let seen = Arc::new(Collect::default());
+    let conn = Connection::connect_socket(addr, None, &opts, seen.clone()).unwrap();
+    server.release();
+    seen.wait_disconnected(TIMEOUT);
+    CmThreadCpu::open().idle_for_half_a_second();
+    drop(conn);
+}
+
+/// A socket-mode listener with no descriptor in reserve (the process ran
+/// out before it could keep one) can neither take nor refuse a waiting
+/// connection: rather than spin on its readable socket, it looks again on
+/// each tick, and serves the connection once descriptors are free.
+#[test]
+#[ignore = "needs an RDMA device: run `make test`"]
+fn a_socket_listener_without_a_reserve_waits_idle_for_descriptors() {
+    let opts = blocking();
+    let any_port = SocketAddr::new(IpAddr::V4(device_ip()), 0);
+    // The runtime, and so its CM thread, starts with the first listener.
+    echo_listener(&opts, true).0.release();
+    let cm_thread = CmThreadCpu::open();
+    let limit = FileLimit::lower_to(steady_descriptor_count() + 64);
+    let mut hogs = Vec::new();
+    take_every_descriptor(&mut hogs);
+    // Freed one at a time until the listener binds: it then has what it
+    // needs to listen, and none for its reserve.
+    let (server, addr) = loop {
+        drop(hogs.pop().expect("the listener never bound"));
+        let echo = Box::new(|_: &Connection| Some(Arc::new(Echo) as Arc<dyn ConnHandler>));
+        if let Ok(server) = Listener::bind_socket(any_port, None, &opts, echo, None) {
+            server.start();
+            let addr = server.local_addr().unwrap();
+            break (server, addr);
+        }
+    };
+    // Freed until the client has its socket (the listener may have
+    // taken more since it bound), so that none is left.
+    let mut waiting = loop {
+        drop(hogs.pop().expect("the client never had a socket"));
+        match TcpStream::connect(addr) {
+            Ok(s) => break s,
+            Err(e) => assert_eq!(e.raw_os_error(), Some(libc::EMFILE), "{e}"),
+        }
+    };
+    thread::sleep(Duration::from_millis(200));
+    cm_thread.idle_for_half_a_second();
+    assert_eq!(server.setups_refused(), 0);
+
+    drop(hogs);
+    drop(limit);
+    waiting.set_read_timeout(Some(TIMEOUT)).unwrap();
+    let mut buf = [0u8; 64];
+    let got = waiting
+        .read(&mut buf)
+        .expect("served once descriptors are free");
+    assert!(got > 0, "closed, not served, once descriptors were free");
+    drop(waiting);
     server.release();
 }

@@ -195,12 +195,18 @@ impl Connection {
         }
     }
 
-    /// Stops the runtime's watch over this connection.
-    pub(super) fn unwatch(&self) {
+    /// Stops the CM thread's watch over the connection's link (its RDMA
+    /// CM channel, or its TCP stream once that has ended).
+    pub(crate) fn unwatch_link(&self) {
         let cm = self.inner.cm_source.swap(0, Ordering::SeqCst);
         if cm != 0 {
             self.inner.rt.cm.remove(cm);
         }
+    }
+
+    /// Stops the runtime's watch over this connection.
+    pub(super) fn unwatch(&self) {
+        self.unwatch_link();
         let cq = self.inner.cq_source.swap(0, Ordering::SeqCst);
         if cq != 0 {
             self.inner.rt.cq.remove(cq);

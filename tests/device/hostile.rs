@@ -111,6 +111,11 @@ const VIOLATIONS: &[Violation] = &[
         version: 0,
         act: |p| p.write_with_imm(0, IMM_EXTENDED, &[7u8; 16]),
     },
+    Violation {
+        name: "a message that is no key-value request",
+        version: 0,
+        act: |p| p.write_with_imm(0, 0, &[7u8; 16]),
+    },
 ];
 
 #[test]
@@ -138,6 +143,11 @@ fn hostile_peers_are_cut_off_and_nobody_else_notices() {
     }
     // Every rogue is gone; the good client and a new one are served.
     stat_falls_to(&server, |s| s.clients, 1, TIMEOUT, "clients connected");
+    assert_eq!(
+        server.stats().errors,
+        1,
+        "the malformed request was not seen"
+    );
     let late = Client::connect(addr).unwrap();
     late.put(b"late", b"fine").unwrap();
     assert_eq!(good.get(b"late").unwrap().0, b"fine");

@@ -13,7 +13,7 @@ use crate::kv::{KvError, Result};
 use crate::runtime::Connection;
 
 use super::answer::Answer;
-use super::{bump, Chore, ClientState, Job, Shared, SPARE_MSG_BYTES};
+use super::{bump, ClientState, Job, Shared, SPARE_MSG_BYTES};
 
 /// The longest the housekeeping thread sleeps between two lease sweeps.
 const SWEEP_AT_LEAST_EVERY: Duration = Duration::from_secs(3600);
@@ -46,7 +46,7 @@ impl Shared {
             )
         });
         self.forget(client);
-        self.close_later(conn);
+        conn.drop_peer("it does not take its replies");
     }
 
     /// A reply could not be sent: the connection ended (its end is
@@ -59,17 +59,7 @@ impl Shared {
     ) {
         log::debug!("no reply to {:?}: {e}", conn.peer_addr());
         self.forget(client);
-        self.close_later(conn);
-    }
-
-    /// Closes `conn` on the housekeeping thread (in place when it is not
-    /// running or is behind).
-    pub(super) fn close_later(&self, conn: &Connection) {
-        let chores = self.chores.lock().expect("chores lock").clone();
-        let queued = chores.is_some_and(|tx| tx.try_send(Chore::Close(conn.clone())).is_ok());
-        if !queued {
-            conn.close();
-        }
+        conn.drop_peer("no reply could be sent");
     }
 
     /// A client with `queued` requests waiting already gets no more queued:

@@ -253,17 +253,14 @@ struct Shared {
 
 /// Work for the housekeeping thread (which also ends expired leases).
 enum Chore {
-    /// Closing waits (bounded) for queued replies to go: not on the
-    /// completion thread, which serves everyone.
-    Close(Connection),
     /// The lease time may have changed: wakes the thread to look.
     Sweep,
     Stop,
 }
 
-/// Closes waiting for the housekeeping thread; beyond, they are done in
-/// place.
-const CHORES: usize = 1024;
+/// Chores waiting for the housekeeping thread (a wake to sweep is
+/// dropped when one is waiting already).
+const CHORES: usize = 16;
 
 /// Jobs' message buffers kept for reuse: more than the requests a burst
 /// of large PUTs keeps in the workers' queues at once.
@@ -612,9 +609,9 @@ impl Shared {
         bump(&self.counters.errors);
         log::warn!("closing {:?}: malformed request: {why}", conn.peer_addr());
         self.forget(client);
-        // Not here: a close waits for queued replies to drain, and this
-        // thread serves every client.
-        self.close_later(conn);
+        // Not a close, which waits (bounded) for queued replies to drain:
+        // this thread serves every client.
+        conn.drop_peer("malformed request");
     }
 }
 

@@ -134,8 +134,7 @@ impl Held {
     }
 }
 
-/// The housekeeping thread: closes what it is handed, and ends leases at
-/// their time (it sleeps until the oldest one's end, not on a fixed tick:
+/// The housekeeping thread: ends leases at their time (it sleeps until the oldest one's end, not on a fixed tick:
 /// a server whose clients release their leases is not woken for them).
 pub(super) fn housekeeping(shared: Arc<Shared>, chores: Receiver<Chore>) {
     // Room for the clients of a busy server from the start, so a sweep
@@ -146,12 +145,10 @@ pub(super) fn housekeeping(shared: Arc<Shared>, chores: Receiver<Chore>) {
     let mut next_sweep = shared.expire_leases(swept_with, &mut swept);
     loop {
         match chores.recv_deadline(next_sweep) {
-            Ok(Chore::Close(conn)) => conn.close(),
             Ok(Chore::Sweep) | Err(RecvTimeoutError::Timeout) => {}
             Ok(Chore::Stop) | Err(RecvTimeoutError::Disconnected) => return,
         }
-        // Also between closes that keep coming; at once when the lease
-        // time changed.
+        // At once when the lease time changed.
         let ttl = lease_time();
         if ttl != swept_with || Instant::now() >= next_sweep {
             swept_with = ttl;

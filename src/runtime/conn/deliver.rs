@@ -22,7 +22,7 @@ impl Connection {
             extended: imm & IMM_EXTENDED != 0,
         };
         let mut st = self.lock();
-        let reposted = if self.has_ended() {
+        let reposted = if self.reposts_no_receives() {
             Ok(())
         } else {
             self.repost_message_slot(&mut st, slot)

@@ -362,7 +362,7 @@ impl Connection {
         let kind = wc.wr_id() >> KIND_SHIFT;
         let low = wc.wr_id() & LOW_MASK;
         if !wc.is_ok() {
-            let ending = self.has_ended() || self.inner.peer_left.load(Ordering::SeqCst);
+            let ending = self.reposts_no_receives();
             if kind == K_SYNC {
                 let reason = format!("completed with {}", wc.status());
                 if let Some(slot) = self.lock().sync_ops.get_mut(low) {
@@ -560,7 +560,7 @@ impl Connection {
     /// Commands' receives go back at once: the peer's reserve for them is
     /// not covered by credit.
     fn repost_cmd_slot(&self, slot: u32) {
-        if !self.has_ended() {
+        if !self.reposts_no_receives() {
             if let Err(e) = self.post_recv_slot(slot) {
                 self.fail(&format!("reposting a receive: {e}"));
             }

@@ -39,18 +39,32 @@ impl Connection {
     /// the peer told, `disconnected` fired once (here, or next on the
     /// completion thread: [`Connection::ends_here`]).
     pub(crate) fn fail(&self, reason: &str) {
-        self.fail_unless(reason, |_| false);
+        self.fail_unless(reason, log::Level::Warn, |_| false);
+    }
+
+    /// Ends the connection at once, as a failure, for a reason its owner
+    /// has logged (a peer that broke the owner's protocol): what is
+    /// queued for it is dropped, and nobody waits for it to drain.
+    pub(crate) fn drop_peer(&self, reason: &str) {
+        self.fail_unless(reason, log::Level::Debug, |_| false);
     }
 
     /// Ends a connection that has not finished connecting by its deadline;
     /// false when it has meanwhile (its `connected` may have sent already).
     pub(crate) fn fail_setup(&self, reason: &str) -> bool {
-        self.fail_unless(reason, |state| state == ConnState::MrReady)
+        self.fail_unless(reason, log::Level::Warn, |state| {
+            state == ConnState::MrReady
+        })
     }
 
     /// [`Connection::fail`], unless the state, checked under the lock that
     /// ends it, is one `spared` keeps: whether it failed it.
-    fn fail_unless(&self, reason: &str, spared: impl Fn(ConnState) -> bool) -> bool {
+    fn fail_unless(
+        &self,
+        reason: &str,
+        level: log::Level,
+        spared: impl Fn(ConnState) -> bool,
+    ) -> bool {
         self.take_send_completions();
         let here = self.ends_here();
         {
@@ -58,7 +72,11 @@ impl Connection {
             if matches!(st.state, ConnState::Closed | ConnState::Error) || spared(st.state) {
                 return false;
             }
-            log::warn!("connection to {:?} failed: {reason}", self.inner.peer);
+            log::log!(
+                level,
+                "connection to {:?} failed: {reason}",
+                self.inner.peer
+            );
             self.drop_queued(&mut st, "it failed");
             self.end_state(&mut st, ConnState::Error);
             // Under the lock that ended it: the peer's disconnect, which

@@ -486,6 +486,15 @@ impl Connection {
         self.inner.ended.load(Ordering::Acquire)
     }
 
+    /// Ended, or the peer has left: a receive taken is not posted again.
+    /// What the peer sent before it left is delivered from the receives
+    /// already posted; a peer that left and kept writing would otherwise
+    /// keep the thread that delivers them at it for as long as it wrote
+    /// ([`Connection::finish_peer_left`] drains until the CQ is empty).
+    pub(super) fn reposts_no_receives(&self) -> bool {
+        self.has_ended() || self.inner.peer_left.load(Ordering::SeqCst)
+    }
+
     pub fn kind(&self) -> ConnKind {
         self.inner.kind
     }

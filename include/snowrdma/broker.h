@@ -359,7 +359,8 @@ const char *snowrdma_broker_strerror(int status);
 /**
  * A slab memory manager over `len` bytes at `base` (typically part of the
  * data region): `partitions` partitions of `slab_size`-byte slabs, size
- * classes from 1,200 bytes doubling. NULL for bad arguments. Thread-safe.
+ * classes from 1,200 bytes doubling. NULL for bad arguments (among them
+ * more partitions than `len` holds slabs). Thread-safe.
  * Free with `snowrdma_mem_manager_destroy`; the memory stays the caller's.
  */
 snowrdma_mem_manager *snowrdma_mem_manager_create(char *base,

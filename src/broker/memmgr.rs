@@ -57,13 +57,14 @@ impl MemManager {
     /// Manages `len` bytes at address `base` (not dereferenced: the manager
     /// only hands out addresses), in `partitions` partitions of slabs of
     /// `slab_size` bytes. `None` when a slab is smaller than the first class,
-    /// `len` holds no slab, or `base + len` passes the end of the address
+    /// a partition would hold no slab (its state is made up front: a huge
+    /// count would abort the process), or `base + len` passes the end of the address
     /// space.
     pub fn new(base: usize, len: u64, partitions: u32, slab_size: u64) -> Option<MemManager> {
         let end = u64::try_from(base).ok()?.checked_add(len)?;
         if partitions == 0
             || slab_size < FIRST_CLASS_SIZE
-            || len < slab_size
+            || u64::from(partitions) > len / slab_size
             || usize::try_from(end).is_err()
         {
             return None;
@@ -224,6 +225,13 @@ mod tests {
         let c = m.class_of(0, 1).unwrap();
         assert_eq!(m.alloc(0, c), Some(0x1000));
         assert_eq!(m.alloc(1, c), Some(0x1000 + (1usize << 62) / 3));
+    }
+
+    #[test]
+    fn more_partitions_than_slabs_are_refused_before_anything_is_made() {
+        assert!(MemManager::new(0x1000, 4 * MB, 5, MB).is_none());
+        assert!(MemManager::new(0x1000, 1 << 30, u32::MAX, MB).is_none());
+        assert!(MemManager::new(0x1000, 4 * MB, 4, MB).is_some());
     }
 
     #[test]

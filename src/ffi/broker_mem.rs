@@ -20,7 +20,8 @@ static MANAGERS: Lazy<HandleTable<MemManager>> = Lazy::new(HandleTable::new);
 
 /// A slab memory manager over `len` bytes at `base` (typically part of the
 /// data region): `partitions` partitions of `slab_size`-byte slabs, size
-/// classes from 1,200 bytes doubling. NULL for bad arguments. Thread-safe.
+/// classes from 1,200 bytes doubling. NULL for bad arguments (among them
+/// more partitions than `len` holds slabs). Thread-safe.
 /// Free with `snowrdma_mem_manager_destroy`; the memory stays the caller's.
 #[no_mangle]
 pub extern "C" fn snowrdma_mem_manager_create(

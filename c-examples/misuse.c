@@ -94,6 +94,27 @@ static void on_alarm(int sig)
     _exit(3);
 }
 
+/* Two threads connecting one handle at once. */
+static RdmaConn *shared_handle;
+static char *shared_ip;
+static int shared_port;
+static atomic_int connected_calls;
+
+static void count_connected(RdmaConn *conn)
+{
+    (void)conn;
+    atomic_fetch_add(&connected_calls, 1);
+}
+
+static void *connect_shared(void *out)
+{
+    errno = 0;
+    int rc = rdmaConnect(shared_handle, shared_ip, shared_port);
+    ((int *)out)[0] = rc;
+    ((int *)out)[1] = errno;
+    return NULL;
+}
+
 static RdmaConn *connect_to(char *ip, int port)
 {
     RdmaConnOptions opt = {0};
@@ -249,6 +270,28 @@ int main(int argc, char **argv)
     CHECK(echo_works(b), "the other connection is still intact after the double close");
     RdmaConn *c = connect_to(ip, port);
     CHECK(c && echo_works(c), "a new connection works");
+
+    /* Two threads connect one handle at once: one connection wins it, the
+     * other is closed (not left running behind the handle). */
+    RdmaConnOptions copt = {0};
+    copt.recv_callback = on_recv;
+    copt.connected_callback = count_connected;
+    shared_handle = rdmaConn(&copt);
+    shared_ip = ip;
+    shared_port = port;
+    int results[2][2];
+    pthread_t racers[2];
+    for (int i = 0; i < 2; i++)
+        pthread_create(&racers[i], NULL, connect_shared, results[i]);
+    for (int i = 0; i < 2; i++)
+        pthread_join(racers[i], NULL);
+    int oks = (results[0][0] == RDMA_OK) + (results[1][0] == RDMA_OK);
+    int isconn = (results[0][0] == RDMA_ERR && results[0][1] == EISCONN) +
+                 (results[1][0] == RDMA_ERR && results[1][1] == EISCONN);
+    CHECK(oks == 1 && isconn == 1, "two rdmaConnect on one handle at once: one RDMA_OK, one EISCONN");
+    CHECK(echo_works(shared_handle), "... and the handle echoes");
+    CHECK(atomic_load(&connected_calls) == 1, "... and connected_callback fired once");
+    rdmaConnClose(shared_handle);
 
     /* A server released inside its own accept callback: the peer is
      * refused, rdmaServerStart returns, and the runtime carries on. */

@@ -156,8 +156,10 @@ impl ConnHandler for FfiConn {
     fn connected(&self, conn: &Connection) {
         self.bind(conn);
         // Closed by the program while it connected: `rdmaConnect` closes
-        // it, and the program hears no more of a handle it let go of.
-        if CONNS.get(self.ptr()).is_none() {
+        // it, and the program hears no more of a handle it let go of. Or
+        // another thread's `rdmaConnect` bound the handle first: this one
+        // is closed, not the handle's.
+        if CONNS.get(self.ptr()).is_none() || self.connection().is_some_and(|c| &c != conn) {
             return;
         }
         // SAFETY: the callback field is read from our own struct.

@@ -242,6 +242,15 @@ pub unsafe extern "C" fn rdmaConnect(
                     return failed(libc::ECONNABORTED);
                 }
                 ffi.bind(&c);
+                // Two threads connected the handle at once: the connection
+                // bound first keeps it, and the other is closed rather than
+                // left running behind it.
+                if ffi.connection().is_some_and(|bound| bound != c) {
+                    drop(clients);
+                    log::warn!("rdmaConnect: already connected (by another thread meanwhile)");
+                    c.close();
+                    return Err(libc::EISCONN);
+                }
                 // Before returning: the report of MR_READY may still be on
                 // its way from the completion thread.
                 ffi.mirror_state(&c);

@@ -278,7 +278,7 @@ impl Connection {
 
     /// The runtime lets go of an accepted connection that ended (once: a
     /// failure and the peer's disconnect may both get here).
-    pub(super) fn retire(&self) {
+    pub(crate) fn retire(&self) {
         if self.inner.retired.swap(true, Ordering::SeqCst) {
             return;
         }

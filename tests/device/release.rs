@@ -1,0 +1,135 @@
+//! Releasing a listener: every connection it accepted is closed and let go
+//! of, including one accepted while the release ran.
+
+use std::net::{IpAddr, SocketAddr};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{mpsc, Arc, Mutex};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use snowrdma::runtime::{ConnHandler, Connection, Listener};
+
+use crate::runtime::{blocking, Collect};
+use crate::{device_ip, TIMEOUT};
+
+/// Counts `retired`, and tells of it.
+#[derive(Default)]
+struct Retired {
+    count: AtomicUsize,
+    told: Mutex<Option<mpsc::Sender<()>>>,
+}
+
+impl ConnHandler for Retired {
+    fn retired(&self, _conn: &Connection) {
+        self.count.fetch_add(1, Ordering::SeqCst);
+        if let Some(tx) = self.told.lock().unwrap().as_ref() {
+            let _ = tx.send(());
+        }
+    }
+}
+
+fn any_port() -> SocketAddr {
+    SocketAddr::new(IpAddr::V4(device_ip()), 0)
+}
+
+/// A released listener lets go of the connections it accepted (their
+/// `retired` runs): in RDMA CM mode their events come on the listening
+/// channel, which nobody reads after the release, and they stayed in the
+/// runtime's table, and their C handles alive, for good.
+#[test]
+#[ignore = "needs an RDMA device: run `make test`"]
+fn a_released_listener_retires_what_it_accepted() {
+    for socket in [false, true] {
+        let opts = blocking();
+        let seen = Arc::new(Retired::default());
+        let (tx, rx) = mpsc::channel();
+        *seen.told.lock().unwrap() = Some(tx);
+        let hook = {
+            let seen = seen.clone();
+            Box::new(move |_: &Connection| Some(seen.clone() as Arc<dyn ConnHandler>))
+        };
+        let server = match socket {
+            true => Listener::bind_socket(any_port(), None, &opts, hook, None),
+            false => Listener::bind(any_port(), &opts, hook),
+        }
+        .unwrap();
+        server.start();
+        let addr = server.local_addr().unwrap();
+        let client = Arc::new(Collect::default());
+        let conn = match socket {
+            true => Connection::connect_socket(addr, None, &opts, client.clone()),
+            false => Connection::connect(addr, &opts, client.clone()),
+        }
+        .unwrap();
+        server.release();
+        rx.recv_timeout(TIMEOUT).unwrap_or_else(|_| {
+            panic!("socket mode {socket}: the accepted connection was never retired")
+        });
+        client.wait_disconnected(TIMEOUT);
+        assert_eq!(seen.count.load(Ordering::SeqCst), 1);
+        conn.close();
+    }
+}
+
+/// A connect request whose accept hook is still running when the listener
+/// is released is refused: it was accepted after the release had swept, and
+/// was never closed.
+#[test]
+#[ignore = "needs an RDMA device: run `make test`"]
+fn a_connection_accepted_while_the_listener_is_released_is_refused() {
+    for socket in [false, true] {
+        let opts = blocking();
+        let (in_hook, hook_entered) = mpsc::channel();
+        let (let_go, hook_waits) = mpsc::channel::<()>();
+        let hook_waits = Mutex::new(hook_waits);
+        let hook = Box::new(move |_: &Connection| {
+            let _ = in_hook.send(());
+            let _ = hook_waits.lock().unwrap().recv_timeout(TIMEOUT);
+            Some(Arc::new(Collect::default()) as Arc<dyn ConnHandler>)
+        });
+        let server = match socket {
+            true => Listener::bind_socket(any_port(), None, &opts, hook, None),
+            false => Listener::bind(any_port(), &opts, hook),
+        }
+        .unwrap();
+        server.start();
+        let addr = server.local_addr().unwrap();
+        let client = Arc::new(Collect::default());
+        let connecting = {
+            let (opts, client) = (opts.clone(), client.clone());
+            thread::spawn(move || match socket {
+                true => Connection::connect_socket(addr, None, &opts, client),
+                false => Connection::connect(addr, &opts, client),
+            })
+        };
+        hook_entered
+            .recv_timeout(TIMEOUT)
+            .expect("the accept hook never ran");
+        let releasing = {
+            let server = server.clone();
+            thread::spawn(move || server.release())
+        };
+        // The release has stopped the listener and swept by now (it does
+        // not wait for the hook).
+        releasing.join().unwrap();
+        let_go.send(()).unwrap();
+        let since = Instant::now();
+        match connecting.join().unwrap() {
+            // Refused at once, not left to time out.
+            Err(e) => assert!(
+                since.elapsed() < Duration::from_secs(3),
+                "socket mode {socket}: refused only after {:?}: {e}",
+                since.elapsed()
+            ),
+            Ok(conn) => {
+                // Connected after all: it must be ended, not left running.
+                assert!(
+                    client.ended_within(TIMEOUT),
+                    "socket mode {socket}: a connection accepted after the release lives on"
+                );
+                conn.close();
+            }
+        }
+        thread::sleep(Duration::from_millis(10));
+    }
+}

@@ -204,16 +204,8 @@ impl SilentCmPeer {
 
 /// A listener that echoes, over RDMA CM or (`socket`) in socket mode.
 fn echo_listener(opts: &Options, socket: bool) -> (Listener, SocketAddr) {
-    let addr = SocketAddr::new(IpAddr::V4(device_ip()), 0);
-    let echo = || Box::new(|_: &Connection| Some(Arc::new(Echo) as Arc<dyn ConnHandler>));
-    let server = match socket {
-        true => Listener::bind_socket(addr, None, opts, echo(), None),
-        false => Listener::bind(addr, opts, echo()),
-    }
-    .unwrap();
-    server.start();
-    let addr = server.local_addr().unwrap();
-    (server, addr)
+    let echo = Box::new(|_: &Connection| Some(Arc::new(Echo) as Arc<dyn ConnHandler>));
+    crate::release::serve(socket, opts, echo)
 }
 
 /// Connect requests that never finish their setup fill `max_setups` and no

@@ -7,7 +7,7 @@ use std::sync::{mpsc, Arc, Mutex};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use snowrdma::runtime::{ConnHandler, Connection, Listener};
+use snowrdma::runtime::{AcceptHook, ConnHandler, Connection, Listener, Options};
 
 use crate::runtime::{blocking, Collect};
 use crate::{device_ip, TIMEOUT};
@@ -28,8 +28,17 @@ impl ConnHandler for Retired {
     }
 }
 
-fn any_port() -> SocketAddr {
-    SocketAddr::new(IpAddr::V4(device_ip()), 0)
+/// A started listener on any port, in socket mode or RDMA CM's.
+pub(crate) fn serve(socket: bool, opts: &Options, hook: Box<AcceptHook>) -> (Listener, SocketAddr) {
+    let any_port = SocketAddr::new(IpAddr::V4(device_ip()), 0);
+    let server = match socket {
+        true => Listener::bind_socket(any_port, None, opts, hook, None),
+        false => Listener::bind(any_port, opts, hook),
+    }
+    .unwrap();
+    server.start();
+    let addr = server.local_addr().unwrap();
+    (server, addr)
 }
 
 /// A released listener lets go of the connections it accepted (their
@@ -48,13 +57,7 @@ fn a_released_listener_retires_what_it_accepted() {
             let seen = seen.clone();
             Box::new(move |_: &Connection| Some(seen.clone() as Arc<dyn ConnHandler>))
         };
-        let server = match socket {
-            true => Listener::bind_socket(any_port(), None, &opts, hook, None),
-            false => Listener::bind(any_port(), &opts, hook),
-        }
-        .unwrap();
-        server.start();
-        let addr = server.local_addr().unwrap();
+        let (server, addr) = serve(socket, &opts, hook);
         let client = Arc::new(Collect::default());
         let conn = match socket {
             true => Connection::connect_socket(addr, None, &opts, client.clone()),
@@ -87,13 +90,7 @@ fn a_connection_accepted_while_the_listener_is_released_is_refused() {
             let _ = hook_waits.lock().unwrap().recv_timeout(TIMEOUT);
             Some(Arc::new(Collect::default()) as Arc<dyn ConnHandler>)
         });
-        let server = match socket {
-            true => Listener::bind_socket(any_port(), None, &opts, hook, None),
-            false => Listener::bind(any_port(), &opts, hook),
-        }
-        .unwrap();
-        server.start();
-        let addr = server.local_addr().unwrap();
+        let (server, addr) = serve(socket, &opts, hook);
         let client = Arc::new(Collect::default());
         let connecting = {
             let (opts, client) = (opts.clone(), client.clone());

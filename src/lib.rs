@@ -16,6 +16,7 @@ mod logging;
 mod mapping;
 pub mod runtime;
 pub mod safe;
+mod tcp;
 pub mod verbs;
 
 pub use logging::{init_logging, LOG_ENV};

@@ -7,12 +7,13 @@
 //! Each side tells the other, in a hello (RDMA CM private data, or the first
 //! bytes on the TCP socket), who it is and where its data region is.
 
-use std::io::{Read, Write};
+use std::io::Write;
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::time::{Duration, Instant};
 
 use super::peer::Peer;
 use super::{BrokerError, ConnectMode, Result, Shared};
+use crate::tcp::read_exact_by;
 use crate::verbs::{
     CmEvent, CmEventKind, CmId, ConnParam, QpInfo, RemoteRegion, QP_INFO_WIRE_LEN,
     REMOTE_REGION_WIRE_LEN,
@@ -338,7 +339,7 @@ impl Shared {
         out.extend_from_slice(&local.to_bytes());
         tcp.write_all(&out)?;
         let mut inb = [0u8; HELLO_LEN + QP_INFO_WIRE_LEN];
-        read_exact_by(&mut tcp, &mut inb, until)?;
+        read_exact_by(&tcp, &mut inb, until)?;
         let hello = Hello::parse(&inb[..HELLO_LEN])
             .ok_or_else(|| BrokerError::Protocol("a peer sent a bad hello".into()))?;
         let ok = match expect {
@@ -351,7 +352,7 @@ impl Shared {
         let remote = QpInfo::from_bytes(&inb[HELLO_LEN..])?;
         let mut peer = peer_qp.connect(self, hello, &remote)?;
         tcp.write_all(&[1])?;
-        read_exact_by(&mut tcp, &mut [0u8], until)?;
+        read_exact_by(&tcp, &mut [0u8], until)?;
         tcp.set_nonblocking(true)?;
         peer.tcp = Some(tcp);
         peers[hello.server_id as usize] = Some(peer);
@@ -405,24 +406,6 @@ impl Complaints {
             })
             .collect()
     }
-}
-
-/// Fills `buf` from `tcp` by `until`, however the bytes come.
-fn read_exact_by(tcp: &mut TcpStream, mut buf: &mut [u8], until: Instant) -> std::io::Result<()> {
-    while !buf.is_empty() {
-        let left = until.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            return Err(std::io::ErrorKind::TimedOut.into());
-        }
-        tcp.set_read_timeout(Some(left))?;
-        match tcp.read(buf) {
-            Ok(0) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
-            Ok(n) => buf = &mut buf[n..],
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(())
 }
 
 /// A peer that left while we still wait for others (its own setup gave up)

@@ -303,6 +303,15 @@ fn steady_descriptor_count() -> u64 {
     last
 }
 
+/// How many descriptors below `bound` are open, counted without opening
+/// one (the process may have none left).
+fn open_descriptors_below(bound: u64) -> u64 {
+    // SAFETY: F_GETFD only reads the descriptor's flags.
+    (0..bound as i32)
+        .filter(|&fd| unsafe { libc::fcntl(fd, libc::F_GETFD) } != -1)
+        .count() as u64
+}
+
 /// Opens files until the process has no descriptor left.
 fn take_every_descriptor(hogs: &mut Vec<std::fs::File>) {
     loop {
@@ -359,6 +368,7 @@ fn a_socket_listener_out_of_descriptors_refuses_rather_than_spins() {
     // descriptors, which would give the listener one back.
     let open_now = steady_descriptor_count();
     let limit = FileLimit::lower_to(open_now + 16);
+    let all = open_now + 16;
     let mut hogs = Vec::new();
     // Each client finds every descriptor taken but one, for its own
     // socket: none for the listener's accept but its reserve. The second
@@ -367,6 +377,7 @@ fn a_socket_listener_out_of_descriptors_refuses_rather_than_spins() {
         take_every_descriptor(&mut hogs);
         drop(hogs.pop());
         let mut refused = TcpStream::connect(addr).unwrap();
+        let full = open_descriptors_below(all);
         refused.set_read_timeout(Some(TIMEOUT)).unwrap();
         let mut buf = [0u8; 64];
         match refused.read(&mut buf) {
@@ -377,6 +388,14 @@ fn a_socket_listener_out_of_descriptors_refuses_rather_than_spins() {
         // A connection refused after it was accepted (its setup failed)
         // may be closed before it is counted.
         until_refused(&server, nth);
+        // The listener closes the refused socket, then opens its reserve
+        // again: the next round's hogs must not take that descriptor in
+        // between (a program's other thread might, and the listener then
+        // waits for a tick, which another test covers).
+        let deadline = Instant::now() + Duration::from_secs(1);
+        while open_descriptors_below(all) < full && Instant::now() < deadline {
+            thread::sleep(Duration::from_millis(1));
+        }
     }
 
     drop(hogs);
@@ -490,21 +509,25 @@ fn a_socket_listener_without_a_reserve_waits_idle_for_descriptors() {
     };
     thread::sleep(Duration::from_millis(200));
     cm_thread.idle_for_half_a_second();
-    // In the suite a thread of an earlier test may close a descriptor
-    // meanwhile: the listener then takes the connection and, short of more
-    // for its setup, refuses it (closes it), which is as good as waiting.
-    let refused_meanwhile = server.setups_refused() > 0;
-
-    drop(hogs);
+    // Every descriptor is free at once: the limit rises before the hogs
+    // close, so the listener cannot wake to a handful, take the
+    // connection and lack the rest for its setup.
     drop(limit);
-    if refused_meanwhile {
-        waiting = TcpStream::connect(addr).unwrap();
-    }
+    drop(hogs);
     waiting.set_read_timeout(Some(TIMEOUT)).unwrap();
     let mut buf = [0u8; 64];
-    let got = waiting
-        .read(&mut buf)
-        .expect("served once descriptors are free");
+    let mut got = waiting.read(&mut buf).unwrap_or(0);
+    // In the suite a thread of an earlier test may have closed a
+    // descriptor while the process was out: the listener then took the
+    // connection and, short of more for its setup, refused it (closed it),
+    // which is as good as waiting. A new client must then be served.
+    if got == 0 && server.setups_refused() > 0 {
+        waiting = TcpStream::connect(addr).unwrap();
+        waiting.set_read_timeout(Some(TIMEOUT)).unwrap();
+        got = waiting
+            .read(&mut buf)
+            .expect("a new client is served once descriptors are free");
+    }
     assert!(got > 0, "closed, not served, once descriptors were free");
     drop(waiting);
     server.release();

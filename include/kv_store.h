@@ -180,6 +180,13 @@ typedef struct kv_limits {
    * Milliseconds after which an unreleased lease ends.
    */
   uint64_t lease_time_ms;
+  /**
+   * Bytes of values one client may hold in write targets (large PUTs
+   * under way); beyond, its next large PUT is answered
+   * KV_ERR_NO_MEMORY. Added after `lease_time_ms`: a program built
+   * against a header without it must be rebuilt.
+   */
+  uint64_t target_bytes;
 } kv_limits;
 
 /**

@@ -2,8 +2,24 @@
 //! handshakes.
 
 use std::io::{ErrorKind, Read};
-use std::net::TcpStream;
-use std::time::Instant;
+use std::net::{IpAddr, SocketAddr, TcpStream};
+use std::time::{Duration, Instant};
+
+use socket2::{Domain, Protocol, Socket, Type};
+
+/// Connects to `dst` from the address `src` (any port), within `timeout`:
+/// the peer then sees the address it was told we connect from, whichever
+/// route the system would pick.
+pub(crate) fn connect_from(
+    src: IpAddr,
+    dst: SocketAddr,
+    timeout: Duration,
+) -> std::io::Result<TcpStream> {
+    let socket = Socket::new(Domain::for_address(dst), Type::STREAM, Some(Protocol::TCP))?;
+    socket.bind(&SocketAddr::new(src, 0).into())?;
+    socket.connect_timeout(&dst.into(), timeout)?;
+    Ok(socket.into())
+}
 
 /// Fills `buf` from `stream` by `deadline`, however the peer trickles its
 /// bytes (a timeout per read would let one byte at a time stretch it).

@@ -71,6 +71,10 @@ struct Args {
     /// Bytes of values one client may hold leased; beyond, its oldest leases end.
     #[arg(long, default_value_t = Limits::default().lease_bytes)]
     lease_bytes: u64,
+    /// Bytes of values one client may hold in write targets (large PUTs
+    /// under way); beyond, its next one is answered KV_ERR_NO_MEMORY.
+    #[arg(long, default_value_t = Limits::default().target_bytes)]
+    target_bytes: u64,
     /// Milliseconds after which an unreleased lease ends.
     #[arg(long, default_value_t = ms(Limits::default().lease_time))]
     lease_time_ms: u64,
@@ -105,6 +109,7 @@ fn main() -> ExitCode {
             client_jobs: args.client_jobs,
             large_value_quota: args.large_value_quota,
             lease_bytes: args.lease_bytes,
+            target_bytes: args.target_bytes,
             lease_time: Duration::from_millis(args.lease_time_ms),
         },
         ..defaults

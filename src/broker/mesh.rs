@@ -8,12 +8,12 @@
 //! bytes on the TCP socket), who it is and where its data region is.
 
 use std::io::Write;
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
 use std::time::{Duration, Instant};
 
 use super::peer::Peer;
 use super::{BrokerError, ConnectMode, Result, Shared};
-use crate::tcp::read_exact_by;
+use crate::tcp::{connect_from, read_exact_by};
 use crate::verbs::{
     CmEvent, CmEventKind, CmId, ConnParam, QpInfo, RemoteRegion, QP_INFO_WIRE_LEN,
     REMOTE_REGION_WIRE_LEN,
@@ -76,13 +76,23 @@ impl Shared {
         }
     }
 
-    /// Whether a hello is from a peer this side should accept now.
-    fn acceptable(&self, h: &Hello, peers: &[Option<Peer>]) -> bool {
+    /// Whether a hello, from a peer at `from`, is from one this side
+    /// should accept now: a server not yet connected, at the address
+    /// `hosts` gives it (each server connects from its own, [`Self::source`]),
+    /// so that nobody elsewhere can take its place and write our data
+    /// region.
+    fn acceptable(&self, h: &Hello, from: Option<IpAddr>, peers: &[Option<Peer>]) -> bool {
         let s = h.server_id as usize;
         h.thread_id == self.config.thread_id
             && s > self.config.server_id
             && s < self.config.hosts.len()
+            && from.is_some_and(|ip| ip.to_canonical() == self.config.hosts[s].ip().to_canonical())
             && peers[s].is_none()
+    }
+
+    /// The address this server connects from: its own in `hosts`.
+    fn source(&self) -> IpAddr {
+        self.config.hosts[self.config.server_id].ip()
     }
 
     /// Connects to every other server, until `deadline`.
@@ -133,9 +143,10 @@ impl Shared {
             while let Ok(mut ev) = listener.channel().get_event(Duration::ZERO) {
                 if ev.kind == CmEventKind::CONNECT_REQUEST {
                     let Some(id) = ev.take_new_id() else { continue };
+                    let from = id.peer_addr().map(|a| a.ip());
                     match Hello::parse(&ev.private_data) {
                         Some(h)
-                            if self.acceptable(&h, &peers)
+                            if self.acceptable(&h, from, &peers)
                                 && !accepting
                                     .iter()
                                     .any(|(_, p)| p.server == h.server_id as usize) =>
@@ -160,10 +171,7 @@ impl Shared {
                             }
                         }
                         other => {
-                            log::warn!(
-                                "broker: refused a connect request from {:?}",
-                                id.peer_addr()
-                            );
+                            log::warn!("broker: refused a connect request from {from:?}");
                             if let Some(h) = other {
                                 let s = h.server_id as usize;
                                 complaints.note(
@@ -235,7 +243,8 @@ impl Shared {
                     continue;
                 }
                 let left = deadline.saturating_duration_since(Instant::now());
-                match CmId::resolve(self.addr_of(s), None, left.min(Duration::from_secs(2))) {
+                let src = SocketAddr::new(self.source(), 0);
+                match CmId::resolve(self.addr_of(s), Some(src), left.min(Duration::from_secs(2))) {
                     Ok(id) => {
                         let connect = || -> Result<Peer> {
                             let hello = Hello {
@@ -297,7 +306,7 @@ impl Shared {
                 if peers[s].is_some() {
                     continue;
                 }
-                match TcpStream::connect_timeout(&self.addr_of(s), Duration::from_millis(200)) {
+                match connect_from(self.source(), self.addr_of(s), Duration::from_millis(200)) {
                     Ok(tcp) => {
                         if let Err(e) = self.handshake(tcp, Some(s), deadline, &mut peers) {
                             complaints.warn(s, format!("handshake with server {s}: {e}"));
@@ -344,7 +353,7 @@ impl Shared {
             .ok_or_else(|| BrokerError::Protocol("a peer sent a bad hello".into()))?;
         let ok = match expect {
             Some(s) => hello.server_id as usize == s && hello.thread_id == self.config.thread_id,
-            None => self.acceptable(&hello, peers),
+            None => self.acceptable(&hello, tcp.peer_addr().ok().map(|a| a.ip()), peers),
         };
         if !ok {
             return Err(BrokerError::Protocol(format!("unexpected hello {hello:?}")));

@@ -59,6 +59,13 @@ pub struct Limits {
     /// remotely); beyond, its oldest leases end. A client's newest lease is
     /// always kept.
     pub lease_bytes: u64,
+    /// Bytes of values one client may hold in write targets (the server
+    /// memory it writes a value larger than its request buffer into,
+    /// before the PUT that stores it); beyond, its request for another
+    /// gets `KV_ERR_NO_MEMORY`. Without it one client could take the whole
+    /// [`Limits::large_value_quota`] and keep every other client's large
+    /// PUTs out for as long as it stayed connected.
+    pub target_bytes: u64,
     /// A lease not released after this long ends.
     pub lease_time: Duration,
 }
@@ -73,6 +80,9 @@ impl Default for Limits {
             client_jobs: 256,
             large_value_quota: 8 << 30,
             lease_bytes: 256 << 20,
+            // A quarter of the quota: two values of the default largest
+            // size in flight per client.
+            target_bytes: 2 << 30,
             lease_time: Duration::from_secs(30),
         }
     }

@@ -71,16 +71,11 @@ fn a_socket_peer_that_sends_bytes_after_the_handshake_is_cut_off() {
     server.release();
 }
 
-/// Socket-mode brokers shake hands one at a time; a client that connects to
-/// one and says nothing is given up on after the handshake's own deadline
-/// (2 s), and the mesh forms within the init timeout.
-#[test]
-#[ignore = "needs an RDMA device: run `make test`"]
-fn broker_a_silent_socket_client_does_not_hold_up_the_mesh() {
-    let base_port = 20000;
-    let config = move |me: usize| Config {
+/// A broker of two servers at `ips`, ports from `base_port`.
+fn two_servers(ips: [IpAddr; 2], me: usize, base_port: u16, mode: ConnectMode) -> Config {
+    Config {
         hosts: (0..2)
-            .map(|i| SocketAddr::new(IpAddr::V4(device_ip()), base_port + 10 * i as u16))
+            .map(|i| SocketAddr::new(ips[i], base_port + 10 * i as u16))
             .collect(),
         server_id: me,
         thread_id: 0,
@@ -88,15 +83,87 @@ fn broker_a_silent_socket_client_does_not_hold_up_the_mesh() {
         slot_size: 256,
         doorbell_batch: 4,
         data_len: 1 << 16,
-        mode: ConnectMode::Socket,
+        mode,
         device: None,
-    };
+    }
+}
+
+fn quiet(_: &Broker, _: &snowrdma::broker::Event<'_>) {}
+
+/// Server 0 of two, told server 1 is at `server_1`, and a broker that
+/// claims to be server 1 from the device's address: server 0 refuses it,
+/// so neither finishes its init. Server 0 goes on waiting for the real one.
+fn an_impostor_is_refused(
+    mode: ConnectMode,
+    base_port: u16,
+    server_1: IpAddr,
+    server_0_init: Duration,
+) -> thread::JoinHandle<snowrdma::broker::Result<Broker>> {
+    let dev = IpAddr::V4(device_ip());
+    let truth = two_servers([dev, server_1], 0, base_port, mode);
+    let server_0 = thread::spawn(move || {
+        let b = Broker::new(truth, quiet)?;
+        b.init(server_0_init).map(|()| b)
+    });
+    let impostor = Broker::new(two_servers([dev, dev], 1, base_port, mode), quiet).unwrap();
+    let refused = impostor.init(Duration::from_secs(4));
+    assert!(
+        refused.is_err(),
+        "server 0 took a server 1 that connected from the wrong address"
+    );
+    server_0
+}
+
+/// A peer that claims a server's id from an address other than the one
+/// `hosts` gives that server is refused (it would take the real one's
+/// place, and its write access to the data region); the real one, which
+/// connects from its own address, is then taken.
+#[test]
+#[ignore = "needs an RDMA device: run `make test`"]
+fn broker_a_socket_peer_claiming_a_server_from_elsewhere_is_refused() {
+    let base_port = 19800;
+    let lo = IpAddr::V4(std::net::Ipv4Addr::new(127, 0, 0, 2));
+    let server_0 =
+        an_impostor_is_refused(ConnectMode::Socket, base_port, lo, Duration::from_secs(30));
+    let dev = IpAddr::V4(device_ip());
+    let real = Broker::new(
+        two_servers([dev, lo], 1, base_port, ConnectMode::Socket),
+        quiet,
+    )
+    .unwrap();
+    real.init(Duration::from_secs(30)).unwrap();
+    let server_0 = server_0.join().unwrap().unwrap();
+    assert_eq!((server_0.peers().count(), real.peers().count()), (1, 1));
+}
+
+/// As above over RDMA CM, where the real server 1 would be at an address
+/// the test device does not have: server 0's init ends without it.
+#[test]
+#[ignore = "needs an RDMA device: run `make test`"]
+fn broker_a_cm_peer_claiming_a_server_from_elsewhere_is_refused() {
+    let elsewhere = IpAddr::V4(std::net::Ipv4Addr::new(198, 18, 0, 77));
+    let server_0 =
+        an_impostor_is_refused(ConnectMode::Cm, 19850, elsewhere, Duration::from_secs(6));
+    assert!(
+        server_0.join().unwrap().is_err(),
+        "server 0 found no server 1"
+    );
+}
+
+/// Socket-mode brokers shake hands one at a time; a client that connects to
+/// one and says nothing is given up on after the handshake's own deadline
+/// (2 s), and the mesh forms within the init timeout.
+#[test]
+#[ignore = "needs an RDMA device: run `make test`"]
+fn broker_a_silent_socket_client_does_not_hold_up_the_mesh() {
+    let dev = IpAddr::V4(device_ip());
+    let config = move |me: usize| two_servers([dev, dev], me, 20000, ConnectMode::Socket);
     // Room for server 1's own 2 s attempts to collide with server 0's
     // wait on the silent client a few times; without the handshake's own
     // deadline, server 0 would wait on that client until this ends.
     let init = Duration::from_secs(30);
     let first = thread::spawn(move || {
-        let b = Broker::new(config(0), |_: &Broker, _: &snowrdma::broker::Event<'_>| {}).unwrap();
+        let b = Broker::new(config(0), quiet).unwrap();
         b.init(init).map(|()| b.peers().count())
     });
     // Server 0 accepts only; the silent client gets in first.
@@ -109,7 +176,7 @@ fn broker_a_silent_socket_client_does_not_hold_up_the_mesh() {
         }
     };
     let second = thread::spawn(move || {
-        let b = Broker::new(config(1), |_: &Broker, _: &snowrdma::broker::Event<'_>| {}).unwrap();
+        let b = Broker::new(config(1), quiet).unwrap();
         b.init(init).map(|()| b.peers().count())
     });
     let joined =

@@ -273,6 +273,43 @@ fn kv_limit_large_value_quota_and_leases_capped_and_expired() {
     hoarder.close();
 }
 
+/// A client that asks for write targets and never writes them holds at
+/// most its share ([`Limits::target_bytes`]): the rest of the large-value
+/// quota stays for the others' large PUTs.
+#[test]
+#[ignore = "needs an RDMA device: run `make test`"]
+fn kv_limit_a_client_holds_at_most_target_bytes_of_write_targets() {
+    const MIB: u64 = 1 << 20;
+    let limits = Limits {
+        large_value_quota: 16 * MIB,
+        target_bytes: 4 * MIB,
+        ..Limits::default()
+    };
+    let (server, addr) = server(ConnMode::Cm, limits, 1);
+    let (tx, replies) = mpsc::channel();
+    let hoarder =
+        Connection::connect(addr, &Options::default(), Arc::new(Replies(Mutex::new(tx)))).unwrap();
+    // As many as a client may ask for at once (8), of 3 MiB each.
+    let mut granted = 0;
+    for id in 1..=8 {
+        let mut alloc = Request::new(Op::Alloc, id);
+        alloc.value_len = 3 * MIB;
+        hoarder.send(&alloc.encode(b"hoard", &[])).unwrap();
+        let reply = replies.recv_timeout(TIMEOUT).unwrap();
+        if reply.status == 0 {
+            granted += 1;
+        }
+    }
+    assert_eq!(granted, 1, "3 MiB write targets, a 4 MiB share");
+    assert_eq!(server.stats().targets_capped, 7);
+    let c = client(addr, ConnMode::Cm).unwrap();
+    let big = vec![7u8; 3 << 20];
+    c.put(b"big", &big).unwrap();
+    assert_eq!(c.get(b"big").unwrap().0, big);
+    assert_eq!(server.stats().quota_refusals, 0);
+    hoarder.close();
+}
+
 #[test]
 #[ignore = "needs an RDMA device: run `make test`"]
 fn kv_limit_a_release_is_taken_when_the_client_queue_is_full() {

@@ -40,6 +40,11 @@ pub struct kv_limits {
     pub lease_bytes: u64,
     /// Milliseconds after which an unreleased lease ends.
     pub lease_time_ms: u64,
+    /// Bytes of values one client may hold in write targets (large PUTs
+    /// under way); beyond, its next large PUT is answered
+    /// KV_ERR_NO_MEMORY. Added after `lease_time_ms`: a program built
+    /// against a header without it must be rebuilt.
+    pub target_bytes: u64,
 }
 
 fn to_c(l: &Limits) -> kv_limits {
@@ -53,6 +58,7 @@ fn to_c(l: &Limits) -> kv_limits {
         large_value_quota: l.large_value_quota,
         lease_bytes: l.lease_bytes,
         lease_time_ms: ms(l.lease_time),
+        target_bytes: l.target_bytes,
     }
 }
 
@@ -72,6 +78,7 @@ unsafe fn from_c(p: *const kv_limits) -> Limits {
         large_value_quota: addr_of!((*p).large_value_quota).read_unaligned(),
         lease_bytes: addr_of!((*p).lease_bytes).read_unaligned(),
         lease_time: Duration::from_millis(addr_of!((*p).lease_time_ms).read_unaligned()),
+        target_bytes: addr_of!((*p).target_bytes).read_unaligned(),
     }
 }
 
@@ -170,12 +177,16 @@ mod tests {
         let mut limits = kv_limits_default();
         limits.max_connections = 3;
         limits.lease_time_ms = 1500;
+        limits.target_bytes = 5 << 20;
         let mut out = kv_limits_default();
         // SAFETY: valid pointers to kv_limits.
         unsafe {
             assert_eq!(kv_server_set_limits(server, &limits), KV_OK);
             assert_eq!(kv_server_get_limits(server, &mut out), KV_OK);
-            assert_eq!((out.max_connections, out.lease_time_ms), (3, 1500));
+            assert_eq!(
+                (out.max_connections, out.lease_time_ms, out.target_bytes),
+                (3, 1500, 5 << 20)
+            );
             let zero = kv_limits {
                 client_jobs: 0,
                 ..limits

@@ -1,6 +1,7 @@
 //! Answering requests: GET (inline or leased), PUT (inline, staged or
 //! into a write target), CAS, DELETE, ALLOC, RELEASE and HELLO.
 
+use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
@@ -9,7 +10,7 @@ use smallvec::SmallVec;
 use crate::kv::proto::{
     is_inline, Header, Op, Reply, Request, ServerInfo, Source, BLOCK_HEADER_LEN,
 };
-use crate::kv::store::Block;
+use crate::kv::store::{Block, Target};
 use crate::kv::{check_key, KvError, Result, MAX_KEY_LEN};
 use crate::runtime::{Connection, Window};
 use crate::verbs::AccessFlags;
@@ -340,9 +341,12 @@ impl Shared {
         req: &Request,
         key: &[u8],
     ) -> Result<Reply> {
-        if client.targets.lock().expect("target lock").len() >= MAX_TARGETS {
-            return Err(KvError::NoMemory);
-        }
+        let cap = self.limit(|l| l.target_bytes);
+        self.room_for_target(
+            &client.targets.lock().expect("target lock"),
+            req.value_len,
+            cap,
+        )?;
         // Made without the lock: registering a large target takes long, and
         // the completion thread takes the lock when the client goes away.
         // Writable through a window on this client's QP only.
@@ -362,10 +366,39 @@ impl Shared {
         };
         let mut targets = client.targets.lock().expect("target lock");
         // Gone meanwhile: its targets were ended, and this one ends here.
-        if client.gone.load(Ordering::Acquire) || targets.len() >= MAX_TARGETS {
+        if client.gone.load(Ordering::Acquire) {
             return Err(KvError::NoMemory);
         }
+        // Looked at again: the client's other requests may have made
+        // targets meanwhile, on other workers.
+        self.room_for_target(&targets, req.value_len, cap)?;
         targets.insert(token, target);
         Ok(reply)
+    }
+
+    /// Whether a client holding `targets` may have one more, of
+    /// `value_len` bytes: at most [`MAX_TARGETS`] of them and `cap` bytes
+    /// (a refusal for the bytes is counted and logged).
+    fn room_for_target(
+        &self,
+        targets: &HashMap<u64, Target>,
+        value_len: u64,
+        cap: u64,
+    ) -> Result<()> {
+        if targets.len() >= MAX_TARGETS {
+            return Err(KvError::NoMemory);
+        }
+        let held: u64 = targets.values().map(|t| t.value_len() as u64).sum();
+        if held.saturating_add(value_len) > cap {
+            bump(&self.counters.targets_capped);
+            self.episodes.targets.hit(|| {
+                format!(
+                    "refusing a client a {value_len}-byte write target: it holds {held} bytes of \
+                     them, and may hold {cap}"
+                )
+            });
+            return Err(KvError::NoMemory);
+        }
+        Ok(())
     }
 }

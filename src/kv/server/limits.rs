@@ -187,6 +187,7 @@ pub(super) fn check_limits(l: &Limits) -> Result<()> {
         ("worker_queue", l.worker_queue == 0),
         ("client_jobs", l.client_jobs == 0),
         ("lease_bytes", l.lease_bytes == 0),
+        ("target_bytes", l.target_bytes == 0),
         ("lease_time", l.lease_time.is_zero()),
     ];
     match zero.iter().find(|(_, z)| *z) {

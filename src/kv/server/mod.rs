@@ -142,6 +142,8 @@ pub struct Stats {
     pub leases_capped: u64,
     /// Leases ended after [`Limits::lease_time`].
     pub leases_expired: u64,
+    /// Write targets refused: the client held [`Limits::target_bytes`].
+    pub targets_capped: u64,
 }
 
 impl fmt::Display for Stats {
@@ -151,7 +153,7 @@ impl fmt::Display for Stats {
             "clients {} (total {}) | items {} | gets {} (misses {}) puts {} dels {} cas {}/{} failed | \
              errors {} | pool {:.1}/{:.1} MiB{} | large values {:.1} MiB | limits: refused {} \
              setup timeouts {} reply overflows {} busy {} worker queue full {} quota {} \
-             leases capped {} expired {}",
+             leases capped {} expired {} targets capped {}",
             self.clients,
             self.clients_total,
             self.items,
@@ -174,6 +176,7 @@ impl fmt::Display for Stats {
             self.quota_refusals,
             self.leases_capped,
             self.leases_expired,
+            self.targets_capped,
         )
     }
 }
@@ -197,6 +200,7 @@ struct Counters {
     worker_queue_full: AtomicU64,
     leases_capped: AtomicU64,
     leases_expired: AtomicU64,
+    targets_capped: AtomicU64,
 }
 
 /// One [`Episode`] per limit, so each logs once per episode.
@@ -207,6 +211,7 @@ struct Episodes {
     busy: Episode,
     worker_queue: Episode,
     leases: Episode,
+    targets: Episode,
 }
 
 fn bump(c: &AtomicU64) {
@@ -518,6 +523,7 @@ impl Server {
             quota_refusals: store.quota_refusals(),
             leases_capped: get(&c.leases_capped),
             leases_expired: get(&c.leases_expired),
+            targets_capped: get(&c.targets_capped),
         }
     }
 }

@@ -369,8 +369,9 @@ impl Shared {
         if client.gone.load(Ordering::Acquire) {
             return Err(KvError::NoMemory);
         }
-        // Looked at again: the client's other requests may have made
-        // targets meanwhile, on other workers.
+        // Looked at again, under the lock: a client's ALLOCs go to its one
+        // worker, but one that no worker took (the server stopping) is
+        // answered on the completion thread, beside this one.
         self.room_for_target(&targets, req.value_len, cap)?;
         targets.insert(token, target);
         Ok(reply)

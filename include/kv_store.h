@@ -180,13 +180,6 @@ typedef struct kv_limits {
    * Milliseconds after which an unreleased lease ends.
    */
   uint64_t lease_time_ms;
-  /**
-   * Bytes of values one client may hold in write targets (large PUTs
-   * under way); beyond, its next large PUT is answered
-   * KV_ERR_NO_MEMORY. Added after `lease_time_ms`: a program built
-   * against a header without it must be rebuilt.
-   */
-  uint64_t target_bytes;
 } kv_limits;
 
 /**
@@ -255,8 +248,9 @@ void kv_server_destroy(kv_server_t *server);
 struct kv_limits kv_limits_default(void);
 
 /**
- * Sets a server's limits (`limits` is copied). Connection, request, quota
- * and lease limits apply at once; `setup_deadline_ms`,
+ * Sets a server's limits (`limits` is copied; the limits with their own
+ * setters, such as `kv_server_set_target_bytes`, are kept). Connection,
+ * request, quota and lease limits apply at once; `setup_deadline_ms`,
  * `reply_queue_bytes` and `worker_queue` from the next `kv_server_start`.
  * Returns KV_OK, or KV_ERR_INVALID_ARGUMENT for a NULL or unknown handle,
  * a NULL `limits`, a zero field or a `worker_queue` over
@@ -266,6 +260,25 @@ struct kv_limits kv_limits_default(void);
  * A non-NULL `limits` must point to a `kv_limits`.
  */
 int kv_server_set_limits(kv_server_t *server, const struct kv_limits *limits);
+
+/**
+ * Sets the bytes of values one client may hold in write targets (large
+ * PUTs under way, asked for and not yet stored; default 2 GiB); beyond,
+ * its next large PUT is answered KV_ERR_NO_MEMORY. A client holding
+ * none always gets one. Applies at once. Returns KV_OK, or
+ * KV_ERR_INVALID_ARGUMENT for a NULL or unknown handle or a zero `bytes`.
+ */
+int kv_server_set_target_bytes(kv_server_t *server, uint64_t bytes);
+
+/**
+ * Writes a server's write-target share (see `kv_server_set_target_bytes`)
+ * to `*out`; KV_ERR_INVALID_ARGUMENT for a NULL or unknown handle or a
+ * NULL `out`.
+ *
+ * # Safety
+ * A non-NULL `out` must point to a writable `uint64_t`.
+ */
+int kv_server_get_target_bytes(const kv_server_t *server, uint64_t *out);
 
 /**
  * The limits a server has now; KV_ERR_INVALID_ARGUMENT for a NULL or

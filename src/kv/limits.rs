@@ -62,7 +62,8 @@ pub struct Limits {
     /// Bytes of values one client may hold in write targets (the server
     /// memory it writes a value larger than its request buffer into,
     /// before the PUT that stores it); beyond, its request for another
-    /// gets `KV_ERR_NO_MEMORY`. Without it one client could take the whole
+    /// gets `KV_ERR_NO_MEMORY`. A client holding none always gets one.
+    /// Without it one client could take the whole
     /// [`Limits::large_value_quota`] and keep every other client's large
     /// PUTs out for as long as it stayed connected.
     pub target_bytes: u64,

@@ -275,7 +275,8 @@ fn kv_limit_large_value_quota_and_leases_capped_and_expired() {
 
 /// A client that asks for write targets and never writes them holds at
 /// most its share ([`Limits::target_bytes`]): the rest of the large-value
-/// quota stays for the others' large PUTs.
+/// quota stays for the others' large PUTs. Its share comes back when it
+/// releases a target, and a client holding none always gets one.
 #[test]
 #[ignore = "needs an RDMA device: run `make test`"]
 fn kv_limit_a_client_holds_at_most_target_bytes_of_write_targets() {
@@ -289,24 +290,52 @@ fn kv_limit_a_client_holds_at_most_target_bytes_of_write_targets() {
     let (tx, replies) = mpsc::channel();
     let hoarder =
         Connection::connect(addr, &Options::default(), Arc::new(Replies(Mutex::new(tx)))).unwrap();
-    // As many as a client may ask for at once (8), of 3 MiB each.
-    let mut granted = 0;
-    for id in 1..=8 {
-        let mut alloc = Request::new(Op::Alloc, id);
-        alloc.value_len = 3 * MIB;
-        hoarder.send(&alloc.encode(b"hoard", &[])).unwrap();
+    let alloc = |id: u64, value_len: u64| -> Reply {
+        let mut req = Request::new(Op::Alloc, id);
+        req.value_len = value_len;
+        hoarder.send(&req.encode(b"hoard", &[])).unwrap();
         let reply = replies.recv_timeout(TIMEOUT).unwrap();
-        if reply.status == 0 {
-            granted += 1;
-        }
-    }
-    assert_eq!(granted, 1, "3 MiB write targets, a 4 MiB share");
+        assert_eq!(reply.req_id, id);
+        reply
+    };
+    let release = |token: u64| {
+        let (req, more) = Request::release(&[token], &mut []);
+        hoarder.send(&req.encode(more, &[])).unwrap();
+    };
+    // As many as a client may ask for at once (8), of 3 MiB each.
+    let granted: Vec<Reply> = (1..=8)
+        .map(|id| alloc(id, 3 * MIB))
+        .filter(|r| r.status == 0)
+        .collect();
+    assert_eq!(granted.len(), 1, "3 MiB write targets, a 4 MiB share");
+    assert_eq!(server.stats().targets_capped, 7);
+    // Too long for the server is said as such, whatever the share.
+    let too_long = alloc(9, 17 * MIB);
+    assert_eq!(too_long.status, KvError::ValueTooLong { max: 0 }.code());
     assert_eq!(server.stats().targets_capped, 7);
     let c = client(addr, ConnMode::Cm).unwrap();
     let big = vec![7u8; 3 << 20];
     c.put(b"big", &big).unwrap();
     assert_eq!(c.get(b"big").unwrap().0, big);
     assert_eq!(server.stats().quota_refusals, 0);
+    // Released, the share is there again.
+    release(granted[0].lease);
+    let again = alloc(10, 3 * MIB);
+    assert_eq!(again.status, 0, "the share is back after a release");
+    // A share below the value: one target at a time, never none.
+    server.update_limits(|l| l.target_bytes = MIB).unwrap();
+    assert_ne!(
+        alloc(11, 3 * MIB).status,
+        0,
+        "a second one is past the share"
+    );
+    assert_eq!(server.stats().targets_capped, 8);
+    release(again.lease);
+    assert_eq!(
+        alloc(12, 3 * MIB).status,
+        0,
+        "holding none, a client gets one"
+    );
     hoarder.close();
 }
 

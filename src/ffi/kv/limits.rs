@@ -40,12 +40,12 @@ pub struct kv_limits {
     pub lease_bytes: u64,
     /// Milliseconds after which an unreleased lease ends.
     pub lease_time_ms: u64,
-    /// Bytes of values one client may hold in write targets (large PUTs
-    /// under way); beyond, its next large PUT is answered
-    /// KV_ERR_NO_MEMORY. Added after `lease_time_ms`: a program built
-    /// against a header without it must be rebuilt.
-    pub target_bytes: u64,
+    // Its layout is fixed: programs built against it are not rebuilt.
+    // A new limit gets its own getter and setter (kv_server_set_target_bytes).
 }
+
+// The size programs were built against (released 2026-11 at 64 bytes).
+const _: () = assert!(std::mem::size_of::<kv_limits>() == 64);
 
 fn to_c(l: &Limits) -> kv_limits {
     let ms = |d: Duration| u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
@@ -58,16 +58,17 @@ fn to_c(l: &Limits) -> kv_limits {
         large_value_quota: l.large_value_quota,
         lease_bytes: l.lease_bytes,
         lease_time_ms: ms(l.lease_time),
-        target_bytes: l.target_bytes,
     }
 }
 
 /// Reads `*p` one field at a time (no Rust value is made from the C bytes
-/// as a whole); sizes that do not fit this machine are clamped.
+/// as a whole) over the limits it has fields for; the others (those set
+/// by their own calls) are kept. Sizes that do not fit this machine are
+/// clamped.
 ///
 /// # Safety
 /// `p` must point to a readable `kv_limits`.
-unsafe fn from_c(p: *const kv_limits) -> Limits {
+unsafe fn from_c(p: *const kv_limits, others: &Limits) -> Limits {
     let size = |v: u64| usize::try_from(v).unwrap_or(usize::MAX);
     Limits {
         max_connections: size(addr_of!((*p).max_connections).read_unaligned()),
@@ -78,7 +79,7 @@ unsafe fn from_c(p: *const kv_limits) -> Limits {
         large_value_quota: addr_of!((*p).large_value_quota).read_unaligned(),
         lease_bytes: addr_of!((*p).lease_bytes).read_unaligned(),
         lease_time: Duration::from_millis(addr_of!((*p).lease_time_ms).read_unaligned()),
-        target_bytes: addr_of!((*p).target_bytes).read_unaligned(),
+        target_bytes: others.target_bytes,
     }
 }
 
@@ -88,8 +89,9 @@ pub extern "C" fn kv_limits_default() -> kv_limits {
     to_c(&Limits::default())
 }
 
-/// Sets a server's limits (`limits` is copied). Connection, request, quota
-/// and lease limits apply at once; `setup_deadline_ms`,
+/// Sets a server's limits (`limits` is copied; the limits with their own
+/// setters, such as `kv_server_set_target_bytes`, are kept). Connection,
+/// request, quota and lease limits apply at once; `setup_deadline_ms`,
 /// `reply_queue_bytes` and `worker_queue` from the next `kv_server_start`.
 /// Returns KV_OK, or KV_ERR_INVALID_ARGUMENT for a NULL or unknown handle,
 /// a NULL `limits`, a zero field or a `worker_queue` over
@@ -109,13 +111,57 @@ pub unsafe extern "C" fn kv_server_set_limits(
         let Some(s) = SERVERS.get(server) else {
             return KV_ERR_INVALID_ARGUMENT;
         };
-        match s.set_limits(from_c(limits)) {
-            Ok(()) => KV_OK,
-            Err(e) => {
-                log::error!("kv_server_set_limits: {e}");
-                e.code()
-            }
+        let set = s.update_limits(|l| *l = from_c(limits, l));
+        reported("kv_server_set_limits", set)
+    })
+}
+
+fn reported(call: &str, result: crate::kv::Result<()>) -> c_int {
+    match result {
+        Ok(()) => KV_OK,
+        Err(e) => {
+            log::error!("{call}: {e}");
+            e.code()
         }
+    }
+}
+
+/// Sets the bytes of values one client may hold in write targets (large
+/// PUTs under way, asked for and not yet stored; default 2 GiB); beyond,
+/// its next large PUT is answered KV_ERR_NO_MEMORY. A client holding
+/// none always gets one. Applies at once. Returns KV_OK, or
+/// KV_ERR_INVALID_ARGUMENT for a NULL or unknown handle or a zero `bytes`.
+#[no_mangle]
+pub extern "C" fn kv_server_set_target_bytes(server: *mut kv_server, bytes: u64) -> c_int {
+    guard_or(KV_ERR_INVALID_ARGUMENT, || {
+        let Some(s) = SERVERS.get(server) else {
+            return KV_ERR_INVALID_ARGUMENT;
+        };
+        let set = s.update_limits(|l| l.target_bytes = bytes);
+        reported("kv_server_set_target_bytes", set)
+    })
+}
+
+/// Writes a server's write-target share (see `kv_server_set_target_bytes`)
+/// to `*out`; KV_ERR_INVALID_ARGUMENT for a NULL or unknown handle or a
+/// NULL `out`.
+///
+/// # Safety
+/// A non-NULL `out` must point to a writable `uint64_t`.
+#[no_mangle]
+pub unsafe extern "C" fn kv_server_get_target_bytes(
+    server: *const kv_server,
+    out: *mut u64,
+) -> c_int {
+    guard_or(KV_ERR_INVALID_ARGUMENT, || {
+        let Some(s) = SERVERS.get(server) else {
+            return KV_ERR_INVALID_ARGUMENT;
+        };
+        if out.is_null() {
+            return KV_ERR_INVALID_ARGUMENT;
+        }
+        out.write_unaligned(s.limits().target_bytes);
+        KV_OK
     })
 }
 
@@ -149,7 +195,7 @@ mod tests {
     fn limits_go_to_c_and_back_and_bad_arguments_are_refused() {
         let c = kv_limits_default();
         // SAFETY: a valid kv_limits.
-        assert_eq!(unsafe { from_c(&c) }, Limits::default());
+        assert_eq!(unsafe { from_c(&c, &Limits::default()) }, Limits::default());
         let none: *const kv_limits = std::ptr::null();
         // SAFETY: NULL and unknown pointers are what is being tested.
         unsafe {
@@ -160,6 +206,15 @@ mod tests {
             let bogus = 8usize as *mut kv_server;
             assert_eq!(kv_server_set_limits(bogus, none), KV_ERR_INVALID_ARGUMENT);
             assert_eq!(kv_server_set_limits(bogus, &c), KV_ERR_INVALID_ARGUMENT);
+            assert_eq!(
+                kv_server_set_target_bytes(bogus, 1),
+                KV_ERR_INVALID_ARGUMENT
+            );
+            let mut bytes = 0;
+            assert_eq!(
+                kv_server_get_target_bytes(bogus, &mut bytes),
+                KV_ERR_INVALID_ARGUMENT
+            );
             let mut out = c;
             assert_eq!(
                 kv_server_get_limits(bogus, &mut out),
@@ -177,16 +232,29 @@ mod tests {
         let mut limits = kv_limits_default();
         limits.max_connections = 3;
         limits.lease_time_ms = 1500;
-        limits.target_bytes = 5 << 20;
         let mut out = kv_limits_default();
-        // SAFETY: valid pointers to kv_limits.
+        let mut target_bytes = 0;
+        // SAFETY: valid pointers to kv_limits and u64.
         unsafe {
+            assert_eq!(kv_server_set_target_bytes(server, 5 << 20), KV_OK);
             assert_eq!(kv_server_set_limits(server, &limits), KV_OK);
             assert_eq!(kv_server_get_limits(server, &mut out), KV_OK);
+            assert_eq!(kv_server_get_target_bytes(server, &mut target_bytes), KV_OK);
             assert_eq!(
-                (out.max_connections, out.lease_time_ms, out.target_bytes),
-                (3, 1500, 5 << 20)
+                (out.max_connections, out.lease_time_ms, target_bytes),
+                (3, 1500, 5 << 20),
+                "set_limits keeps the share it has no field for"
             );
+            assert_eq!(
+                kv_server_set_target_bytes(server, 0),
+                KV_ERR_INVALID_ARGUMENT
+            );
+            assert_eq!(
+                kv_server_get_target_bytes(server, std::ptr::null_mut()),
+                KV_ERR_INVALID_ARGUMENT
+            );
+            assert_eq!(kv_server_get_target_bytes(server, &mut target_bytes), KV_OK);
+            assert_eq!(target_bytes, 5 << 20, "unchanged");
             let zero = kv_limits {
                 client_jobs: 0,
                 ..limits

@@ -341,6 +341,9 @@ impl Shared {
         req: &Request,
         key: &[u8],
     ) -> Result<Reply> {
+        // A value the server never takes is refused as such, before the
+        // client's share is looked at.
+        self.store.check_value_len(req.value_len)?;
         let cap = self.limit(|l| l.target_bytes);
         self.room_for_target(
             &client.targets.lock().expect("target lock"),
@@ -379,7 +382,9 @@ impl Shared {
 
     /// Whether a client holding `targets` may have one more, of
     /// `value_len` bytes: at most [`MAX_TARGETS`] of them and `cap` bytes
-    /// (a refusal for the bytes is counted and logged).
+    /// (a refusal for the bytes is counted and logged). A client holding
+    /// none always gets one, as with leases: a cap below the largest value
+    /// slows a client's large PUTs to one at a time, and fails none.
     fn room_for_target(
         &self,
         targets: &HashMap<u64, Target>,
@@ -390,7 +395,7 @@ impl Shared {
             return Err(KvError::NoMemory);
         }
         let held: u64 = targets.values().map(|t| t.value_len() as u64).sum();
-        if held.saturating_add(value_len) > cap {
+        if !targets.is_empty() && held.saturating_add(value_len) > cap {
             bump(&self.counters.targets_capped);
             self.episodes.targets.hit(|| {
                 format!(

@@ -368,12 +368,23 @@ impl Server {
     /// apply at once; `setup_deadline`, `reply_queue_bytes` and
     /// `worker_queue` from the next [`Server::start`].
     pub fn set_limits(&self, limits: Limits) -> Result<()> {
+        self.update_limits(|l| *l = limits)
+    }
+
+    /// Changes some of the limits, in one step against others changing
+    /// them: `change` gets the limits now, and what it leaves is checked
+    /// and set as by [`Server::set_limits`] (or, refused, nothing changes).
+    pub fn update_limits(&self, change: impl FnOnce(&mut Limits)) -> Result<()> {
+        let mut now = self.shared.limits.write().expect("limits lock");
+        let mut limits = now.clone();
+        change(&mut limits);
         check_limits(&limits)?;
         self.shared
             .store
             .large_quota
             .store(limits.large_value_quota, Ordering::Relaxed);
-        *self.shared.limits.write().expect("limits lock") = limits;
+        *now = limits;
+        drop(now);
         // The housekeeping thread may sleep until a lease's end under the
         // old lease time: it compares the lease time at every wakeup, and
         // this wakes it (a full queue of chores wakes it anyway).

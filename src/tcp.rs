@@ -2,21 +2,21 @@
 //! handshakes.
 
 use std::io::{ErrorKind, Read};
-use std::net::{IpAddr, SocketAddr, TcpStream};
+use std::net::{SocketAddr, TcpStream};
 use std::time::{Duration, Instant};
 
 use socket2::{Domain, Protocol, Socket, Type};
 
-/// Connects to `dst` from the address `src` (any port), within `timeout`:
-/// the peer then sees the address it was told we connect from, whichever
-/// route the system would pick.
+/// Connects to `dst` from `src` (port 0: any), within `timeout`: the peer
+/// then sees the address it was told we connect from, whichever route the
+/// system would pick.
 pub(crate) fn connect_from(
-    src: IpAddr,
+    src: SocketAddr,
     dst: SocketAddr,
     timeout: Duration,
 ) -> std::io::Result<TcpStream> {
     let socket = Socket::new(Domain::for_address(dst), Type::STREAM, Some(Protocol::TCP))?;
-    socket.bind(&SocketAddr::new(src, 0).into())?;
+    socket.bind(&src.into())?;
     socket.connect_timeout(&dst.into(), timeout)?;
     Ok(socket.into())
 }

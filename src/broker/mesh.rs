@@ -90,9 +90,23 @@ impl Shared {
             && peers[s].is_none()
     }
 
-    /// The address this server connects from: its own in `hosts`.
-    fn source(&self) -> IpAddr {
-        self.config.hosts[self.config.server_id].ip()
+    /// The address this server connects from: its own in `hosts`, any
+    /// port (an IPv6 scope kept).
+    fn source(&self) -> SocketAddr {
+        let mut src = self.config.hosts[self.config.server_id];
+        src.set_port(0);
+        src
+    }
+
+    /// Whether a connection from `from` may be from a server this side
+    /// accepts (one listed after it): anyone else is refused before it
+    /// hears our hello or a queue pair is made for it. Which server it is
+    /// [`Self::acceptable`] settles, from its hello.
+    fn may_be_a_peer(&self, from: IpAddr) -> bool {
+        let from = from.to_canonical();
+        self.config.hosts[self.config.server_id + 1..]
+            .iter()
+            .any(|h| h.ip().to_canonical() == from)
     }
 
     /// Connects to every other server, until `deadline`.
@@ -171,12 +185,18 @@ impl Shared {
                             }
                         }
                         other => {
-                            log::warn!("broker: refused a connect request from {from:?}");
+                            let from =
+                                from.map_or("an unknown address".into(), |ip| ip.to_string());
+                            log::warn!("broker: refused a connect request from {from}");
                             if let Some(h) = other {
                                 let s = h.server_id as usize;
                                 complaints.note(
                                     s,
-                                    format!("refused a connect request from server {s}: {h:?}"),
+                                    format!(
+                                        "refused a connect request from {from} claiming to be \
+                                         server {s} (thread {})",
+                                        h.thread_id
+                                    ),
                                 );
                             }
                             let _ = id.reject(&[]);
@@ -243,7 +263,7 @@ impl Shared {
                     continue;
                 }
                 let left = deadline.saturating_duration_since(Instant::now());
-                let src = SocketAddr::new(self.source(), 0);
+                let src = self.source();
                 match CmId::resolve(self.addr_of(s), Some(src), left.min(Duration::from_secs(2))) {
                     Ok(id) => {
                         let connect = || -> Result<Peer> {
@@ -297,9 +317,15 @@ impl Shared {
                     forget(slot, &why, &mut complaints);
                 }
             }
-            while let Ok((tcp, _)) = listener.accept() {
+            while let Ok((tcp, from)) = listener.accept() {
+                if !self.may_be_a_peer(from.ip()) {
+                    log::warn!(
+                        "broker: refused a connection from {from}: no server to accept is there"
+                    );
+                    continue;
+                }
                 if let Err(e) = self.handshake(tcp, None, deadline, &mut peers) {
-                    log::warn!("broker: a peer's handshake failed: {e}");
+                    log::warn!("broker: the handshake with {from} failed: {e}");
                 }
             }
             for s in 0..me {

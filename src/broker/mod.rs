@@ -47,6 +47,10 @@ pub enum ConnectMode {
 #[derive(Debug, Clone)]
 pub struct Config {
     /// Every server, in server-id order; thread `t` uses port `port + t`.
+    /// Each is the address the server listens on and connects to the
+    /// others from, which is how they know it: a connection claiming to be
+    /// server `s` from elsewhere is refused. With more than one server, no
+    /// host may be `0.0.0.0` or `::`, and all are IPv4 or all IPv6.
     pub hosts: Vec<SocketAddr>,
     /// This server's index in `hosts`.
     pub server_id: usize,
@@ -100,6 +104,21 @@ impl Config {
             .any(|h| h.port().checked_add(self.thread_id).is_none())
         {
             return bad("port + thread_id exceeds 65535");
+        }
+        // Each server connects from its own address in `hosts`, and a peer
+        // is known by it: one that no peer can reach or connect from, or
+        // of another family than its peers, cannot take part.
+        if self.hosts.len() > 1 {
+            if self.hosts.iter().any(|h| h.ip().is_unspecified()) {
+                return bad("a host is 0.0.0.0 or ::: list each server at its own address");
+            }
+            if self
+                .hosts
+                .iter()
+                .any(|h| h.is_ipv4() != self.hosts[0].is_ipv4())
+            {
+                return bad("the hosts mix IPv4 and IPv6 addresses");
+            }
         }
         Ok(())
     }
@@ -502,4 +521,44 @@ impl Drop for Broker {
 
 fn data_access() -> AccessFlags {
     AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_READ
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(hosts: &str) -> Config {
+        Config {
+            hosts: Config::parse_hosts(hosts).unwrap(),
+            server_id: 0,
+            thread_id: 0,
+            slots: 16,
+            slot_size: 256,
+            doorbell_batch: 4,
+            data_len: 1 << 16,
+            mode: ConnectMode::Socket,
+            device: None,
+        }
+    }
+
+    #[test]
+    fn hosts_a_peer_cannot_be_known_by_are_refused() {
+        for ok in [
+            "10.0.0.1:7000,10.0.0.2:7000",
+            "[fe80::1%2]:7000,[fe80::2%2]:7000",
+            "0.0.0.0:7000",
+        ] {
+            assert!(config(ok).check().is_ok(), "{ok}");
+        }
+        for bad in [
+            "0.0.0.0:7000,10.0.0.2:7000",
+            "10.0.0.1:7000,[::]:7000",
+            "10.0.0.1:7000,[fe80::2%2]:7000",
+        ] {
+            assert!(
+                matches!(config(bad).check(), Err(BrokerError::InvalidArgument(_))),
+                "{bad}"
+            );
+        }
+    }
 }

@@ -105,7 +105,10 @@ impl From<&BrokerError> for snowrdma_broker_status {
 #[repr(C)]
 pub struct snowrdma_broker_config {
     /// Every server, "ip:port,ip:port,..." in server-id order; thread t
-    /// listens on port + t.
+    /// listens on port + t. Each server listens on its address and
+    /// connects to the others from it, which is how they know it (a claim
+    /// to be server s from elsewhere is refused): with more than one
+    /// server, no host may be 0.0.0.0 or ::, and all are IPv4 or all IPv6.
     pub hosts: *const c_char,
     /// This server's index in `hosts`.
     pub server_id: u32,

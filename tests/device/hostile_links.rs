@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::thread;
 use std::time::{Duration, Instant};
 
-use snowrdma::broker::{Broker, Config, ConnectMode};
+use snowrdma::broker::{Broker, BrokerError, Config, ConnectMode};
 use snowrdma::runtime::{ConnHandler, Connection, Listener, Options};
 use snowrdma::verbs::{CmEventKind, CmId, CompletionQueue, ConnParam, ProtectionDomain, QueuePair};
 
@@ -126,6 +126,13 @@ fn broker_a_socket_peer_claiming_a_server_from_elsewhere_is_refused() {
     let server_0 =
         an_impostor_is_refused(ConnectMode::Socket, base_port, lo, Duration::from_secs(30));
     let dev = IpAddr::V4(device_ip());
+    // Anyone not at a server's address is refused before it hears our
+    // hello, which carries the data region's key.
+    let mut stranger = TcpStream::connect(SocketAddr::new(dev, base_port)).unwrap();
+    stranger.set_read_timeout(Some(TIMEOUT)).unwrap();
+    let mut heard = Vec::new();
+    stranger.read_to_end(&mut heard).unwrap();
+    assert!(heard.is_empty(), "a stranger heard {} bytes", heard.len());
     let real = Broker::new(
         two_servers([dev, lo], 1, base_port, ConnectMode::Socket),
         quiet,
@@ -144,10 +151,19 @@ fn broker_a_cm_peer_claiming_a_server_from_elsewhere_is_refused() {
     let elsewhere = IpAddr::V4(std::net::Ipv4Addr::new(198, 18, 0, 77));
     let server_0 =
         an_impostor_is_refused(ConnectMode::Cm, 19850, elsewhere, Duration::from_secs(6));
-    assert!(
-        server_0.join().unwrap().is_err(),
-        "server 0 found no server 1"
-    );
+    match server_0.join().unwrap() {
+        Err(BrokerError::InitTimeout { missing, why }) => {
+            assert_eq!(missing, [1]);
+            let dev = device_ip();
+            assert!(
+                why[0].starts_with(&format!(
+                    "refused a connect request from {dev} claiming to be server 1"
+                )),
+                "{why:?}"
+            );
+        }
+        other => panic!("server 0 found no server 1, and says so: {:?}", other.err()),
+    }
 }
 
 /// Socket-mode brokers shake hands one at a time; a client that connects to

@@ -339,6 +339,61 @@ fn kv_limit_a_client_holds_at_most_target_bytes_of_write_targets() {
     hoarder.close();
 }
 
+/// A client that sends ALLOCs, each followed by the RELEASE of the token
+/// it will get (tokens are counted, so it can know them), no longer has
+/// its worker map and register its share again for every pair in its
+/// queue: room is reserved as an ALLOC arrives, so the ALLOCs that come
+/// while one is being made are refused.
+#[test]
+#[ignore = "needs an RDMA device: run `make test`"]
+fn kv_limit_alloc_and_release_churn_is_held_to_the_share() {
+    const MIB: u64 = 1 << 20;
+    // The largest value the test server takes: a target this size takes
+    // the worker milliseconds to make, the burst microseconds to read.
+    const TARGET: u64 = 16 * MIB;
+    const PAIRS: u64 = 16;
+    let limits = Limits {
+        target_bytes: TARGET,
+        ..Limits::default()
+    };
+    let (server, addr) = server(ConnMode::Cm, limits, 1);
+    let (tx, replies) = mpsc::channel();
+    let churner =
+        Connection::connect(addr, &Options::default(), Arc::new(Replies(Mutex::new(tx)))).unwrap();
+    let alloc = |id: u64| {
+        let mut req = Request::new(Op::Alloc, id);
+        req.value_len = TARGET;
+        req.encode(b"churn", &[])
+    };
+    let release = |token: u64| {
+        let (req, more) = Request::release(&[token], &mut []);
+        req.encode(more, &[])
+    };
+    // One on its own, to learn where the tokens are.
+    churner.send(&alloc(0)).unwrap();
+    let first = replies.recv_timeout(TIMEOUT).unwrap();
+    assert_eq!(first.status, 0);
+    churner.send(&release(first.lease)).unwrap();
+    // Then the burst, with one doorbell: were each ALLOC served in turn,
+    // the k-th would get token first + k, and be released at once.
+    let burst: Vec<Vec<u8>> = (1..=PAIRS)
+        .flat_map(|id| [alloc(id), release(first.lease + id)])
+        .collect();
+    let parts: Vec<[&[u8]; 1]> = burst.iter().map(|m| [&m[..]]).collect();
+    let msgs: Vec<&[&[u8]]> = parts.iter().map(|p| &p[..]).collect();
+    assert_eq!(churner.send_batch(&msgs).unwrap(), msgs.len());
+    let granted = (1..=PAIRS)
+        .filter(|_| replies.recv_timeout(TIMEOUT).unwrap().status == 0)
+        .count() as u64;
+    let capped = server.stats().targets_capped;
+    assert_eq!(
+        (granted, capped),
+        (1, PAIRS - 1),
+        "the ALLOCs that came while one was being made"
+    );
+    churner.close();
+}
+
 #[test]
 #[ignore = "needs an RDMA device: run `make test`"]
 fn kv_limit_a_release_is_taken_when_the_client_queue_is_full() {

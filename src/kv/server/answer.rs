@@ -1,7 +1,6 @@
 //! Answering requests: GET (inline or leased), PUT (inline, staged or
 //! into a write target), CAS, DELETE, ALLOC, RELEASE and HELLO.
 
-use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
@@ -10,12 +9,13 @@ use smallvec::SmallVec;
 use crate::kv::proto::{
     is_inline, Header, Op, Reply, Request, ServerInfo, Source, BLOCK_HEADER_LEN,
 };
-use crate::kv::store::{Block, Target};
+use crate::kv::store::Block;
 use crate::kv::{check_key, KvError, Result, MAX_KEY_LEN};
 use crate::runtime::{Connection, Window};
 use crate::verbs::AccessFlags;
 
-use super::{bump, ClientState, Shared, MAX_LEASES, MAX_TARGETS};
+use super::targets::NoRoom;
+use super::{bump, ClientState, Shared, MAX_LEASES};
 
 /// A reply, and what its header is followed by on the wire.
 pub(super) struct Answer {
@@ -112,7 +112,7 @@ impl Shared {
             let mut targets = client.targets.lock().expect("target lock");
             for n in req.released(key) {
                 if !leases.remove(n) {
-                    targets.remove(&n);
+                    targets.take(n);
                 }
             }
             return None;
@@ -316,7 +316,7 @@ impl Shared {
                     .targets
                     .lock()
                     .expect("target lock")
-                    .remove(&token)
+                    .take(token)
                     .ok_or_else(|| KvError::InvalidArgument("unknown write target".into()))?;
                 if target.value_len() as u64 != req.value_len {
                     return Err(KvError::InvalidArgument(
@@ -334,6 +334,44 @@ impl Shared {
         result
     }
 
+    /// Room for an ALLOC's target, reserved as it arrives (completion
+    /// thread), before it waits for a worker (`targets`); false, and the
+    /// refusal counted and logged, when there is none. Every ALLOC taken
+    /// is answered by [`Self::alloc`], which gives the room back.
+    pub(super) fn reserve_target(&self, client: &ClientState, req: &Request) -> bool {
+        let cap = self.limit(|l| l.target_bytes);
+        let len = self.reservation(req.value_len);
+        let refused = client
+            .targets
+            .lock()
+            .expect("target lock")
+            .reserve(len, cap);
+        match refused {
+            Ok(()) => true,
+            Err(NoRoom::Count) => false,
+            Err(NoRoom::Bytes { has, cap }) => {
+                bump(&self.counters.targets_capped);
+                self.episodes.targets.hit(|| {
+                    format!(
+                        "refusing a client a {len}-byte write target: it holds or has asked for \
+                         {has} bytes of them, and may have {cap}"
+                    )
+                });
+                false
+            }
+        }
+    }
+
+    /// What an ALLOC of `value_len` bytes reserves: nothing for a value
+    /// the server never takes, which [`Self::alloc`] refuses as such.
+    fn reservation(&self, value_len: u64) -> u64 {
+        match self.store.check_value_len(value_len) {
+            Ok(()) => value_len,
+            Err(_) => 0,
+        }
+    }
+
+    /// Makes the target an ALLOC reserved room for ([`Self::reserve_target`]).
     pub(super) fn alloc(
         &self,
         conn: &Connection,
@@ -341,70 +379,39 @@ impl Shared {
         req: &Request,
         key: &[u8],
     ) -> Result<Reply> {
-        // A value the server never takes is refused as such, before the
-        // client's share is looked at.
-        self.store.check_value_len(req.value_len)?;
-        let cap = self.limit(|l| l.target_bytes);
-        self.room_for_target(
-            &client.targets.lock().expect("target lock"),
-            req.value_len,
-            cap,
-        )?;
         // Made without the lock: registering a large target takes long, and
         // the completion thread takes the lock when the client goes away.
         // Writable through a window on this client's QP only.
-        let target = self.store.target(key.len(), req.value_len, |mr| {
-            conn.expose(mr, AccessFlags::REMOTE_WRITE).map_err(|e| {
-                log::warn!("exposing a write target: {e}");
-                KvError::NoMemory
+        let made = self.store.check_value_len(req.value_len).and_then(|()| {
+            self.store.target(key.len(), req.value_len, |mr| {
+                conn.expose(mr, AccessFlags::REMOTE_WRITE).map_err(|e| {
+                    log::warn!("exposing a write target: {e}");
+                    KvError::NoMemory
+                })
             })
-        })?;
-        let token = client.next_token.fetch_add(1, Ordering::Relaxed);
-        let reply = Reply {
-            addr: target.value_addr(),
-            rkey: target.rkey(),
-            value_len: req.value_len,
-            lease: token,
-            ..Reply::default()
-        };
+        });
+        let reserved = self.reservation(req.value_len);
         let mut targets = client.targets.lock().expect("target lock");
-        // Gone meanwhile: its targets were ended, and this one ends here.
-        if client.gone.load(Ordering::Acquire) {
-            return Err(KvError::NoMemory);
+        match made {
+            Ok(target) if !client.gone.load(Ordering::Acquire) => {
+                let token = client.next_token.fetch_add(1, Ordering::Relaxed);
+                let reply = Reply {
+                    addr: target.value_addr(),
+                    rkey: target.rkey(),
+                    value_len: req.value_len,
+                    lease: token,
+                    ..Reply::default()
+                };
+                targets.answered(reserved, Some((token, target)));
+                Ok(reply)
+            }
+            // Gone meanwhile: its targets were ended, and this one ends
+            // here, once the lock is let go (unregistering takes long).
+            other => {
+                targets.answered(reserved, None);
+                drop(targets);
+                other.and(Err(KvError::NoMemory))
+            }
         }
-        // Looked at again, under the lock: a client's ALLOCs go to its one
-        // worker, but one that no worker took (the server stopping) is
-        // answered on the completion thread, beside this one.
-        self.room_for_target(&targets, req.value_len, cap)?;
-        targets.insert(token, target);
-        Ok(reply)
-    }
-
-    /// Whether a client holding `targets` may have one more, of
-    /// `value_len` bytes: at most [`MAX_TARGETS`] of them and `cap` bytes
-    /// (a refusal for the bytes is counted and logged). A client holding
-    /// none always gets one, as with leases: a cap below the largest value
-    /// slows a client's large PUTs to one at a time, and fails none.
-    fn room_for_target(
-        &self,
-        targets: &HashMap<u64, Target>,
-        value_len: u64,
-        cap: u64,
-    ) -> Result<()> {
-        if targets.len() >= MAX_TARGETS {
-            return Err(KvError::NoMemory);
-        }
-        let held: u64 = targets.values().map(|t| t.value_len() as u64).sum();
-        if !targets.is_empty() && held.saturating_add(value_len) > cap {
-            bump(&self.counters.targets_capped);
-            self.episodes.targets.hit(|| {
-                format!(
-                    "refusing a client a {value_len}-byte write target: it holds {held} bytes of \
-                     them, and may hold {cap}"
-                )
-            });
-            return Err(KvError::NoMemory);
-        }
-        Ok(())
     }
 }

@@ -6,7 +6,8 @@
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 
-use crate::kv::proto::{Op, Request, Source, COMPACT_REQUEST_LEN};
+use crate::kv::proto::{Op, Reply, Request, Source, COMPACT_REQUEST_LEN};
+use crate::kv::KvError;
 use crate::runtime::{self, ConnHandler, Connection, InRing};
 use crate::verbs::AccessFlags;
 
@@ -56,6 +57,12 @@ impl ConnHandler for ServerConn {
         let for_worker = heavy || queued > 0;
         if full && req.op != Op::Release && for_worker {
             return self.shared.refuse_busy(conn, client, req.req_id, queued);
+        }
+        // Room for its target is reserved now, not when a worker comes to
+        // it: see `targets`.
+        if req.op == Op::Alloc && !self.shared.reserve_target(client, req) {
+            let refusal = Reply::error(req.req_id, KvError::NoMemory);
+            return self.hold(Answer::plain(refusal));
         }
         // A release is always taken: behind the client's queued requests
         // while there is room, at once beyond (one for a lease a queued

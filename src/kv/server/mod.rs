@@ -12,7 +12,6 @@
 //! server hold: connections, setup time, queued replies and requests, large
 //! values and leases.
 
-use std::collections::HashMap;
 use std::fmt;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -29,7 +28,7 @@ use crate::verbs::{self, CmId, Context, EventChannel};
 use super::limits::{Episode, Leases, Limits, MAX_WORKERS};
 use super::pool::SLAB_PAGE;
 use super::proto::{Request, REQUEST_LEN};
-use super::store::{Store, Target};
+use super::store::Store;
 use super::{
     ConnMode, KvError, Result, DEFAULT_MAX_VALUE, LARGEST_MAX_VALUE, LARGEST_REQUEST_BUF,
     MAX_KEY_LEN, MAX_VALUE_ENV,
@@ -38,17 +37,17 @@ use super::{
 mod answer;
 mod conn;
 mod limits;
+mod targets;
 mod threads;
 
 use answer::Answer;
 use conn::ServerConn;
 use limits::check_limits;
+use targets::Targets;
 
 /// Leases one client may hold; beyond, its oldest lease ends (the byte cap
 /// is [`Limits::lease_bytes`]).
 const MAX_LEASES: usize = 4096;
-/// Write targets one client may hold at once.
-const MAX_TARGETS: usize = 8;
 
 /// How a server is set up. `Default` gives the legacy program's defaults.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -224,7 +223,7 @@ struct ClientState {
     /// bound to its QP (set once the connection is up).
     request_buf: OnceLock<Window>,
     leases: Mutex<Leases>,
-    targets: Mutex<HashMap<u64, Target>>,
+    targets: Mutex<Targets>,
     next_token: AtomicU64,
     worker: usize,
     /// Requests of this client waiting at or running on its worker, or
@@ -562,7 +561,7 @@ impl Shared {
         let client = Arc::new(ClientState {
             request_buf: OnceLock::new(),
             leases: Mutex::new(Leases::default()),
-            targets: Mutex::new(HashMap::new()),
+            targets: Mutex::new(Targets::default()),
             next_token: AtomicU64::new(1),
             worker: self.next_client.fetch_add(1, Ordering::Relaxed),
             queued: AtomicUsize::new(0),

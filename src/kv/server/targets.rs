@@ -1,0 +1,185 @@
+//! One client's write targets: those it holds (asked for, not yet stored
+//! or released) and those it has asked for that are still being made.
+//!
+//! Room is reserved when an ALLOC arrives, before it waits for a worker:
+//! a client that sends ALLOCs and RELEASEs of the tokens they will get
+//! (tokens are counted, so it can know them) would otherwise have its
+//! worker map and register up to its share again for every pair in its
+//! queue, while the other clients of that worker wait. So at most its
+//! share, and [`MAX_TARGETS`] targets, are held or being made at once.
+
+use std::collections::HashMap;
+
+use crate::kv::store::Target;
+
+/// Write targets one client may hold or have asked for at once.
+pub(super) const MAX_TARGETS: usize = 8;
+
+/// What a write target is to its client's list: its size.
+pub(super) trait TargetLen {
+    fn target_len(&self) -> u64;
+}
+
+impl TargetLen for Target {
+    fn target_len(&self) -> u64 {
+        self.value_len() as u64
+    }
+}
+
+/// Why an ALLOC found no room.
+#[derive(Debug, PartialEq, Eq)]
+pub(super) enum NoRoom {
+    /// [`MAX_TARGETS`] are held or being made.
+    Count,
+    /// The client holds or has asked for `has` bytes, and may have `cap`.
+    Bytes { has: u64, cap: u64 },
+}
+
+pub(super) struct Targets<T = Target> {
+    held: HashMap<u64, T>,
+    /// ALLOCs taken and not yet answered, and their bytes.
+    asking: usize,
+    asked: u64,
+}
+
+impl<T> Default for Targets<T> {
+    fn default() -> Self {
+        Targets {
+            held: HashMap::new(),
+            asking: 0,
+            asked: 0,
+        }
+    }
+}
+
+impl<T: TargetLen> Targets<T> {
+    /// Reserves room for a target of `len` bytes under a share of `cap`
+    /// bytes. A client with none held or asked for always gets one: a
+    /// share below the largest value makes large PUTs go one at a time,
+    /// and fails none.
+    pub(super) fn reserve(&mut self, len: u64, cap: u64) -> Result<(), NoRoom> {
+        if self.held.len() + self.asking >= MAX_TARGETS {
+            return Err(NoRoom::Count);
+        }
+        let has = self
+            .asked
+            .saturating_add(self.held.values().map(T::target_len).sum());
+        if has > 0 && has.saturating_add(len) > cap {
+            return Err(NoRoom::Bytes { has, cap });
+        }
+        self.asking += 1;
+        self.asked = self.asked.saturating_add(len);
+        Ok(())
+    }
+
+    /// The ALLOC that reserved `len` bytes is answered; `made` is its
+    /// target, if one was made, filed under `token`.
+    pub(super) fn answered(&mut self, len: u64, made: Option<(u64, T)>) {
+        self.asking = self.asking.saturating_sub(1);
+        self.asked = self.asked.saturating_sub(len);
+        if let Some((token, target)) = made {
+            self.held.insert(token, target);
+        }
+    }
+
+    /// Takes the target filed under `token` (to store or release it).
+    pub(super) fn take(&mut self, token: u64) -> Option<T> {
+        self.held.remove(&token)
+    }
+
+    /// Ends every target (the client went away).
+    pub(super) fn clear(&mut self) {
+        self.held.clear();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    impl TargetLen for u64 {
+        fn target_len(&self) -> u64 {
+            *self
+        }
+    }
+
+    #[test]
+    fn a_client_with_nothing_gets_one_of_any_size_and_room_comes_back() {
+        let mut t = Targets::<u64>::default();
+        assert_eq!(t.reserve(10, 4), Ok(()), "the first, past the share");
+        assert_eq!(t.reserve(1, 4), Err(NoRoom::Bytes { has: 10, cap: 4 }));
+        t.answered(10, Some((1, 10)));
+        assert_eq!(t.reserve(1, 4), Err(NoRoom::Bytes { has: 10, cap: 4 }));
+        assert_eq!(t.take(1), Some(10));
+        assert_eq!(t.reserve(3, 4), Ok(()));
+        t.answered(3, None);
+        assert_eq!(
+            t.reserve(4, 4),
+            Ok(()),
+            "a refused ALLOC gives its room back"
+        );
+    }
+
+    #[test]
+    fn at_most_max_targets_are_held_or_asked_for() {
+        let mut t = Targets::<u64>::default();
+        for token in 0..MAX_TARGETS as u64 {
+            assert_eq!(t.reserve(1, u64::MAX), Ok(()));
+            if token % 2 == 0 {
+                t.answered(1, Some((token, 1)));
+            }
+        }
+        assert_eq!(t.reserve(1, u64::MAX), Err(NoRoom::Count));
+        t.clear();
+        for _ in 0..MAX_TARGETS / 2 {
+            assert_eq!(t.reserve(1, u64::MAX), Ok(()), "four held ended");
+        }
+        assert_eq!(
+            t.reserve(1, u64::MAX),
+            Err(NoRoom::Count),
+            "eight asked for"
+        );
+    }
+
+    proptest! {
+        /// Whatever a client asks for, answers and releases, what it holds
+        /// and asks for together stays within its share (past it only
+        /// with a single target) and within MAX_TARGETS.
+        #[test]
+        fn held_and_asked_stay_within_the_share(
+            steps in proptest::collection::vec((0u8..3, 1u64..100), 1..200),
+            cap in 1u64..300,
+        ) {
+            let mut t = Targets::<u64>::default();
+            let mut asked: Vec<u64> = Vec::new();
+            let mut next = 0u64;
+            for (what, len) in steps {
+                match what {
+                    0 => {
+                        if t.reserve(len, cap).is_ok() {
+                            asked.push(len);
+                        }
+                    }
+                    1 => {
+                        if let Some(len) = asked.pop() {
+                            next += 1;
+                            t.answered(len, (len % 3 != 0).then_some((next, len)));
+                        }
+                    }
+                    _ => {
+                        let some = t.held.keys().next().copied();
+                        if let Some(token) = some {
+                            t.take(token);
+                        }
+                    }
+                }
+                let held: u64 = t.held.values().sum();
+                let count = t.held.len() + t.asking;
+                prop_assert_eq!(t.asked, asked.iter().sum::<u64>());
+                prop_assert!(count <= MAX_TARGETS);
+                prop_assert!(held + t.asked <= cap || count == 1);
+            }
+        }
+    }
+}

@@ -158,6 +158,11 @@ impl RecvRing {
         }
     }
 
+    /// Where the ring wraps for its sender: the most it can have in flight.
+    pub fn capacity(&self) -> usize {
+        self.cap as usize
+    }
+
     /// Accounts for a message of `len` bytes at `offset`, which must start at
     /// the current position or (after a skipped tail) at 0, and end inside
     /// the ring. Returns false for a message that breaks those rules. An

@@ -450,3 +450,65 @@ fn a_burst_a_write_callback_sends_on_its_own_connection_arrives_without_an_idle_
     conn.close();
     sink_server.release();
 }
+
+/// Collects what it receives, and from its connection's start sends 64 B
+/// every 2 ms until stopped: a peer that is never quiet for a tick.
+struct Chatter {
+    sink: Arc<Collect>,
+    stop: Arc<AtomicBool>,
+}
+
+impl ConnHandler for Chatter {
+    fn connected(&self, conn: &Connection) {
+        let (conn, stop) = (conn.clone(), self.stop.clone());
+        std::thread::spawn(move || {
+            while !stop.load(Ordering::Acquire) && conn.send(&[7u8; 64]).is_ok() {
+                std::thread::sleep(Duration::from_millis(2));
+            }
+        });
+    }
+
+    fn recv(&self, conn: &Connection, data: &[u8], imm: Option<u32>) {
+        self.sink.recv(conn, data, imm);
+    }
+}
+
+/// A version-1 sender whose staging buffer is far smaller than its peer's
+/// ring (16x here) gets its credit back. Before, the peer measured "an
+/// eighth" against its whole ring, which such a sender never has in
+/// flight, and sent the credit alone only at a tick on which it had sent
+/// nothing: a peer that kept sending never did, and the 17th send waited
+/// out its timeout.
+#[test]
+#[ignore = "needs an RDMA device: run `make test`"]
+fn a_small_sender_gets_credit_from_a_peer_with_a_much_larger_ring() {
+    let opts = |recv_buf_len| Options {
+        comm_mode: CommMode::Blocking,
+        protocol_version: 1,
+        recv_buf_len,
+        timeout: Duration::from_secs(5),
+        ..Options::default()
+    };
+    let sink = Arc::new(Collect::default());
+    let stop = Arc::new(AtomicBool::new(false));
+    let chatter = Chatter {
+        sink: sink.clone(),
+        stop: stop.clone(),
+    };
+    let (server, addr) = serve(&opts(1 << 20), Arc::new(chatter));
+    let conn = Connection::connect(addr, &opts(64 << 10), Arc::new(Collect::default())).unwrap();
+    // 16 rings' worth, 16 messages to a ring (fewer than the receive
+    // queue's eighth, so the message count returns no credit either).
+    let mut sent = Vec::new();
+    let mut msg = [0u8; 4096];
+    for k in 0..256 {
+        fill_pattern(&mut msg, k);
+        assert_eq!(conn.send(&msg).unwrap(), msg.len(), "message {k}");
+        sent.extend_from_slice(&msg);
+    }
+    let got = sink.wait_bytes(sent.len(), TIMEOUT * 3);
+    stop.store(true, Ordering::Release);
+    assert!(got == sent, "the stream arrived changed");
+    conn.close();
+    server.release();
+}

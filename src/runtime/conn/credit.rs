@@ -34,7 +34,8 @@ pub(super) enum Owed {
     Nothing,
     /// Some: a tick reports it if nothing else does.
     Some,
-    /// An eighth of the ring or of the receive queue: reported with the
+    /// An eighth of the ring (as the peer uses it) or of the receive
+    /// queue: reported with the
     /// next message, or alone when this side has not been sending.
     Enough,
     /// Half of either: reported now, alone if need be.
@@ -102,7 +103,11 @@ impl Connection {
             return Owed::Nothing;
         }
         let msgs = st.rx_msgs - st.rx_msgs_reported;
-        let ring = self.inner.recv_ring.len() as u64;
+        // The ring as this sender uses it (its staging size, when smaller):
+        // measured against the whole ring, a sender with less than an
+        // eighth of it never had an eighth in flight, and its credit went
+        // only at a tick on which this side sent nothing.
+        let ring = st.rx.capacity() as u64;
         let depth = u64::from(self.inner.opts.recv_depth);
         if bytes >= ring / 2 || msgs >= (depth / 2).max(1) {
             Owed::Urgent

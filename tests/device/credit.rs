@@ -473,15 +473,11 @@ impl ConnHandler for Chatter {
     }
 }
 
-/// A version-1 sender whose staging buffer is far smaller than its peer's
-/// ring (16x here) gets its credit back. Before, the peer measured "an
-/// eighth" against its whole ring, which such a sender never has in
-/// flight, and sent the credit alone only at a tick on which it had sent
-/// nothing: a peer that kept sending never did, and the 17th send waited
-/// out its timeout.
-#[test]
-#[ignore = "needs an RDMA device: run `make test`"]
-fn a_small_sender_gets_credit_from_a_peer_with_a_much_larger_ring() {
+/// Sends `sizes`, pattern-filled, over version 1 from a sender with 64
+/// KiB of staging to a receiver with a ring of `ring` bytes that sends
+/// every 2 ms ([`Chatter`]); checks every send went whole, at once (within
+/// its 5 s timeout), and the receiver got it all.
+fn to_a_chatty_peer(ring: usize, sizes: impl Iterator<Item = usize>) {
     let opts = |recv_buf_len| Options {
         comm_mode: CommMode::Blocking,
         protocol_version: 1,
@@ -495,15 +491,13 @@ fn a_small_sender_gets_credit_from_a_peer_with_a_much_larger_ring() {
         sink: sink.clone(),
         stop: stop.clone(),
     };
-    let (server, addr) = serve(&opts(1 << 20), Arc::new(chatter));
+    let (server, addr) = serve(&opts(ring), Arc::new(chatter));
     let conn = Connection::connect(addr, &opts(64 << 10), Arc::new(Collect::default())).unwrap();
-    // 16 rings' worth, 16 messages to a ring (fewer than the receive
-    // queue's eighth, so the message count returns no credit either).
     let mut sent = Vec::new();
-    let mut msg = [0u8; 4096];
-    for k in 0..256 {
-        fill_pattern(&mut msg, k);
-        assert_eq!(conn.send(&msg).unwrap(), msg.len(), "message {k}");
+    for (k, len) in sizes.enumerate() {
+        let mut msg = vec![0u8; len];
+        fill_pattern(&mut msg, k as u64);
+        assert_eq!(conn.send(&msg).unwrap(), len, "message {k}");
         sent.extend_from_slice(&msg);
     }
     let got = sink.wait_bytes(sent.len(), TIMEOUT * 3);
@@ -511,4 +505,31 @@ fn a_small_sender_gets_credit_from_a_peer_with_a_much_larger_ring() {
     assert!(got == sent, "the stream arrived changed");
     conn.close();
     server.release();
+}
+
+/// A version-1 sender whose staging buffer is far smaller than its peer's
+/// ring (16x here) gets its credit back. Before, the peer measured "an
+/// eighth" against its whole ring, which such a sender never has in
+/// flight, and sent the credit alone only at a tick on which it had sent
+/// nothing: a peer that kept sending never did, and the 17th send waited
+/// out its timeout.
+#[test]
+#[ignore = "needs an RDMA device: run `make test`"]
+fn a_small_sender_gets_credit_from_a_peer_with_a_much_larger_ring() {
+    // 16 rings' worth, 16 messages to a ring (fewer than the receive
+    // queue's eighth, so the message count returns no credit either).
+    to_a_chatty_peer(1 << 20, std::iter::repeat_n(4096, 256));
+}
+
+/// A sender blocked with less than an eighth of the ring in flight (32
+/// KiB reported at once, at half; then 3 KiB; then 40 KiB, which fits
+/// only from the ring's start, where the 3 KiB are in the way) gets that
+/// credit from a peer that keeps sending: with the peer's next message
+/// after a tick. Before, less than an eighth went only alone, at a tick
+/// on which the peer had sent nothing.
+#[test]
+#[ignore = "needs an RDMA device: run `make test`"]
+fn a_sender_blocked_on_less_than_an_eighth_gets_it_from_a_chatty_peer() {
+    let round = [32 << 10, 3 << 10, 40 << 10];
+    to_a_chatty_peer(64 << 10, round.into_iter().cycle().take(3 * 8));
 }

@@ -156,6 +156,7 @@ impl Connection {
         }
         let words = self.take_report(st)?;
         st.tx_msgs_at_credit = st.tx_msgs;
+        st.carry_some = false;
         // It reports everything: whatever the peer wanted, it now knows all
         // there is (and asks again if that is not enough).
         st.rc.wanted = None;
@@ -164,9 +165,10 @@ impl Connection {
     }
 
     /// The credit command an outgoing message should carry, staged: when an
-    /// eighth or more is owed.
+    /// eighth or more is owed, or any after a tick passed it by.
     pub(super) fn credit_to_carry(&self, st: &mut State) -> Result<Option<(u16, Sge)>> {
-        if self.credit_owed(st) < Owed::Enough {
+        let owed = self.credit_owed(st);
+        if owed < Owed::Enough && !(st.carry_some && owed > Owed::Nothing) {
             return Ok(None);
         }
         self.stage_credit(st)
@@ -243,7 +245,11 @@ impl Connection {
             Owed::Nothing => false,
             Owed::Urgent => true,
             Owed::Enough => st.tx_msgs == st.tx_msgs_at_credit || (tick && !sent_since_tick),
-            Owed::Some => tick && !sent_since_tick,
+            Owed::Some => {
+                // Sending, this side passes it on with its next message.
+                st.carry_some |= tick && sent_since_tick;
+                tick && !sent_since_tick
+            }
         };
         if !due {
             return;

@@ -211,6 +211,11 @@ struct State {
     /// whether this side has been sending (credit can ride with messages).
     tx_msgs_at_credit: u64,
     tx_msgs_at_tick: u64,
+    /// Less than an eighth was owed at a tick on which this side had been
+    /// sending: the next message carries it, whatever its size (else a
+    /// sender blocked with less than an eighth in flight would wait for
+    /// as long as this side kept sending).
+    carry_some: bool,
     last_errno: i32,
     /// Receive slots of received messages not yet reposted: reposted
     /// [`REPOST_BATCH`] to a doorbell, and all before a credit reports

@@ -174,6 +174,7 @@ impl Connection {
                     rx_msgs_reported: 0,
                     tx_msgs_at_credit: 0,
                     tx_msgs_at_tick: 0,
+                    carry_some: false,
                     last_errno: 0,
                     reposts: Vec::with_capacity(REPOST_BATCH),
                     rc: ReadCredit::default(),

@@ -153,6 +153,18 @@ pub unsafe extern "C" fn kv_server_get_target_bytes(
     server: *const kv_server,
     out: *mut u64,
 ) -> c_int {
+    read_out(server, out, |l| l.target_bytes)
+}
+
+/// Writes what `pick` takes of a server's limits to `*out`.
+///
+/// # Safety
+/// A non-NULL `out` must point to writable memory for a `T`.
+unsafe fn read_out<T>(
+    server: *const kv_server,
+    out: *mut T,
+    pick: impl FnOnce(&Limits) -> T,
+) -> c_int {
     guard_or(KV_ERR_INVALID_ARGUMENT, || {
         let Some(s) = SERVERS.get(server) else {
             return KV_ERR_INVALID_ARGUMENT;
@@ -160,7 +172,7 @@ pub unsafe extern "C" fn kv_server_get_target_bytes(
         if out.is_null() {
             return KV_ERR_INVALID_ARGUMENT;
         }
-        out.write_unaligned(s.limits().target_bytes);
+        out.write_unaligned(pick(&s.limits()));
         KV_OK
     })
 }
@@ -175,16 +187,7 @@ pub unsafe extern "C" fn kv_server_get_limits(
     server: *const kv_server,
     out: *mut kv_limits,
 ) -> c_int {
-    guard_or(KV_ERR_INVALID_ARGUMENT, || {
-        let Some(s) = SERVERS.get(server) else {
-            return KV_ERR_INVALID_ARGUMENT;
-        };
-        if out.is_null() {
-            return KV_ERR_INVALID_ARGUMENT;
-        }
-        out.write_unaligned(to_c(&s.limits()));
-        KV_OK
-    })
+    read_out(server, out, to_c)
 }
 
 #[cfg(test)]

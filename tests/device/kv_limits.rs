@@ -369,6 +369,18 @@ fn kv_limit_alloc_and_release_churn_is_held_to_the_share() {
         let (req, more) = Request::release(&[token], &mut []);
         req.encode(more, &[])
     };
+    // ALLOCs refused for their key hold no room (before, each held one of
+    // the client's 8 for good).
+    for id in 100..110 {
+        let mut req = Request::new(Op::Alloc, id);
+        req.value_len = TARGET;
+        churner.send(&req.encode(b"", &[])).unwrap();
+        let refused = replies.recv_timeout(TIMEOUT).unwrap();
+        assert_eq!(
+            refused.status,
+            KvError::InvalidArgument(String::new()).code()
+        );
+    }
     // One on its own, to learn where the tokens are.
     churner.send(&alloc(0)).unwrap();
     let first = replies.recv_timeout(TIMEOUT).unwrap();

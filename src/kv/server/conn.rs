@@ -7,7 +7,7 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 
 use crate::kv::proto::{Op, Reply, Request, Source, COMPACT_REQUEST_LEN};
-use crate::kv::KvError;
+use crate::kv::{check_key, KvError};
 use crate::runtime::{self, ConnHandler, Connection, InRing};
 use crate::verbs::AccessFlags;
 
@@ -59,8 +59,12 @@ impl ConnHandler for ServerConn {
             return self.shared.refuse_busy(conn, client, req.req_id, queued);
         }
         // Room for its target is reserved now, not when a worker comes to
-        // it: see `targets`.
-        if req.op == Op::Alloc && !self.shared.reserve_target(client, req) {
+        // it: see `targets`. One with a bad key is refused before `alloc`,
+        // which gives the room back, so it reserves none.
+        if req.op == Op::Alloc
+            && check_key(parts.1).is_ok()
+            && !self.shared.reserve_target(client, req)
+        {
             let refusal = Reply::error(req.req_id, KvError::NoMemory);
             return self.hold(Answer::plain(refusal));
         }

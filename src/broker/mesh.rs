@@ -86,8 +86,13 @@ impl Shared {
         h.thread_id == self.config.thread_id
             && s > self.config.server_id
             && s < self.config.hosts.len()
-            && from.is_some_and(|ip| ip.to_canonical() == self.config.hosts[s].ip().to_canonical())
+            && from.is_some_and(|ip| self.listed_at(s, ip))
             && peers[s].is_none()
+    }
+
+    /// Whether `hosts` gives server `s` the address `ip`.
+    fn listed_at(&self, s: usize, ip: IpAddr) -> bool {
+        self.config.hosts[s].ip().to_canonical() == ip.to_canonical()
     }
 
     /// The address this server connects from: its own in `hosts`, any
@@ -103,10 +108,7 @@ impl Shared {
     /// hears our hello or a queue pair is made for it. Which server it is
     /// [`Self::acceptable`] settles, from its hello.
     fn may_be_a_peer(&self, from: IpAddr) -> bool {
-        let from = from.to_canonical();
-        self.config.hosts[self.config.server_id + 1..]
-            .iter()
-            .any(|h| h.ip().to_canonical() == from)
+        (self.config.server_id + 1..self.config.hosts.len()).any(|s| self.listed_at(s, from))
     }
 
     /// Connects to every other server, until `deadline`.

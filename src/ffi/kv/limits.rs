@@ -8,7 +8,7 @@ use std::time::Duration;
 use crate::ffi::boundary::guard_or;
 use crate::kv::Limits;
 
-use super::handles::SERVERS;
+use super::handles::{code, SERVERS};
 use super::types::{kv_server, KV_ERR_INVALID_ARGUMENT, KV_OK};
 
 #[allow(non_camel_case_types)]
@@ -111,19 +111,8 @@ pub unsafe extern "C" fn kv_server_set_limits(
         let Some(s) = SERVERS.get(server) else {
             return KV_ERR_INVALID_ARGUMENT;
         };
-        let set = s.update_limits(|l| *l = from_c(limits, l));
-        reported("kv_server_set_limits", set)
+        code(s.update_limits(|l| *l = from_c(limits, l)))
     })
-}
-
-fn reported(call: &str, result: crate::kv::Result<()>) -> c_int {
-    match result {
-        Ok(()) => KV_OK,
-        Err(e) => {
-            log::error!("{call}: {e}");
-            e.code()
-        }
-    }
 }
 
 /// Sets the bytes of values one client may hold in write targets (large
@@ -137,8 +126,7 @@ pub extern "C" fn kv_server_set_target_bytes(server: *mut kv_server, bytes: u64)
         let Some(s) = SERVERS.get(server) else {
             return KV_ERR_INVALID_ARGUMENT;
         };
-        let set = s.update_limits(|l| l.target_bytes = bytes);
-        reported("kv_server_set_target_bytes", set)
+        code(s.update_limits(|l| l.target_bytes = bytes))
     })
 }
 

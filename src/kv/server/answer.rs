@@ -382,12 +382,11 @@ impl Shared {
         // Made without the lock: registering a large target takes long, and
         // the completion thread takes the lock when the client goes away.
         // Writable through a window on this client's QP only.
-        let made = self.store.check_value_len(req.value_len).and_then(|()| {
-            self.store.target(key.len(), req.value_len, |mr| {
-                conn.expose(mr, AccessFlags::REMOTE_WRITE).map_err(|e| {
-                    log::warn!("exposing a write target: {e}");
-                    KvError::NoMemory
-                })
+        // A value too long is refused first, before anything is made.
+        let made = self.store.target(key.len(), req.value_len, |mr| {
+            conn.expose(mr, AccessFlags::REMOTE_WRITE).map_err(|e| {
+                log::warn!("exposing a write target: {e}");
+                KvError::NoMemory
             })
         });
         let reserved = self.reservation(req.value_len);

@@ -6,7 +6,7 @@
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 
-use crate::kv::proto::{Op, Reply, Request, Source, COMPACT_REQUEST_LEN};
+use crate::kv::proto::{Op, Request, Source, COMPACT_REQUEST_LEN};
 use crate::kv::{check_key, KvError};
 use crate::runtime::{self, ConnHandler, Connection, InRing};
 use crate::verbs::AccessFlags;
@@ -65,7 +65,7 @@ impl ConnHandler for ServerConn {
             && check_key(parts.1).is_ok()
             && !self.shared.reserve_target(client, req)
         {
-            let refusal = Reply::error(req.req_id, KvError::NoMemory);
+            let refusal = self.shared.error_reply(req.req_id, KvError::NoMemory);
             return self.hold(Answer::plain(refusal));
         }
         // A release is always taken: behind the client's queued requests

@@ -35,8 +35,8 @@ pub(super) enum Owed {
     /// Some: a tick reports it if nothing else does.
     Some,
     /// An eighth of the ring (as the peer uses it) or of the receive
-    /// queue: reported with the
-    /// next message, or alone when this side has not been sending.
+    /// queue: reported with the next message, or alone when this side has
+    /// not been sending.
     Enough,
     /// Half of either: reported now, alone if need be.
     Urgent,

@@ -10,7 +10,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use snowrdma::kv::proto::{block_len, Op, Reply, Request};
+use snowrdma::kv::proto::{block_len, Op, Reply, Request, Source};
 use snowrdma::kv::{Client, ClientOptions, ConnMode, KvError, Limits, Server, ServerConfig, Stats};
 use snowrdma::runtime::{ConnHandler, ConnState, Connection, Options};
 
@@ -404,6 +404,92 @@ fn kv_limit_alloc_and_release_churn_is_held_to_the_share() {
         "the ALLOCs that came while one was being made"
     );
     churner.close();
+}
+
+/// A target's room comes back as the PUT that stores it is queued, not
+/// when the worker comes to it: an ALLOC sent right behind that PUT, in
+/// the same doorbell, is granted under a share that holds one. A PUT
+/// naming a target ends it even when refused, and an ALLOC too long for
+/// the server says so whatever the client holds.
+#[test]
+#[ignore = "needs an RDMA device: run `make test`"]
+fn kv_limit_a_target_being_stored_gives_its_room_to_the_next_alloc() {
+    const MIB: u64 = 1 << 20;
+    let limits = Limits {
+        target_bytes: 4 * MIB,
+        ..Limits::default()
+    };
+    let (server, addr) = server(ConnMode::Cm, limits, 1);
+    let (tx, replies) = mpsc::channel();
+    let writer =
+        Connection::connect(addr, &Options::default(), Arc::new(Replies(Mutex::new(tx)))).unwrap();
+    let alloc = |id: u64, value_len: u64| {
+        let mut req = Request::new(Op::Alloc, id);
+        req.value_len = value_len;
+        // A target is made for a key of this length.
+        req.encode(b"stored-x", &[])
+    };
+    let put = |id: u64, key: &[u8], token: u64| {
+        let mut req = Request::new(Op::Write, id);
+        req.value_len = 3 * MIB;
+        req.source = Source::Allocated { token };
+        req.encode(key, &[])
+    };
+    let reply = |id: u64| {
+        let reply = replies.recv_timeout(TIMEOUT).unwrap();
+        assert_eq!(
+            reply.req_id, id,
+            "an ALLOC refused as it came is answered first"
+        );
+        reply
+    };
+    writer.send(&alloc(1, 3 * MIB)).unwrap();
+    let mut token = reply(1).lease;
+    for round in 0..4u64 {
+        let (put_id, alloc_id) = (10 + 2 * round, 11 + 2 * round);
+        let key = format!("stored-{round}");
+        let (p, a) = (put(put_id, key.as_bytes(), token), alloc(alloc_id, 3 * MIB));
+        assert_eq!(writer.send_batch(&[&[&p[..]], &[&a[..]]]).unwrap(), 2);
+        assert_eq!(reply(put_id).status, 0, "round {round}: stored");
+        let next = reply(alloc_id);
+        assert_eq!(next.status, 0, "round {round}: the room came back");
+        token = next.lease;
+    }
+    assert_eq!(server.stats().targets_capped, 0);
+    // Refused for its key, the PUT still ends the target it names.
+    let (p, a) = (put(20, b"", token), alloc(21, 3 * MIB));
+    assert_eq!(writer.send_batch(&[&[&p[..]], &[&a[..]]]).unwrap(), 2);
+    let invalid = KvError::InvalidArgument(String::new()).code();
+    assert_eq!(reply(20).status, invalid);
+    let fresh = reply(21);
+    assert_eq!(fresh.status, 0, "the refused PUT's target left");
+    writer.send(&put(22, b"stored-9", token)).unwrap();
+    assert_eq!(reply(22).status, invalid, "an ended target is unknown");
+    // Holding as many targets as a client may (8), one too long for the
+    // server is refused as too long.
+    server.update_limits(|l| l.target_bytes = 64 * MIB).unwrap();
+    for id in 30..37 {
+        writer.send(&alloc(id, MIB)).unwrap();
+        assert_eq!(reply(id).status, 0);
+    }
+    writer.send(&alloc(37, 17 * MIB)).unwrap();
+    assert_eq!(
+        reply(37).status,
+        KvError::ValueTooLong { max: 0 }.code(),
+        "too long, not out of room"
+    );
+    writer.send(&alloc(38, MIB)).unwrap();
+    assert_eq!(
+        reply(38).status,
+        KvError::NoMemory.code(),
+        "a ninth target is out of room"
+    );
+    let c = client(addr, ConnMode::Cm).unwrap();
+    for round in 0..4 {
+        let (value, _) = c.get(format!("stored-{round}").as_bytes()).unwrap();
+        assert_eq!(value.len() as u64, 3 * MIB, "round {round}'s value");
+    }
+    writer.close();
 }
 
 #[test]

@@ -9,7 +9,7 @@ use smallvec::SmallVec;
 use crate::kv::proto::{
     is_inline, Header, Op, Reply, Request, ServerInfo, Source, BLOCK_HEADER_LEN,
 };
-use crate::kv::store::Block;
+use crate::kv::store::{Block, Target};
 use crate::kv::{check_key, KvError, Result, MAX_KEY_LEN};
 use crate::runtime::{Connection, Window};
 use crate::verbs::AccessFlags;
@@ -120,13 +120,20 @@ impl Shared {
         if req.op == Op::Hello {
             return Some(self.hello(client, id));
         }
+        // Taken before anything is checked, so a PUT naming a target ends
+        // it whether it is stored or refused: the target stopped counting
+        // against the client's share when the PUT was queued (`targets`).
+        let target = self.target_named(client, req);
         if let Err(e) = check_key(key) {
             bump(&self.counters.errors);
             return Some(Answer::plain(Reply::error(id, e)));
         }
         let result = match req.op {
             Op::Get => return Some(self.get(client, id, key)),
-            Op::Write => return Some(self.written(id, self.write(client, req, key, inline))),
+            Op::Write => {
+                let stored = self.write(client, req, key, inline, target);
+                return Some(self.written(id, stored));
+            }
             Op::Alloc => self.alloc(conn, client, req, key),
             Op::Delete => {
                 bump(&self.counters.deletes);
@@ -267,12 +274,15 @@ impl Shared {
         Answer::plain(reply)
     }
 
+    /// Stores a PUT; `target` is the write target it names, taken from the
+    /// client's list ([`Self::target_named`]).
     pub(super) fn write(
         &self,
         client: &ClientState,
         req: &Request,
         key: &[u8],
         inline: &[u8],
+        target: Option<Target>,
     ) -> Result<u64> {
         self.store.check_value_len(req.value_len)?;
         let result = match req.source {
@@ -311,12 +321,8 @@ impl Shared {
                     req.cas,
                 )
             }
-            Source::Allocated { token } => {
-                let target = client
-                    .targets
-                    .lock()
-                    .expect("target lock")
-                    .take(token)
+            Source::Allocated { .. } => {
+                let target = target
                     .ok_or_else(|| KvError::InvalidArgument("unknown write target".into()))?;
                 if target.value_len() as u64 != req.value_len {
                     return Err(KvError::InvalidArgument(
@@ -334,13 +340,43 @@ impl Shared {
         result
     }
 
+    /// The write target a PUT names, taken from the client's list.
+    fn target_named(&self, client: &ClientState, req: &Request) -> Option<Target> {
+        match (req.op, req.source) {
+            (Op::Write, Source::Allocated { token }) => {
+                client.targets.lock().expect("target lock").take(token)
+            }
+            _ => None,
+        }
+    }
+
+    /// A request queued for the worker that takes write targets (a PUT
+    /// that commits one, a RELEASE): they no longer count against the
+    /// client's share (`targets`). The worker takes them whatever it makes
+    /// of the request ([`Self::target_named`], the RELEASE in
+    /// [`Self::answer`]), before any target asked for after.
+    pub(super) fn targets_leaving(&self, client: &ClientState, req: &Request, key: &[u8]) {
+        let named = match (req.op, req.source) {
+            (Op::Write, Source::Allocated { token }) => Some(token),
+            (Op::Release, _) => None,
+            _ => return,
+        };
+        let mut targets = client.targets.lock().expect("target lock");
+        match named {
+            Some(token) => targets.leaving(token),
+            None => req.released(key).for_each(|n| targets.leaving(n)),
+        }
+    }
+
     /// Room for an ALLOC's target, reserved as it arrives (completion
     /// thread), before it waits for a worker (`targets`); false, and the
     /// refusal counted and logged, when there is none. Every ALLOC taken
     /// is answered by [`Self::alloc`], which gives the room back.
     pub(super) fn reserve_target(&self, client: &ClientState, req: &Request) -> bool {
         let cap = self.limit(|l| l.target_bytes);
-        let len = self.reservation(req.value_len);
+        let Ok(len) = self.reservation(req.value_len) else {
+            return true; // Too long: `alloc` says so, and reserves nothing.
+        };
         let refused = client
             .targets
             .lock()
@@ -362,13 +398,11 @@ impl Shared {
         }
     }
 
-    /// What an ALLOC of `value_len` bytes reserves: nothing for a value
-    /// the server never takes, which [`Self::alloc`] refuses as such.
-    fn reservation(&self, value_len: u64) -> u64 {
-        match self.store.check_value_len(value_len) {
-            Ok(()) => value_len,
-            Err(_) => 0,
-        }
+    /// What an ALLOC of `value_len` bytes reserves; an error, and nothing
+    /// reserved, for a value the server never takes, which [`Self::alloc`]
+    /// refuses as such, whatever the client holds.
+    fn reservation(&self, value_len: u64) -> Result<u64> {
+        self.store.check_value_len(value_len).map(|()| value_len)
     }
 
     /// Makes the target an ALLOC reserved room for ([`Self::reserve_target`]).
@@ -379,17 +413,16 @@ impl Shared {
         req: &Request,
         key: &[u8],
     ) -> Result<Reply> {
+        let reserved = self.reservation(req.value_len)?;
         // Made without the lock: registering a large target takes long, and
         // the completion thread takes the lock when the client goes away.
         // Writable through a window on this client's QP only.
-        // A value too long is refused first, before anything is made.
         let made = self.store.target(key.len(), req.value_len, |mr| {
             conn.expose(mr, AccessFlags::REMOTE_WRITE).map_err(|e| {
                 log::warn!("exposing a write target: {e}");
                 KvError::NoMemory
             })
         });
-        let reserved = self.reservation(req.value_len);
         let mut targets = client.targets.lock().expect("target lock");
         match made {
             Ok(target) if !client.gone.load(Ordering::Acquire) => {

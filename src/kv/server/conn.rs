@@ -85,7 +85,7 @@ impl ConnHandler for ServerConn {
                     msg: self.shared.job_message(data),
                 };
                 if self.shared.queue_job(&tx, job) {
-                    return;
+                    return self.shared.targets_leaving(client, req, parts.1);
                 }
                 client.queued.fetch_sub(1, Ordering::AcqRel);
             }

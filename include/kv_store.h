@@ -281,6 +281,27 @@ int kv_server_set_target_bytes(kv_server_t *server, uint64_t bytes);
 int kv_server_get_target_bytes(const kv_server_t *server, uint64_t *out);
 
 /**
+ * Sets how many clients from one IP address may be connected (or setting
+ * up) at once (default 1024, as `max_connections`); beyond, a new one
+ * from that address is refused at once, as past `max_connections`. Each
+ * client has its own shares (queued requests, leases, write targets), so
+ * this bounds what one host takes by opening many connections. Applies
+ * to the next client. Returns KV_OK, or KV_ERR_INVALID_ARGUMENT for a
+ * NULL or unknown handle or a zero `count`.
+ */
+int kv_server_set_host_connections(kv_server_t *server, uint64_t count);
+
+/**
+ * Writes a server's clients-per-address limit (see
+ * `kv_server_set_host_connections`) to `*out`; KV_ERR_INVALID_ARGUMENT
+ * for a NULL or unknown handle or a NULL `out`.
+ *
+ * # Safety
+ * A non-NULL `out` must point to a writable `uint64_t`.
+ */
+int kv_server_get_host_connections(const kv_server_t *server, uint64_t *out);
+
+/**
  * The limits a server has now; KV_ERR_INVALID_ARGUMENT for a NULL or
  * unknown handle or a NULL `out`.
  *

@@ -6,7 +6,8 @@
 //! ([`MAX_WORKERS`], [`MAX_WORKER_QUEUE`]): both come from callers (the C
 //! `kv_config` and `kv_limits`), and both are allocated up front.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
+use std::net::IpAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -36,6 +37,14 @@ pub struct Limits {
     /// Clients connected (or still setting up) at once; beyond, a new one
     /// is refused (RDMA CM reject, or its socket closed).
     pub max_connections: usize,
+    /// Clients from one IP address connected (or still setting up) at
+    /// once; beyond, a new one from it is refused as above. The per-client
+    /// shares ([`Limits::target_bytes`], [`Limits::lease_bytes`],
+    /// [`Limits::client_jobs`]) are per connection, so this bounds what
+    /// one host can take by opening many. The default is
+    /// [`Limits::max_connections`]'s: lower it where each host runs few
+    /// clients.
+    pub host_connections: usize,
     /// Time a client has to finish connecting (handshake, QP exchange,
     /// ring advertisement); a silent one is dropped after it.
     pub setup_deadline: Duration,
@@ -75,6 +84,7 @@ impl Default for Limits {
     fn default() -> Self {
         Limits {
             max_connections: 1024,
+            host_connections: 1024,
             setup_deadline: crate::runtime::DEFAULT_SETUP_DEADLINE,
             reply_queue_bytes: 1 << 20,
             worker_queue: 4096,
@@ -208,5 +218,63 @@ impl Leases {
         if let Some(lease) = self.queue.pop_front() {
             self.bytes -= lease.block.len() as u64;
         }
+    }
+}
+/// Clients connected (or setting up) per IP address, against
+/// [`Limits::host_connections`]. An IPv4 address mapped into IPv6 counts
+/// as the IPv4 one, so a host cannot double its share by the family it
+/// connects with.
+#[derive(Default)]
+pub(crate) struct HostConnections(Mutex<HashMap<IpAddr, usize>>);
+
+impl HostConnections {
+    /// Counts a client from `ip` in, unless `cap` from it are connected.
+    pub(crate) fn admit(&self, ip: IpAddr, cap: usize) -> bool {
+        let mut hosts = self.0.lock().expect("hosts lock");
+        let count = hosts.entry(ip.to_canonical()).or_insert(0);
+        if *count >= cap {
+            return false;
+        }
+        *count += 1;
+        true
+    }
+
+    /// Counts a client [`Self::admit`] let in out again.
+    pub(crate) fn leave(&self, ip: IpAddr) {
+        let mut hosts = self.0.lock().expect("hosts lock");
+        let ip = ip.to_canonical();
+        if let Some(count) = hosts.get_mut(&ip) {
+            *count -= 1;
+            if *count == 0 {
+                hosts.remove(&ip);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::net::{Ipv4Addr, Ipv6Addr};
+
+    #[test]
+    fn a_host_gets_its_cap_whatever_the_family_and_others_are_counted_apart() {
+        let hosts = HostConnections::default();
+        let v4 = IpAddr::V4(Ipv4Addr::new(198, 18, 0, 1));
+        let mapped = IpAddr::V6(Ipv4Addr::new(198, 18, 0, 1).to_ipv6_mapped());
+        let other = IpAddr::V6(Ipv6Addr::LOCALHOST);
+        assert!(hosts.admit(v4, 2));
+        assert!(hosts.admit(mapped, 2));
+        assert!(!hosts.admit(v4, 2), "a third from one host");
+        assert!(!hosts.admit(mapped, 2), "the same host as IPv6");
+        assert!(hosts.admit(other, 2), "another host is counted apart");
+        hosts.leave(mapped);
+        assert!(hosts.admit(v4, 2), "a slot came back");
+        assert!(!hosts.admit(v4, 2));
+        for _ in 0..2 {
+            hosts.leave(v4);
+        }
+        hosts.leave(other);
+        assert!(hosts.0.lock().unwrap().is_empty(), "nothing kept per host");
     }
 }

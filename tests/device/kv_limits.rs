@@ -89,6 +89,42 @@ fn kv_limit_max_connections_refuses_at_once_and_counts() {
     assert_eq!(server.stats().refused_connections, 1);
 }
 
+/// Every client here comes from the device's one address: past
+/// `host_connections` of them, the next is refused at once, well below
+/// `max_connections`; a slot comes back when a client leaves, and a raised
+/// limit applies to the next client.
+#[test]
+#[ignore = "needs an RDMA device: run `make test`"]
+fn kv_limit_host_connections_refuses_a_host_past_its_share() {
+    let limits = Limits {
+        host_connections: 2,
+        ..Limits::default()
+    };
+    assert!(limits.max_connections > 2);
+    let (server, addr) = server(ConnMode::Cm, limits, 1);
+    let first = client(addr, ConnMode::Cm).unwrap();
+    let _second = client(addr, ConnMode::Cm).unwrap();
+    let start = Instant::now();
+    assert!(client(addr, ConnMode::Cm).is_err(), "a third from the host");
+    assert!(
+        start.elapsed() < Duration::from_secs(5),
+        "refused at once, not after a timeout: {:?}",
+        start.elapsed()
+    );
+    assert_eq!(server.stats().refused_connections, 1);
+    works(&first, "still-served");
+    drop(first);
+    until(&server, "the first client's slot is free", |s| {
+        s.clients == 1
+    });
+    let third = client(addr, ConnMode::Cm).unwrap();
+    works(&third, "again");
+    // Raised, it lets one more in.
+    server.update_limits(|l| l.host_connections = 3).unwrap();
+    works(&client(addr, ConnMode::Cm).unwrap(), "raised");
+    assert_eq!(server.stats().refused_connections, 1);
+}
+
 const DEADLINE: Duration = Duration::from_secs(2);
 
 /// A peer that connects and goes silent is dropped at the setup deadline,

@@ -80,6 +80,7 @@ unsafe fn from_c(p: *const kv_limits, others: &Limits) -> Limits {
         lease_bytes: addr_of!((*p).lease_bytes).read_unaligned(),
         lease_time: Duration::from_millis(addr_of!((*p).lease_time_ms).read_unaligned()),
         target_bytes: others.target_bytes,
+        host_connections: others.host_connections,
     }
 }
 
@@ -144,6 +145,38 @@ pub unsafe extern "C" fn kv_server_get_target_bytes(
     read_out(server, out, |l| l.target_bytes)
 }
 
+/// Sets how many clients from one IP address may be connected (or setting
+/// up) at once (default 1024, as `max_connections`); beyond, a new one
+/// from that address is refused at once, as past `max_connections`. Each
+/// client has its own shares (queued requests, leases, write targets), so
+/// this bounds what one host takes by opening many connections. Applies
+/// to the next client. Returns KV_OK, or KV_ERR_INVALID_ARGUMENT for a
+/// NULL or unknown handle or a zero `count`.
+#[no_mangle]
+pub extern "C" fn kv_server_set_host_connections(server: *mut kv_server, count: u64) -> c_int {
+    guard_or(KV_ERR_INVALID_ARGUMENT, || {
+        let Some(s) = SERVERS.get(server) else {
+            return KV_ERR_INVALID_ARGUMENT;
+        };
+        let count = usize::try_from(count).unwrap_or(usize::MAX);
+        code(s.update_limits(|l| l.host_connections = count))
+    })
+}
+
+/// Writes a server's clients-per-address limit (see
+/// `kv_server_set_host_connections`) to `*out`; KV_ERR_INVALID_ARGUMENT
+/// for a NULL or unknown handle or a NULL `out`.
+///
+/// # Safety
+/// A non-NULL `out` must point to a writable `uint64_t`.
+#[no_mangle]
+pub unsafe extern "C" fn kv_server_get_host_connections(
+    server: *const kv_server,
+    out: *mut u64,
+) -> c_int {
+    read_out(server, out, |l| l.host_connections as u64)
+}
+
 /// Writes what `pick` takes of a server's limits to `*out`.
 ///
 /// # Safety
@@ -206,6 +239,14 @@ mod tests {
                 kv_server_get_target_bytes(bogus, &mut bytes),
                 KV_ERR_INVALID_ARGUMENT
             );
+            assert_eq!(
+                kv_server_set_host_connections(bogus, 1),
+                KV_ERR_INVALID_ARGUMENT
+            );
+            assert_eq!(
+                kv_server_get_host_connections(bogus, &mut bytes),
+                KV_ERR_INVALID_ARGUMENT
+            );
             let mut out = c;
             assert_eq!(
                 kv_server_get_limits(bogus, &mut out),
@@ -226,15 +267,30 @@ mod tests {
         let mut out = kv_limits_default();
         let mut target_bytes = 0;
         // SAFETY: valid pointers to kv_limits and u64.
+        let mut host_connections = 0;
         unsafe {
             assert_eq!(kv_server_set_target_bytes(server, 5 << 20), KV_OK);
+            assert_eq!(kv_server_set_host_connections(server, 2), KV_OK);
             assert_eq!(kv_server_set_limits(server, &limits), KV_OK);
             assert_eq!(kv_server_get_limits(server, &mut out), KV_OK);
             assert_eq!(kv_server_get_target_bytes(server, &mut target_bytes), KV_OK);
             assert_eq!(
-                (out.max_connections, out.lease_time_ms, target_bytes),
-                (3, 1500, 5 << 20),
-                "set_limits keeps the share it has no field for"
+                kv_server_get_host_connections(server, &mut host_connections),
+                KV_OK
+            );
+            assert_eq!(
+                (
+                    out.max_connections,
+                    out.lease_time_ms,
+                    target_bytes,
+                    host_connections
+                ),
+                (3, 1500, 5 << 20, 2),
+                "set_limits keeps the limits it has no field for"
+            );
+            assert_eq!(
+                kv_server_set_host_connections(server, 0),
+                KV_ERR_INVALID_ARGUMENT
             );
             assert_eq!(
                 kv_server_set_target_bytes(server, 0),

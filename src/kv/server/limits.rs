@@ -182,6 +182,7 @@ pub(super) fn check_limits(l: &Limits) -> Result<()> {
     }
     let zero = [
         ("max_connections", l.max_connections == 0),
+        ("host_connections", l.host_connections == 0),
         ("setup_deadline", l.setup_deadline.is_zero()),
         ("reply_queue_bytes", l.reply_queue_bytes == 0),
         ("worker_queue", l.worker_queue == 0),

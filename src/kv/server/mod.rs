@@ -13,7 +13,7 @@
 //! values and leases.
 
 use std::fmt;
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, PoisonError, RwLock, Weak};
 use std::thread::JoinHandle;
@@ -25,7 +25,7 @@ use crate::runtime::{
 };
 use crate::verbs::{self, CmId, Context, EventChannel};
 
-use super::limits::{Episode, Leases, Limits, MAX_WORKERS};
+use super::limits::{Episode, HostConnections, Leases, Limits, MAX_WORKERS};
 use super::pool::SLAB_PAGE;
 use super::proto::{Request, REQUEST_LEN};
 use super::store::Store;
@@ -226,6 +226,8 @@ struct ClientState {
     targets: Mutex<Targets>,
     next_token: AtomicU64,
     worker: usize,
+    /// Its address, counted in [`Shared::hosts`] until it is forgotten.
+    host: Option<IpAddr>,
     /// Requests of this client waiting at or running on its worker, or
     /// served there with their answers not yet sent (at most 32 of them,
     /// for about 100 us: `threads::worker`).
@@ -247,6 +249,8 @@ struct Shared {
     limits: RwLock<Limits>,
     jobs: Mutex<Vec<Sender<Job>>>,
     next_client: AtomicUsize,
+    /// Clients per address, against [`Limits::host_connections`].
+    hosts: HostConnections,
     /// For the lease sweep.
     clients: Mutex<Vec<Weak<ClientState>>>,
     /// To the housekeeping thread, while running.
@@ -344,6 +348,7 @@ impl Server {
                 episodes: Episodes::default(),
                 jobs: Mutex::new(Vec::new()),
                 next_client: AtomicUsize::new(0),
+                hosts: HostConnections::default(),
                 clients: Mutex::new(Vec::new()),
                 chores: Mutex::new(None),
                 spare_msgs: spare_msgs(),
@@ -558,12 +563,24 @@ impl Shared {
             });
             return None;
         }
+        let host = conn.peer_addr().map(|a| a.ip());
+        if let Some(ip) = host {
+            let cap = self.limit(|l| l.host_connections);
+            if !self.hosts.admit(ip, cap) {
+                bump(&self.counters.refused_connections);
+                self.episodes.refused.hit(|| {
+                    format!("refusing {ip}: {cap} clients from it connected (the maximum)")
+                });
+                return None;
+            }
+        }
         let client = Arc::new(ClientState {
             request_buf: OnceLock::new(),
             leases: Mutex::new(Leases::default()),
             targets: Mutex::new(Targets::default()),
             next_token: AtomicU64::new(1),
             worker: self.next_client.fetch_add(1, Ordering::Relaxed),
+            host,
             queued: AtomicUsize::new(0),
             gone: AtomicBool::new(false),
         });
@@ -583,6 +600,9 @@ impl Shared {
             return;
         }
         self.counters.clients.fetch_sub(1, Ordering::Relaxed);
+        if let Some(ip) = client.host {
+            self.hosts.leave(ip);
+        }
         // A request that panicked holding one of these (the reason it is
         // forgotten, perhaps) left it poisoned; it is emptied all the same.
         client

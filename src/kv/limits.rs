@@ -178,14 +178,13 @@ impl Leases {
         ended
     }
 
-    pub fn remove(&mut self, token: u64) -> bool {
-        let Ok(at) = self.queue.binary_search_by_key(&token, |l| l.token) else {
-            return false;
-        };
-        if let Some(lease) = self.queue.remove(at) {
-            self.bytes -= lease.block.len() as u64;
-        }
-        true
+    /// Ends lease `token`; returns its value, for the caller to let go
+    /// once it has let go of the lock (a large value's unmapping is slow).
+    pub fn remove(&mut self, token: u64) -> Option<Arc<Block>> {
+        let at = self.queue.binary_search_by_key(&token, |l| l.token).ok()?;
+        let lease = self.queue.remove(at)?;
+        self.bytes -= lease.block.len() as u64;
+        Some(lease.block)
     }
 
     /// Ends the leases older than `ttl`; returns how many.

@@ -107,14 +107,23 @@ impl Shared {
         let id = req.req_id;
         if req.op == Op::Release {
             // Leases and write targets are numbered from one counter, so a
-            // number names one or the other.
-            let mut leases = client.leases.lock().expect("lease lock");
-            let mut targets = client.targets.lock().expect("target lock");
-            for n in req.released(key) {
-                if !leases.remove(n) {
-                    targets.take(n);
+            // number names one or the other. What they hold is let go once
+            // the locks are: unmapping a large value takes long, and the
+            // completion thread takes these locks for the client's next
+            // requests meanwhile (every client waits on that thread).
+            let mut values: SmallVec<[Arc<Block>; 32]> = SmallVec::new();
+            let mut targets: SmallVec<[Target; 4]> = SmallVec::new();
+            {
+                let mut leased = client.leases.lock().expect("lease lock");
+                let mut targeted = client.targets.lock().expect("target lock");
+                for n in req.released(key) {
+                    match leased.remove(n) {
+                        Some(value) => values.push(value),
+                        None => targets.extend(targeted.take(n)),
+                    }
                 }
             }
+            drop((values, targets));
             return None;
         }
         if req.op == Op::Hello {

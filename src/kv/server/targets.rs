@@ -223,5 +223,58 @@ mod tests {
                 prop_assert!(held + t.asked <= cap || count == 1);
             }
         }
+
+        /// The claim `leaving` rests on, in a model of one client: room is
+        /// reserved as an ALLOC arrives, a PUT or RELEASE marks its target
+        /// leaving as it is queued, and one worker serves the queue in
+        /// order. Whenever the worker makes a target, what is registered
+        /// for the client (leaving targets included) stays within the
+        /// share (past it only alone) and within MAX_TARGETS.
+        #[test]
+        fn what_is_registered_stays_within_the_share_when_a_target_is_made(
+            steps in proptest::collection::vec((0u8..4, 1u64..100), 1..300),
+            cap in 1u64..300,
+        ) {
+            enum Job {
+                Make(u64),
+                Take(u64),
+            }
+            let mut t = Targets::<u64>::default();
+            let mut queue = std::collections::VecDeque::new();
+            let mut next = 0u64;
+            for (what, n) in steps {
+                match what {
+                    // An ALLOC arrives.
+                    0 => {
+                        if t.reserve(n, cap).is_ok() {
+                            queue.push_back(Job::Make(n));
+                        }
+                    }
+                    // A PUT or RELEASE of a token, held, asked for or not.
+                    1 | 2 => {
+                        let token = next.saturating_sub(n % 4) + n % 2;
+                        queue.push_back(Job::Take(token));
+                        t.leaving(token);
+                    }
+                    // The worker serves the next request.
+                    _ => match queue.pop_front() {
+                        Some(Job::Make(len)) => {
+                            let registered: u64 = t.held.values().map(|h| h.target).sum();
+                            prop_assert!(t.held.len() < MAX_TARGETS);
+                            prop_assert!(
+                                registered + len <= cap || t.held.is_empty(),
+                                "{} registered and {} made, share {}", registered, len, cap
+                            );
+                            next += 1;
+                            t.answered(len, Some((next, len)));
+                        }
+                        Some(Job::Take(token)) => {
+                            t.take(token);
+                        }
+                        None => {}
+                    },
+                }
+            }
+        }
     }
 }

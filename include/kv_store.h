@@ -282,10 +282,11 @@ int kv_server_get_target_bytes(const kv_server_t *server, uint64_t *out);
 
 /**
  * Sets how many clients from one IP address may be connected (or setting
- * up) at once (default 1024, as `max_connections`); beyond, a new one
- * from that address is refused at once, as past `max_connections`. Each
- * client has its own shares (queued requests, leases, write targets), so
- * this bounds what one host takes by opening many connections. Applies
+ * up) at once (default UINT64_MAX: no limit besides `max_connections`);
+ * beyond, a new one from that address is refused at once, as past
+ * `max_connections`. Each client has its own shares (queued requests,
+ * leases, write targets), so this bounds what one host takes by opening
+ * many connections. Applies
  * to the next client. Returns KV_OK, or KV_ERR_INVALID_ARGUMENT for a
  * NULL or unknown handle or a zero `count`.
  */

@@ -52,9 +52,9 @@ struct Args {
     #[arg(long, default_value_t = Limits::default().max_connections)]
     max_connections: usize,
     /// Clients from one IP address connected (or connecting) at once; more
-    /// from it are refused.
-    #[arg(long, default_value_t = Limits::default().host_connections)]
-    host_connections: usize,
+    /// from it are refused (default: no limit besides --max-connections).
+    #[arg(long)]
+    host_connections: Option<usize>,
     /// Milliseconds a client has to finish connecting before it is dropped.
     #[arg(long, default_value_t = ms(Limits::default().setup_deadline))]
     setup_deadline_ms: u64,
@@ -107,7 +107,9 @@ fn main() -> ExitCode {
         max_value: args.max_value.unwrap_or(defaults.max_value),
         limits: Limits {
             max_connections: args.max_connections,
-            host_connections: args.host_connections,
+            host_connections: args
+                .host_connections
+                .unwrap_or(Limits::default().host_connections),
             setup_deadline: Duration::from_millis(args.setup_deadline_ms),
             reply_queue_bytes: args.reply_queue_bytes,
             worker_queue: args.worker_queue,

@@ -41,9 +41,9 @@ pub struct Limits {
     /// once; beyond, a new one from it is refused as above. The per-client
     /// shares ([`Limits::target_bytes`], [`Limits::lease_bytes`],
     /// [`Limits::client_jobs`]) are per connection, so this bounds what
-    /// one host can take by opening many. The default is
-    /// [`Limits::max_connections`]'s: lower it where each host runs few
-    /// clients.
+    /// one host can take by opening many. Default `usize::MAX`: no limit
+    /// besides [`Limits::max_connections`], as before it existed; set it
+    /// where each host runs few clients.
     pub host_connections: usize,
     /// Time a client has to finish connecting (handshake, QP exchange,
     /// ring advertisement); a silent one is dropped after it.
@@ -84,7 +84,7 @@ impl Default for Limits {
     fn default() -> Self {
         Limits {
             max_connections: 1024,
-            host_connections: 1024,
+            host_connections: usize::MAX,
             setup_deadline: crate::runtime::DEFAULT_SETUP_DEADLINE,
             reply_queue_bytes: 1 << 20,
             worker_queue: 4096,

@@ -14,7 +14,7 @@ use crate::kv::{check_key, KvError, Result, MAX_KEY_LEN};
 use crate::runtime::{Connection, Window};
 use crate::verbs::AccessFlags;
 
-use super::targets::NoRoom;
+use super::targets::{NoRoom, MAX_TARGETS};
 use super::{bump, ClientState, Shared, MAX_LEASES};
 
 /// A reply, and what its header is followed by on the wire.
@@ -61,6 +61,10 @@ impl Answer {
 /// Replies sent with one doorbell: as many as one round of completions
 /// delivers requests.
 pub(super) const REPLIES_PER_DOORBELL: usize = 32;
+
+/// Tokens one RELEASE names at most: its own, and one per 8 bytes of the
+/// longest key.
+const RELEASED_AT_MOST: usize = 1 + MAX_KEY_LEN / 8;
 
 impl Shared {
     /// Sends `answers` on `conn`, up to [`REPLIES_PER_DOORBELL`] with one
@@ -111,8 +115,8 @@ impl Shared {
             // the locks are: unmapping a large value takes long, and the
             // completion thread takes these locks for the client's next
             // requests meanwhile (every client waits on that thread).
-            let mut values: SmallVec<[Arc<Block>; 32]> = SmallVec::new();
-            let mut targets: SmallVec<[Target; 4]> = SmallVec::new();
+            let mut values: SmallVec<[Arc<Block>; RELEASED_AT_MOST]> = SmallVec::new();
+            let mut targets: SmallVec<[Target; MAX_TARGETS]> = SmallVec::new();
             {
                 let mut leased = client.leases.lock().expect("lease lock");
                 let mut targeted = client.targets.lock().expect("target lock");

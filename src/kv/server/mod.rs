@@ -23,7 +23,6 @@ use crossbeam_channel::{bounded, Receiver, Sender};
 use crate::runtime::{
     self, AcceptHook, CommMode, ConnHandler, Connection, Listener, Options, PdProvider, Window,
 };
-use crate::verbs::{self, CmId, Context, EventChannel};
 
 use super::limits::{Episode, HostConnections, Leases, Limits, MAX_WORKERS};
 use super::pool::SLAB_PAGE;
@@ -36,12 +35,14 @@ use super::{
 
 mod answer;
 mod conn;
+mod device;
 mod limits;
 mod targets;
 mod threads;
 
 use answer::Answer;
 use conn::ServerConn;
+use device::{only_device, socket_device};
 use limits::check_limits;
 use targets::Targets;
 
@@ -430,7 +431,9 @@ impl Server {
         let listener = match cfg.conn_mode {
             ConnMode::Cm => Listener::bind_shared(cfg.addr, &opts, on_accept, Some(pds)),
             ConnMode::Socket => {
-                Listener::bind_socket(cfg.addr, cfg.device.as_deref(), &opts, on_accept, Some(pds))
+                socket_device(&self.shared.store, cfg.device.as_deref()).and_then(|ctx| {
+                    Listener::bind_socket_on(cfg.addr, ctx, &opts, on_accept, Some(pds))
+                })
             }
         }
         .map_err(|e| KvError::Internal(format!("listening on {}: {e}", cfg.addr)))?;
@@ -649,27 +652,6 @@ impl Shared {
         // this thread serves every client.
         conn.drop_peer("malformed request");
     }
-}
-
-/// The device a wildcard listener will serve when the machine has just one:
-/// RDMA CM's own context for it (the one accepted connections get), from an
-/// id bound to the device's address. `None` when that is not clear.
-fn only_device(listen: SocketAddr) -> Option<Context> {
-    if !listen.ip().is_unspecified() {
-        return None;
-    }
-    let devices = verbs::devices().ok()?;
-    let [only] = &devices[..] else {
-        return None;
-    };
-    let ip = Context::open(Some(&only.name))
-        .ok()?
-        .ipv4_address(1)
-        .ok()??;
-    let channel = EventChannel::new().ok()?;
-    let id = CmId::new(&channel).ok()?;
-    id.bind(SocketAddr::new(ip.into(), 0)).ok()?;
-    id.context()
 }
 
 #[cfg(test)]

@@ -117,7 +117,18 @@ impl Listener {
         on_accept: Box<AcceptHook>,
         pds: Option<Box<PdProvider>>,
     ) -> Result<Listener> {
-        let ctx = Context::open(device)?;
+        Listener::bind_socket_on(addr, Context::open(device)?, opts, on_accept, pds)
+    }
+
+    /// [`Listener::bind_socket`] on a device already open: a server started
+    /// again keeps the context its memory is registered with.
+    pub fn bind_socket_on(
+        addr: SocketAddr,
+        ctx: Context,
+        opts: &Options,
+        on_accept: Box<AcceptHook>,
+        pds: Option<Box<PdProvider>>,
+    ) -> Result<Listener> {
         let tcp = TcpListener::bind(addr)
             .and_then(|l| l.set_nonblocking(true).map(|()| l))
             .map_err(|e| Error::Socket(format!("listening on {addr}: {e}")))?;
@@ -299,6 +310,8 @@ impl Listener {
         for (key, hs) in handshakes {
             self.inner.rt.cm.remove(key);
             hs.hs.conn.close();
+            // Its handler was given it at accept: it hears that it ended.
+            hs.hs.conn.retire();
         }
         for slot in [&self.inner.source, &self.inner.reaper] {
             let key = slot.swap(0, Ordering::SeqCst);
@@ -350,6 +363,9 @@ impl Listener {
         let serving = self.inner.serving.lock().expect("listener lock");
         if !*serving {
             let _ = id.reject(&[]);
+            drop(serving);
+            // Its handler was given it above: it hears that it ended.
+            conn.retire();
             return;
         }
         self.inner.rt.remember_accepted(listen_id.id_ref(), &conn);

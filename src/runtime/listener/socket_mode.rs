@@ -124,6 +124,9 @@ impl Listener {
         // As for RDMA CM: none accepted after a release has swept.
         let serving = self.inner.serving.lock().expect("listener lock");
         if !*serving {
+            drop(serving);
+            // Its handler was given it above: it hears that it ended.
+            conn.retire();
             return Ok(());
         }
         let hs = match Handshake::start(conn.clone(), stream, prepared, self.inner.deadline()) {

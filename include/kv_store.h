@@ -286,9 +286,8 @@ int kv_server_get_target_bytes(const kv_server_t *server, uint64_t *out);
  * beyond, a new one from that address is refused at once, as past
  * `max_connections`. Each client has its own shares (queued requests,
  * leases, write targets), so this bounds what one host takes by opening
- * many connections. Applies
- * to the next client. Returns KV_OK, or KV_ERR_INVALID_ARGUMENT for a
- * NULL or unknown handle or a zero `count`.
+ * many connections. Applies to the next client. Returns KV_OK, or
+ * KV_ERR_INVALID_ARGUMENT for a NULL or unknown handle or a zero `count`.
  */
 int kv_server_set_host_connections(kv_server_t *server, uint64_t count);
 

@@ -150,9 +150,8 @@ pub unsafe extern "C" fn kv_server_get_target_bytes(
 /// beyond, a new one from that address is refused at once, as past
 /// `max_connections`. Each client has its own shares (queued requests,
 /// leases, write targets), so this bounds what one host takes by opening
-/// many connections. Applies
-/// to the next client. Returns KV_OK, or KV_ERR_INVALID_ARGUMENT for a
-/// NULL or unknown handle or a zero `count`.
+/// many connections. Applies to the next client. Returns KV_OK, or
+/// KV_ERR_INVALID_ARGUMENT for a NULL or unknown handle or a zero `count`.
 #[no_mangle]
 pub extern "C" fn kv_server_set_host_connections(server: *mut kv_server, count: u64) -> c_int {
     guard_or(KV_ERR_INVALID_ARGUMENT, || {

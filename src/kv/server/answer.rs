@@ -355,12 +355,8 @@ impl Shared {
 
     /// The write target a PUT names, taken from the client's list.
     fn target_named(&self, client: &ClientState, req: &Request) -> Option<Target> {
-        match (req.op, req.source) {
-            (Op::Write, Source::Allocated { token }) => {
-                client.targets.lock().expect("target lock").take(token)
-            }
-            _ => None,
-        }
+        let token = committed_token(req)?;
+        client.targets.lock().expect("target lock").take(token)
     }
 
     /// A request queued for the worker that takes write targets (a PUT
@@ -369,13 +365,12 @@ impl Shared {
     /// of the request ([`Self::target_named`], the RELEASE in
     /// [`Self::answer`]), before any target asked for after.
     pub(super) fn targets_leaving(&self, client: &ClientState, req: &Request, key: &[u8]) {
-        let named = match (req.op, req.source) {
-            (Op::Write, Source::Allocated { token }) => Some(token),
-            (Op::Release, _) => None,
-            _ => return,
-        };
+        let committed = committed_token(req);
+        if committed.is_none() && req.op != Op::Release {
+            return;
+        }
         let mut targets = client.targets.lock().expect("target lock");
-        match named {
+        match committed {
             Some(token) => targets.leaving(token),
             None => req.released(key).for_each(|n| targets.leaving(n)),
         }
@@ -458,5 +453,13 @@ impl Shared {
                 other.and(Err(KvError::NoMemory))
             }
         }
+    }
+}
+
+/// The write target a PUT commits, if it names one.
+fn committed_token(req: &Request) -> Option<u64> {
+    match (req.op, req.source) {
+        (Op::Write, Source::Allocated { token }) => Some(token),
+        _ => None,
     }
 }

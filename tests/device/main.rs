@@ -15,6 +15,7 @@ mod fairness;
 mod hostile;
 mod hostile_links;
 mod kv;
+mod kv_connections;
 mod kv_limits;
 mod kv_programs;
 mod kv_strings;

@@ -37,7 +37,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         &opts,
         Box::new(|_| Some(Arc::new(Echo) as Arc<dyn ConnHandler>)),
     )?;
-    server.start();
+    server.start()?;
     let addr = server.local_addr().ok_or("no address")?;
 
     let (tx, rx) = mpsc::channel();

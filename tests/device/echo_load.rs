@@ -410,7 +410,7 @@ fn sleepy_pair(sender: Options) -> (snowrdma::runtime::Listener, Arc<SleepyRecei
         Box::new(move |_| Some(r2.clone() as Arc<dyn ConnHandler>)),
     )
     .unwrap();
-    l.start();
+    l.start().unwrap();
     let conn = Connection::connect(
         l.local_addr().unwrap(),
         &sender,

@@ -297,7 +297,7 @@ fn a_panicking_handler_ends_only_its_connection() {
         Box::new(|_| Some(Arc::new(Touchy) as Arc<dyn ConnHandler>)),
     )
     .unwrap();
-    listener.start();
+    listener.start().unwrap();
     let addr = listener.local_addr().unwrap();
     let opts = Options::default();
     let doomed = Arc::new(Collect::default());
@@ -427,7 +427,7 @@ fn liar_and_client(answer: Answer) -> (Listener, Client) {
         Box::new(move |_| Some(Arc::new(Liar { answer }) as Arc<dyn ConnHandler>)),
     )
     .unwrap();
-    liar.start();
+    liar.start().unwrap();
     let opts = ClientOptions {
         timeout: Duration::from_secs(30),
         ..ClientOptions::default()

@@ -576,7 +576,7 @@ fn a_socket_listener_without_a_reserve_waits_idle_for_descriptors() {
         drop(hogs.pop().expect("the listener never bound"));
         let echo = Box::new(|_: &Connection| Some(Arc::new(Echo) as Arc<dyn ConnHandler>));
         if let Ok(server) = Listener::bind_socket(any_port, None, &opts, echo, None) {
-            server.start();
+            server.start().unwrap();
             let addr = server.local_addr().unwrap();
             break (server, addr);
         }

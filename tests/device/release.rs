@@ -36,7 +36,7 @@ pub(crate) fn serve(socket: bool, opts: &Options, hook: Box<AcceptHook>) -> (Lis
         false => Listener::bind(any_port, opts, hook),
     }
     .unwrap();
-    server.start();
+    server.start().unwrap();
     let addr = server.local_addr().unwrap();
     (server, addr)
 }
@@ -128,5 +128,59 @@ fn a_connection_accepted_while_the_listener_is_released_is_refused() {
             }
         }
         thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// A start that comes after the release (a thread that looked the listener
+/// up before another released it, as `rdmaServerStart` racing
+/// `rdmaServerRelease`) is refused: it neither serves nor waits, and the
+/// port is free for a new listener. Before, it watched the released
+/// listener again, its caller waited for a stop nobody could send, and the
+/// port stayed bound.
+#[test]
+#[ignore = "needs an RDMA device: run `make test`"]
+fn a_start_after_the_release_is_refused_and_gives_the_port_back() {
+    for socket in [false, true] {
+        let opts = blocking();
+        let hook = || {
+            Box::new(|_: &Connection| Some(Arc::new(Collect::default()) as Arc<dyn ConnHandler>))
+        };
+        let (server, addr) = serve(socket, &opts, hook());
+        server.release();
+        assert!(
+            server.start().is_err(),
+            "socket mode {socket}: started after its release"
+        );
+        let waiting = {
+            let server = server.clone();
+            thread::spawn(move || server.wait_stopped())
+        };
+        let deadline = Instant::now() + TIMEOUT;
+        while !waiting.is_finished() {
+            assert!(
+                Instant::now() < deadline,
+                "socket mode {socket}: waits for a stop for good"
+            );
+            thread::sleep(Duration::from_millis(10));
+        }
+        waiting.join().unwrap();
+        // The last holder gone, the port is free: nothing the release
+        // left (a watched channel or socket) keeps the listener.
+        drop(server);
+        let deadline = Instant::now() + Duration::from_secs(2);
+        loop {
+            let again = match socket {
+                true => Listener::bind_socket(addr, None, &opts, hook(), None),
+                false => Listener::bind(addr, &opts, hook()),
+            };
+            match again {
+                Ok(_) => break,
+                Err(e) => assert!(
+                    Instant::now() < deadline,
+                    "socket mode {socket}: the port is still bound: {e}"
+                ),
+            }
+            thread::sleep(Duration::from_millis(20));
+        }
     }
 }

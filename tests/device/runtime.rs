@@ -83,7 +83,7 @@ pub fn serve(opts: &Options, handler: Arc<dyn ConnHandler>) -> (Listener, Socket
         Box::new(move |_| Some(handler.clone())),
     )
     .unwrap();
-    l.start();
+    l.start().unwrap();
     let addr = l.local_addr().unwrap();
     (l, addr)
 }
@@ -408,7 +408,7 @@ fn a_full_ring_and_send_queue_make_a_non_blocking_send_return_zero() {
         Box::new(move |_| Some(Arc::new(Park(g.clone())) as Arc<dyn ConnHandler>)),
     )
     .unwrap();
-    server.start();
+    server.start().unwrap();
     let conn = Connection::connect(
         server.local_addr().unwrap(),
         &opts,

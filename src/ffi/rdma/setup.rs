@@ -99,7 +99,8 @@ pub unsafe extern "C" fn rdmaServer(
 
 /// Accepts connections until `rdmaServerStop` (from another thread or a
 /// callback); blocks the calling thread meanwhile. Returns `RDMA_OK`, or
-/// `RDMA_ERR` for an unknown listener.
+/// `RDMA_ERR` for an unknown listener or one released (by another thread)
+/// before it could start.
 ///
 /// # Safety
 /// `listener` may be anything; unknown pointers are refused.
@@ -109,7 +110,11 @@ pub unsafe extern "C" fn rdmaServerStart(listener: *mut RdmaListener) -> c_int {
         let Some(l) = lookup_listener(listener, "rdmaServerStart") else {
             return RDMA_ERR;
         };
-        l.listener.start();
+        // Released by another thread since the lookup: nothing to serve.
+        if let Err(e) = l.listener.start() {
+            log::warn!("rdmaServerStart: {e}");
+            return RDMA_ERR;
+        }
         l.listener.wait_stopped();
         RDMA_OK
     })

@@ -443,7 +443,10 @@ impl Server {
         if let Some(ctx) = listener.device().or_else(|| only_device(cfg.addr)) {
             self.shared.store.attach(&ctx)?;
         }
-        listener.start();
+        // A listener made here, released only through `slot`: it starts.
+        listener
+            .start()
+            .map_err(|e| KvError::Internal(format!("starting the listener: {e}")))?;
         *slot = Some(listener);
         Ok(())
     }

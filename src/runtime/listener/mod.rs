@@ -226,8 +226,15 @@ impl Listener {
     }
 
     /// Starts accepting connections (on the runtime's CM thread).
-    pub fn start(&self) {
+    /// [`Error::Disconnected`] once the listener is released: its port is
+    /// given back and nothing may watch it again (a start racing the
+    /// release on another thread would otherwise serve, and wait, for
+    /// good).
+    pub fn start(&self) -> Result<()> {
         let mut serving = self.inner.serving.lock().expect("listener lock");
+        if self.inner.released.load(Ordering::SeqCst) {
+            return Err(Error::Disconnected);
+        }
         *serving = true;
         self.watch_listening();
         if self.inner.reaper.load(Ordering::SeqCst) == 0 {
@@ -235,6 +242,7 @@ impl Listener {
             let key = self.inner.rt.cm.add(reaper);
             self.inner.reaper.store(key, Ordering::SeqCst);
         }
+        Ok(())
     }
 
     /// Has the CM thread watch the listening channel or socket, unless it
@@ -279,8 +287,14 @@ impl Listener {
     /// Stops, closes the connections this listener accepted, and stops
     /// listening.
     pub fn release(&self) {
-        self.stop();
-        if self.inner.released.swap(true, Ordering::SeqCst) {
+        // Under the `serving` lock, which `start` checks it under: a start
+        // after this point is refused, one before it is undone below.
+        let mut serving = self.inner.serving.lock().expect("listener lock");
+        *serving = false;
+        let again = self.inner.released.swap(true, Ordering::SeqCst);
+        drop(serving);
+        self.inner.cond.notify_all();
+        if again {
             return;
         }
         let conns = match &self.inner.endpoint {

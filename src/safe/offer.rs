@@ -17,7 +17,7 @@ use std::task::{Context, Poll};
 use super::error::{Error, Result};
 use super::op::Op;
 use super::qp::{Connected, Qp, Rts};
-use super::region::{sealed, Local, RawHold};
+use super::region::{sealed, Local, RawHold, TOKEN};
 use crate::verbs::{AccessFlags, MemoryWindow, QueuePair, RemoteRegion, Sge};
 
 /// The rights an offer can give.
@@ -84,15 +84,16 @@ pub struct Binding<S> {
 impl<S: Local> sealed::Sealed for Binding<S> {}
 
 impl<S: Local> Local for Binding<S> {
-    fn sge(&self) -> Option<Sge> {
+    fn sge(&self, _: sealed::Token) -> Option<Sge> {
         None
     }
-    fn park(self, into: &mut Vec<RawHold>) {
+    fn park(self, into: &mut Vec<RawHold>, token: sealed::Token) {
         into.push(RawHold::keep((self.window, self.qp)));
-        self.mem.park(into);
+        self.mem.park(into, token);
     }
     fn offer_parts(
         &self,
+        _: sealed::Token,
     ) -> Option<(
         &crate::verbs::MemoryRegion,
         std::ops::Range<usize>,
@@ -227,7 +228,7 @@ fn check_offer<S: Local>(
     AccessFlags,
 )> {
     let (mr, bytes, most) = mem
-        .offer_parts()
+        .offer_parts(TOKEN)
         .ok_or_else(|| Error::invalid("there is no memory to offer"))?;
     if access.is_empty() || !REMOTE.contains(access) {
         return Err(Error::invalid(format!(

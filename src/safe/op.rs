@@ -7,7 +7,7 @@ use std::task::{Context, Poll};
 
 use super::cq::{CqShared, Ticket};
 use super::error::Result;
-use super::region::{Local, RawHold};
+use super::region::{Local, RawHold, TOKEN};
 use crate::verbs::{self, WcOpcode, WcStatus};
 
 /// A posted operation. It owns its memory until the completion arrives, then
@@ -92,14 +92,16 @@ impl<S: Local + Unpin> Future for Op<S> {
         }
         let wc = match this.cq.poll_ticket(this.ticket, cx) {
             Poll::Pending => return Poll::Pending,
-            Poll::Ready(r) => r,
+            // Polling the CQ failed: this operation did not complete, and
+            // the device may still use its memory, which it keeps (until
+            // a later poll resolves it, or a drop parks it).
+            Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
+            Poll::Ready(Ok(wc)) => wc,
         };
         let mem = this.mem.take().expect("checked above");
         this.keep = None;
-        Poll::Ready(wc.and_then(|wc| {
-            let wc = wc.into_result()?;
-            Ok(Completion { wc, mem })
-        }))
+        let wc = wc.into_result()?;
+        Poll::Ready(Ok(Completion { wc, mem }))
     }
 }
 
@@ -107,7 +109,7 @@ impl<S: Local> Drop for Op<S> {
     fn drop(&mut self) {
         if let Some(mem) = self.mem.take() {
             let mut holds = Vec::new();
-            mem.park(&mut holds);
+            mem.park(&mut holds, TOKEN);
             holds.extend(self.keep.take());
             self.cq.cancel(self.ticket, holds);
         }
@@ -144,9 +146,11 @@ impl Future for BatchOp {
         }
         match this.cq.poll_ticket(this.ticket, cx) {
             Poll::Pending => Poll::Pending,
-            Poll::Ready(r) => {
+            // As for an `Op`: the batch is still on the device.
+            Poll::Ready(Err(e)) => Poll::Ready(Err(e)),
+            Poll::Ready(Ok(wc)) => {
                 this.holds = None;
-                Poll::Ready(r.and_then(|wc| Ok(wc.into_result()?)))
+                Poll::Ready(Ok(wc.into_result()?))
             }
         }
     }

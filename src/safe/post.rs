@@ -8,7 +8,7 @@ use super::cq::Ticket;
 use super::error::{Error, Result};
 use super::op::{BatchOp, Op};
 use super::qp::{CanRecv, Connected, Qp, QpCore, Rc, Rts};
-use super::region::{AtomicTarget, Local, RawHold, Writable};
+use super::region::{AtomicTarget, Local, RawHold, Writable, TOKEN};
 use crate::verbs::{RemoteAddr, RemoteRegion, SendOp, SendRequest, Sge};
 
 /// The remote address `offset` bytes into `remote`, for an access of `len`
@@ -40,7 +40,7 @@ fn sges(sge: &Option<Sge>) -> &[Sge] {
 impl QpCore {
     /// Posts one signaled send-queue request over `mem`.
     fn post_one<S: Local>(&self, op: SendOp, mem: S) -> Result<Op<S>> {
-        let sge = mem.sge();
+        let sge = mem.sge(TOKEN);
         let ticket = self.send.open();
         let req = SendRequest::new(ticket.wr_id(true), op, sges(&sge));
         // SAFETY: `mem` moves into the returned Op, which keeps it (or parks
@@ -56,7 +56,7 @@ impl QpCore {
     }
 
     pub(crate) fn post_recv<W: Writable>(&self, mem: W) -> Result<Op<W>> {
-        let sge = mem.sge();
+        let sge = mem.sge(TOKEN);
         let ticket = self.recv.open();
         // SAFETY: as in post_one; the segment is read-write, so nobody else
         // reads or writes it meanwhile.
@@ -92,7 +92,7 @@ impl<T: Connected> Qp<T, Rts> {
     /// Writes `mem` to `offset` bytes into `remote`; refused before posting
     /// when it does not fit.
     pub fn write<S: Local>(&self, mem: S, remote: &RemoteRegion, offset: u64) -> Result<Op<S>> {
-        let to = remote_at(remote, offset, bytes(mem.sge()))?;
+        let to = remote_at(remote, offset, bytes(mem.sge(TOKEN)))?;
         self.core.post_one(SendOp::Write(to), mem)
     }
 
@@ -105,7 +105,7 @@ impl<T: Connected> Qp<T, Rts> {
         offset: u64,
         imm: u32,
     ) -> Result<Op<S>> {
-        let to = remote_at(remote, offset, bytes(mem.sge()))?;
+        let to = remote_at(remote, offset, bytes(mem.sge(TOKEN)))?;
         self.core.post_one(SendOp::WriteWithImm(to, imm), mem)
     }
 
@@ -124,7 +124,7 @@ impl<T: Connected> Qp<T, Rts> {
 impl Qp<Rc, Rts> {
     /// Reads `offset` bytes into `remote` into `mem`.
     pub fn read<W: Writable>(&self, mem: W, remote: &RemoteRegion, offset: u64) -> Result<Op<W>> {
-        let from = remote_at(remote, offset, bytes(mem.sge()))?;
+        let from = remote_at(remote, offset, bytes(mem.sge(TOKEN)))?;
         self.core.post_one(SendOp::Read(from), mem)
     }
 
@@ -165,7 +165,7 @@ impl Qp<Rc, Rts> {
 }
 
 fn atomic_at<A: AtomicTarget>(old: &A, remote: &RemoteRegion, offset: u64) -> Result<RemoteAddr> {
-    if bytes(old.sge()) != 8 {
+    if bytes(old.sge(TOKEN)) != 8 {
         return Err(Error::invalid("an atomic's result segment is one u64"));
     }
     let at = remote_at(remote, offset, 8)?;
@@ -190,8 +190,8 @@ pub struct Batch<'q, T> {
 
 impl<T: Connected> Batch<'_, T> {
     fn push<S: Local>(&mut self, op: SendOp, mem: S) -> &mut Self {
-        self.reqs.push((op, mem.sge()));
-        mem.park(&mut self.holds);
+        self.reqs.push((op, mem.sge(TOKEN)));
+        mem.park(&mut self.holds, TOKEN);
         self
     }
 
@@ -209,7 +209,7 @@ impl<T: Connected> Batch<'_, T> {
         remote: &RemoteRegion,
         offset: u64,
     ) -> Result<&mut Self> {
-        let to = remote_at(remote, offset, bytes(mem.sge()))?;
+        let to = remote_at(remote, offset, bytes(mem.sge(TOKEN)))?;
         Ok(self.push(SendOp::Write(to), mem))
     }
 
@@ -220,7 +220,7 @@ impl<T: Connected> Batch<'_, T> {
         offset: u64,
         imm: u32,
     ) -> Result<&mut Self> {
-        let to = remote_at(remote, offset, bytes(mem.sge()))?;
+        let to = remote_at(remote, offset, bytes(mem.sge(TOKEN)))?;
         Ok(self.push(SendOp::WriteWithImm(to, imm), mem))
     }
 
@@ -272,7 +272,7 @@ impl Batch<'_, Rc> {
         remote: &RemoteRegion,
         offset: u64,
     ) -> Result<&mut Self> {
-        let from = remote_at(remote, offset, bytes(mem.sge()))?;
+        let from = remote_at(remote, offset, bytes(mem.sge(TOKEN)))?;
         Ok(self.push(SendOp::Read(from), mem))
     }
 }

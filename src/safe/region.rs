@@ -33,6 +33,10 @@ impl std::fmt::Debug for ProtectionDomain {
     }
 }
 
+/// The alignment an allocated region's memory (an anonymous mapping) is
+/// sure to have: the smallest page.
+const PAGE_ALIGN: usize = 4096;
+
 /// The remote rights an offer may grant.
 const REMOTE: AccessFlags = AccessFlags::REMOTE_READ
     .union(AccessFlags::REMOTE_WRITE)
@@ -79,6 +83,14 @@ impl ProtectionDomain {
             .checked_mul(std::mem::size_of::<T>())
             .filter(|&b| b > 0)
             .ok_or_else(|| Error::invalid(format!("cannot allocate {n} elements")))?;
+        // The memory is mapped: aligned to a page, and no more.
+        if std::mem::align_of::<T>() > PAGE_ALIGN {
+            return Err(Error::invalid(format!(
+                "{} is aligned to {} bytes; allocated regions are aligned to {PAGE_ALIGN}",
+                std::any::type_name::<T>(),
+                std::mem::align_of::<T>()
+            )));
+        }
         check_remote(remote)?;
         let mr = self.pd.allocate(bytes, local_access())?;
         Ok(MemoryRegion::new(mr, None, n, remote))
@@ -452,16 +464,40 @@ impl<T: Pod + Send + Sync> RwSegment<T> {
 }
 
 /// Memory an operation may take: either kind of segment, or [`NoBuffer`].
+///
+/// Its methods are the library's: each takes a token, which
+/// only this crate can make, so no program reaches through a segment to
+/// its region's whole registration (`offer_parts` hands out the region
+/// itself, whose bytes other segments may be writing):
+///
+/// ```compile_fail
+/// use snowrdma::safe::Local;
+/// fn whole_region<L: Local>(seg: &L) -> &[u8] {
+///     seg.offer_parts().unwrap().0.as_slice()
+/// }
+/// ```
+///
+/// nor makes a token:
+///
+/// ```compile_fail
+/// use snowrdma::safe::Local;
+/// fn whole_region<L: Local>(seg: &L) -> &[u8] {
+///     seg.offer_parts(Default::default()).unwrap().0.as_slice()
+/// }
+/// ```
 pub trait Local: Send + Sync + 'static + sealed::Sealed {
     #[doc(hidden)]
-    fn sge(&self) -> Option<Sge>;
+    fn sge(&self, _: sealed::Token) -> Option<Sge>;
     /// Moves what keeps the memory alive (and off limits) into `into`.
     #[doc(hidden)]
-    fn park(self, into: &mut Vec<RawHold>);
+    fn park(self, into: &mut Vec<RawHold>, _: sealed::Token);
     /// The region, byte range and the most remote rights an offer of this
     /// memory may grant.
     #[doc(hidden)]
-    fn offer_parts(&self) -> Option<(&verbs::MemoryRegion, Range<usize>, AccessFlags)>;
+    fn offer_parts(
+        &self,
+        _: sealed::Token,
+    ) -> Option<(&verbs::MemoryRegion, Range<usize>, AccessFlags)>;
 }
 
 /// Memory the device may write: a read-write segment (or no memory at all,
@@ -476,8 +512,16 @@ pub trait AtomicTarget: Writable {}
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct NoBuffer;
 
+pub(crate) use sealed::TOKEN;
+
 pub(crate) mod sealed {
     pub trait Sealed {}
+
+    /// Proof that a caller of [`super::Local`]'s methods is this crate.
+    #[derive(Clone, Copy)]
+    pub struct Token(());
+
+    pub(crate) const TOKEN: Token = Token(());
 }
 
 impl sealed::Sealed for NoBuffer {}
@@ -485,11 +529,14 @@ impl<T: Pod + Send + Sync> sealed::Sealed for RoSegment<T> {}
 impl<T: Pod + Send + Sync> sealed::Sealed for RwSegment<T> {}
 
 impl Local for NoBuffer {
-    fn sge(&self) -> Option<Sge> {
+    fn sge(&self, _: sealed::Token) -> Option<Sge> {
         None
     }
-    fn park(self, _: &mut Vec<RawHold>) {}
-    fn offer_parts(&self) -> Option<(&verbs::MemoryRegion, Range<usize>, AccessFlags)> {
+    fn park(self, _: &mut Vec<RawHold>, _: sealed::Token) {}
+    fn offer_parts(
+        &self,
+        _: sealed::Token,
+    ) -> Option<(&verbs::MemoryRegion, Range<usize>, AccessFlags)> {
         None
     }
 }
@@ -510,25 +557,31 @@ impl<T: Pod + Send + Sync> Seg<T> {
 }
 
 impl<T: Pod + Send + Sync> Local for RoSegment<T> {
-    fn sge(&self) -> Option<Sge> {
+    fn sge(&self, _: sealed::Token) -> Option<Sge> {
         Some(self.raw.sge())
     }
-    fn park(self, into: &mut Vec<RawHold>) {
+    fn park(self, into: &mut Vec<RawHold>, _: sealed::Token) {
         into.push(self.raw.into_hold());
     }
-    fn offer_parts(&self) -> Option<(&verbs::MemoryRegion, Range<usize>, AccessFlags)> {
+    fn offer_parts(
+        &self,
+        _: sealed::Token,
+    ) -> Option<(&verbs::MemoryRegion, Range<usize>, AccessFlags)> {
         Some(self.raw.offer_parts(false))
     }
 }
 
 impl<T: Pod + Send + Sync> Local for RwSegment<T> {
-    fn sge(&self) -> Option<Sge> {
+    fn sge(&self, _: sealed::Token) -> Option<Sge> {
         Some(self.raw.sge())
     }
-    fn park(self, into: &mut Vec<RawHold>) {
+    fn park(self, into: &mut Vec<RawHold>, _: sealed::Token) {
         into.push(self.raw.into_hold());
     }
-    fn offer_parts(&self) -> Option<(&verbs::MemoryRegion, Range<usize>, AccessFlags)> {
+    fn offer_parts(
+        &self,
+        _: sealed::Token,
+    ) -> Option<(&verbs::MemoryRegion, Range<usize>, AccessFlags)> {
         Some(self.raw.offer_parts(true))
     }
 }

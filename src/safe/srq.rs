@@ -10,7 +10,7 @@ use rdma_sys as sys;
 use super::cq::CompletionQueue;
 use super::error::Result;
 use super::op::Op;
-use super::region::{ProtectionDomain, Writable};
+use super::region::{ProtectionDomain, Writable, TOKEN};
 use crate::verbs;
 
 pub(crate) struct SrqInner {
@@ -79,7 +79,7 @@ impl SharedReceiveQueue {
     /// Posts a receive into `mem`, for whichever queue pair gets a message
     /// first.
     pub fn recv<W: Writable>(&self, mem: W) -> Result<Op<W>> {
-        let sge = mem.sge();
+        let sge = mem.sge(TOKEN);
         let cq = &self.inner.cq.shared;
         let ticket = cq.open();
         // SAFETY: all-zero is a valid ibv_recv_wr.

@@ -10,7 +10,7 @@ use rdma_sys as sys;
 use super::error::{Error, Result};
 use super::op::Op;
 use super::qp::{CanRecv, Qp, Rts, Ud};
-use super::region::{Holder, Local, RawHold, Writable};
+use super::region::{Holder, Local, RawHold, Writable, TOKEN};
 use super::segments::HoldId;
 use crate::verbs::{self, QpInfo};
 
@@ -19,7 +19,8 @@ pub const GRH_LEN: usize = 40;
 
 struct AhInner {
     ah: NonNull<sys::ibv_ah>,
-    _pd: verbs::ProtectionDomain,
+    /// The PD it was made in: only QPs of that PD may send through it.
+    pd: verbs::ProtectionDomain,
 }
 
 // SAFETY: an address handle is an immutable provider object.
@@ -57,7 +58,7 @@ impl<S> Qp<Ud, S> {
         let ah = unsafe { sys::ibv_create_ah(pd.as_raw(), &mut attr) };
         let ah = NonNull::new(ah).ok_or_else(|| verbs::Error::last_os("ibv_create_ah"))?;
         Ok(UdPeer {
-            ah: Arc::new(AhInner { ah, _pd: pd }),
+            ah: Arc::new(AhInner { ah, pd }),
             qpn: remote.qpn,
             qkey,
         })
@@ -68,7 +69,7 @@ impl<S: CanRecv> Qp<Ud, S> {
     /// Receives one datagram into `mem`: the first [`GRH_LEN`] bytes get the
     /// routing header, the payload follows.
     pub fn recv<W: Writable>(&self, mem: W) -> Result<Op<W>> {
-        let room = mem.sge().map_or(0, |s| s.length as usize);
+        let room = mem.sge(TOKEN).map_or(0, |s| s.length as usize);
         if room < GRH_LEN {
             return Err(Error::invalid(format!(
                 "a datagram receive needs {GRH_LEN} bytes for the GRH, the segment has {room}"
@@ -90,7 +91,15 @@ impl Qp<Ud, Rts> {
     }
 
     fn post_ud<S: Local>(&self, mem: S, to: &UdPeer, imm: Option<u32>) -> Result<Op<S>> {
-        let sge = mem.sge();
+        // An address handle is the provider's object of one PD (and one
+        // device): another's would be handed to a provider that does not
+        // know it.
+        if to.ah.pd.as_raw() != self.core.qp.pd().as_raw() {
+            return Err(Error::invalid(
+                "this peer's address was made by a queue pair of another protection domain",
+            ));
+        }
+        let sge = mem.sge(TOKEN);
         let send = &self.core.send;
         let ticket = send.open();
         // SAFETY: all-zero is a valid ibv_send_wr.

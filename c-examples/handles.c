@@ -127,6 +127,11 @@ static void dead_connection(char *ip, int port)
     CHECK(new_conns_avoid(a), "1000 new connections: none at the closed one's address, which stays refused");
     CHECK(kept->state == RDMA_CONN_STATE_CLOSED && kept->type == ACCEPTED_CONN,
           "... and the kept accepted connection still reads CLOSED");
+    /* Its address text lives with the struct (under ASan, a read of freed
+     * memory here fails the program). The client connected from the
+     * server's own address. */
+    CHECK(kept->ip != NULL && strcmp(kept->ip, ip) == 0,
+          "... and its ip still reads the peer's address");
     CHECK(rdmaConnSend(a, buf, 4) == err, "send on the closed connection -> (size_t)-1");
     CHECK(rdmaConnSendWithImm(a, 1, buf, 4) == err, "send with imm -> (size_t)-1");
     CHECK(rdmaConnWrite(a, buf, 4) == err, "write -> (size_t)-1");

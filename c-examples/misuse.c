@@ -115,6 +115,42 @@ static void *connect_shared(void *out)
     return NULL;
 }
 
+/* An rdmaConnect on `shared_handle` that is left to time out. */
+static void *connect_unanswered(void *out)
+{
+    errno = 0;
+    int rc = rdmaConnect(shared_handle, shared_ip, *(int *)out);
+    ((int *)out)[0] = rc;
+    ((int *)out)[1] = errno;
+    return NULL;
+}
+
+/* The data pointer of the first message a connection received. */
+static void *volatile first_data;
+
+static void keep_data(RdmaConn *conn, void *data, size_t len)
+{
+    if (!first_data)
+        first_data = data;
+    on_recv(conn, data, len);
+}
+
+/* A slow receive callback, and whether one ran on after the close of its
+ * connection (on another thread) had returned. */
+static atomic_int slow_entered, close_returned, after_close;
+
+static void slow_recv(RdmaConn *conn, void *data, size_t len)
+{
+    (void)conn, (void)data, (void)len;
+    if (!atomic_load(&close_returned)) {
+        atomic_store(&slow_entered, 1);
+        struct timespec slow = {0, 300 * 1000 * 1000};
+        nanosleep(&slow, NULL);
+    }
+    if (atomic_load(&close_returned))
+        atomic_fetch_add(&after_close, 1);
+}
+
 static RdmaConn *connect_to(char *ip, int port)
 {
     RdmaConnOptions opt = {0};
@@ -292,6 +328,62 @@ int main(int argc, char **argv)
     CHECK(echo_works(shared_handle), "... and the handle echoes");
     CHECK(atomic_load(&connected_calls) == 1, "... and connected_callback fired once");
     rdmaConnClose(shared_handle);
+
+    /* The same, where the attempt that fails ends last: it leaves the
+     * other's connection bound, and the state it reads. A listener never
+     * started answers no connect request, so one to it times out. */
+    RdmaListener *unanswering = NULL;
+    CHECK(rdmaServer(&unanswering, ip, closed, NULL) == RDMA_OK, "a listener that is never started");
+    shared_handle = rdmaConn(&copt);
+    int late[2] = {closed, 0};
+    pthread_t late_racer;
+    pthread_create(&late_racer, NULL, connect_unanswered, late);
+    struct timespec settle = {0, 200 * 1000 * 1000};
+    nanosleep(&settle, NULL);
+    CHECK(rdmaConnect(shared_handle, ip, port) == RDMA_OK, "rdmaConnect while another waits on the handle");
+    pthread_join(late_racer, NULL);
+    CHECK(late[0] == RDMA_ERR, "... the unanswered one fails");
+    CHECK(shared_handle->state == RDMA_CONN_STATE_MR_READY && echo_works(shared_handle),
+          "... and the handle stays connected (MR_READY) and echoes");
+    rdmaConnClose(shared_handle);
+    rdmaServerRelease(unanswering);
+
+    /* A program that kept a receive callback's data pointer reads memory
+     * a later message overwrote, never memory given back, even after a
+     * larger message (under ASan, a read of freed memory fails). */
+    RdmaConnOptions keep_opt = {0};
+    keep_opt.recv_callback = keep_data;
+    RdmaConn *keeper = rdmaConn(&keep_opt);
+    CHECK(rdmaConnect(keeper, ip, port) == RDMA_OK && echo_works(keeper), "a 4-byte echo");
+    static char large[64 * 1024];
+    memset(large, 'x', sizeof large);
+    pthread_mutex_lock(&mu);
+    int echoed = echoes;
+    pthread_mutex_unlock(&mu);
+    CHECK(rdmaConnSend(keeper, large, sizeof large) == sizeof large && wait_count(&echoes, echoed + 1),
+          "... then a 64 KiB echo");
+    CHECK(first_data && ((volatile char *)first_data)[0] == 'x',
+          "... and the first message's kept pointer reads the later message");
+    rdmaConnClose(keeper);
+
+    /* A close while a receive callback runs on snowrdma-cq returns after
+     * it, and no callback starts after the close: a program may then free
+     * what its callbacks use. Two echoes come: the second is delivered
+     * after the first callback, unless the close came between. */
+    RdmaConnOptions slow_opt = {0};
+    slow_opt.recv_callback = slow_recv;
+    RdmaConn *slow = rdmaConn(&slow_opt);
+    CHECK(rdmaConnect(slow, ip, port) == RDMA_OK, "a connection whose receive callback is slow");
+    CHECK(rdmaConnSend(slow, "ping", 4) == 4 && rdmaConnSend(slow, "pong", 4) == 4, "... two messages sent");
+    struct timespec ms = {0, 1000 * 1000};
+    for (int i = 0; i < 5000 && !atomic_load(&slow_entered); i++)
+        nanosleep(&ms, NULL);
+    CHECK(atomic_load(&slow_entered), "... its receive callback runs");
+    rdmaConnClose(slow);
+    atomic_store(&close_returned, 1);
+    struct timespec linger = {0, 500 * 1000 * 1000};
+    nanosleep(&linger, NULL);
+    CHECK(atomic_load(&after_close) == 0, "... rdmaConnClose returned after it, and no callback ran after the close");
 
     /* A server released inside its own accept callback: the peer is
      * refused, rdmaServerStart returns, and the runtime carries on. */

@@ -159,8 +159,9 @@ typedef enum RdmaCmdType {
 } RdmaCmdType;
 
 /**
- * Called with each message; `data` is valid only during the call. Runs on
- * the completion thread.
+ * Called with each message; `data` holds the message during the call (a
+ * later message overwrites it; the memory stays allocated while the
+ * connection lives). Runs on the completion thread.
  */
 typedef void (*RdmaRecvCallbackFunc)(RdmaConn *conn, void *data, size_t data_len);
 
@@ -454,7 +455,8 @@ int rdmaServer(struct RdmaListener **listener,
 /**
  * Accepts connections until `rdmaServerStop` (from another thread or a
  * callback); blocks the calling thread meanwhile. Returns `RDMA_OK`, or
- * `RDMA_ERR` for an unknown listener.
+ * `RDMA_ERR` for an unknown listener or one released (by another thread)
+ * before it could start.
  *
  * # Safety
  * `listener` may be anything; unknown pointers are refused.
@@ -521,7 +523,10 @@ int rdmaConnect(struct RdmaConn *conn, char *serverip, int port);
  * Closes a connection (client or accepted): pending sync operations fail,
  * the peer gets its disconnect, and the memory (including buffers from
  * `rdmaConnRegMem`) is freed. The pointer is invalid afterwards; a second
- * close is refused harmlessly.
+ * close is refused harmlessly. No receive, write or read callback of the
+ * connection starts after it returns; one running on another thread
+ * (`snowrdma-cq`) is waited for, up to `rdmaTimeoutms` (at least a second),
+ * so a program may free what its callbacks use once this returns.
  *
  * # Safety
  * Any pointer is accepted; unknown ones are refused.

@@ -1,7 +1,7 @@
 //! The bridge from the runtime's connection events to the C struct and its
 //! callbacks.
 
-use std::ffi::{c_char, c_int, c_uint, c_void, CString};
+use std::ffi::{c_char, c_int, c_uint, c_void};
 use std::ptr::{addr_of, addr_of_mut};
 use std::sync::{Arc, Mutex, PoisonError, RwLock};
 
@@ -15,12 +15,26 @@ use super::globals::copy_options;
 use super::handles::*;
 use super::types::*;
 
+/// Room for the peer's address as text, NUL included (`INET6_ADDRSTRLEN`
+/// is 46).
+const IP_TEXT: usize = 64;
+
+/// The memory behind an `RdmaConn` handle: the struct C sees, first, so the
+/// handle points at it, and the text its `ip` points at. One allocation, so
+/// the text lives as long as the struct: a program that kept the pointer
+/// may read `conn->ip` after the connection ended, for as long as the
+/// handle table's quarantine keeps the struct.
+#[repr(C)]
+pub(super) struct ConnMemory {
+    conn: RdmaConn,
+    ip: [c_char; IP_TEXT],
+}
+
 /// The library's side of one `RdmaConn`: the struct itself (stable address,
 /// freed when the last holder, the handle table's quarantine included, lets
 /// go) and the runtime connection.
 pub(super) struct FfiConn {
-    pub(super) raw: Arc<CMemory<RdmaConn>>,
-    pub(super) ip: Mutex<Option<CString>>,
+    pub(super) raw: Arc<CMemory<ConnMemory>>,
     pub(super) imm_callback: Mutex<RdmaRecvImmCallbackFunc>,
     /// The connection the handle is bound to: set when it is bound, and
     /// cleared when a client's attempt that got as far as binding fails
@@ -37,9 +51,10 @@ pub(super) struct FfiConn {
 impl FfiConn {
     pub(super) fn new(opts: Options, c_opts: *const RdmaOptions, kind: ConnKind) -> Arc<FfiConn> {
         // SAFETY: all-zero is a valid RdmaConn (NULL pointers, zero ints,
-        // NONE enums, None callbacks, zeroed pthread objects).
-        let raw: Arc<CMemory<RdmaConn>> = CMemory::new(unsafe { std::mem::zeroed() });
-        let p = raw.get();
+        // NONE enums, None callbacks, zeroed pthread objects) and an empty
+        // string.
+        let raw: Arc<CMemory<ConnMemory>> = CMemory::new(unsafe { std::mem::zeroed() });
+        let p = raw.get().cast::<RdmaConn>();
         // SAFETY: p is ours; c_opts is NULL or a valid options struct.
         unsafe {
             libc::pthread_cond_init(addr_of_mut!((*p).status_cond), std::ptr::null());
@@ -58,7 +73,6 @@ impl FfiConn {
         }
         Arc::new(FfiConn {
             raw,
-            ip: Mutex::new(None),
             imm_callback: Mutex::new(None),
             conn: RwLock::new(None),
             opts,
@@ -67,7 +81,8 @@ impl FfiConn {
     }
 
     pub(super) fn ptr(&self) -> *mut RdmaConn {
-        self.raw.get()
+        // The struct is the memory's first field (`repr(C)`).
+        self.raw.get().cast()
     }
 
     /// Whether C set a write callback on this connection.
@@ -85,9 +100,20 @@ impl FfiConn {
     }
 
     /// Lets go of a client attempt that failed (`rdmaConnect` returning an
-    /// error), however far it got: the handle may try again.
-    pub(super) fn unbind(&self) {
-        *self.conn.write().unwrap_or_else(PoisonError::into_inner) = None;
+    /// error), however far it got, so the handle may try again; unless the
+    /// handle is bound to a connection that lives on, which another
+    /// thread's `rdmaConnect` made meanwhile: that one keeps it. Returns
+    /// whether the handle is free.
+    pub(super) fn unbind_ended(&self) -> bool {
+        let mut slot = self.conn.write().unwrap_or_else(PoisonError::into_inner);
+        let live = slot
+            .as_ref()
+            .and_then(WeakConnection::upgrade)
+            .is_some_and(|c| !matches!(c.state(), ConnState::Error | ConnState::Closed));
+        if !live {
+            *slot = None;
+        }
+        !live
     }
 
     /// Binds the handle to `conn` and fills the struct's fields from it.
@@ -104,7 +130,7 @@ impl FfiConn {
         let ring = conn.recv_ring();
         let staging = conn.staging();
         let peer = conn.peer_addr();
-        let ip = peer.map(|a| CString::new(a.ip().to_string()).expect("no NUL in an address"));
+        let ip = peer.map(|a| a.ip().to_string());
         // SAFETY: p is ours; the pointers stored live as long as the connection.
         unsafe {
             let id = conn.cm_id().expect("C API connections use RDMA CM");
@@ -122,11 +148,18 @@ impl FfiConn {
             (*p).cmd_buf = conn.cmd_buffers().addr() as *mut RdmaCmd;
             (*p).cmd_mr = conn.cmd_buffers().as_raw();
             (*p).port = peer.map_or(0, |a| c_int::from(a.port()));
-            (*p).ip = ip
-                .as_ref()
-                .map_or(std::ptr::null_mut(), |s| s.as_ptr() as *mut c_char);
+            (*p).ip = match ip {
+                Some(text) => {
+                    let room = addr_of_mut!((*self.raw.get()).ip).cast::<c_char>();
+                    // An address's text is at most 45 bytes: it always fits.
+                    let len = text.len().min(IP_TEXT - 1);
+                    std::ptr::copy_nonoverlapping(text.as_ptr().cast::<c_char>(), room, len);
+                    *room.add(len) = 0;
+                    room
+                }
+                None => std::ptr::null_mut(),
+            };
         }
-        *self.ip.lock().expect("ffi lock") = ip;
         *slot = Some(conn.downgrade());
     }
 

@@ -185,7 +185,7 @@ pub unsafe extern "C" fn rdmaConn(opt: *const RdmaConnOptions) -> *mut RdmaConn 
         let opts = resolve_options(opt);
         runtime::configure(&opts);
         let ffi = FfiConn::new(opts, opt, ConnKind::ConnectedConn);
-        CONNS.insert(ffi.raw.clone(), ffi)
+        CONNS.insert(ffi.raw.clone(), ffi).cast()
     })
 }
 
@@ -265,7 +265,11 @@ pub unsafe extern "C" fn rdmaConnect(
             Err(e) => {
                 log::warn!("rdmaConnect to {addr}: {e}");
                 // It may have been bound at MR_READY, and failed after.
-                ffi.unbind();
+                // Another thread's attempt that connected the handle
+                // meanwhile keeps it, and the state it reads.
+                if !ffi.unbind_ended() {
+                    return Err(connect_errno(&e));
+                }
                 if CONNS.get(conn).is_none() {
                     return failed(libc::ECONNABORTED);
                 }
@@ -312,7 +316,10 @@ pub(super) fn connect_errno(e: &runtime::Error) -> c_int {
 /// Closes a connection (client or accepted): pending sync operations fail,
 /// the peer gets its disconnect, and the memory (including buffers from
 /// `rdmaConnRegMem`) is freed. The pointer is invalid afterwards; a second
-/// close is refused harmlessly.
+/// close is refused harmlessly. No receive, write or read callback of the
+/// connection starts after it returns; one running on another thread
+/// (`snowrdma-cq`) is waited for, up to `rdmaTimeoutms` (at least a second),
+/// so a program may free what its callbacks use once this returns.
 ///
 /// # Safety
 /// Any pointer is accepted; unknown ones are refused.

@@ -68,8 +68,9 @@ pub struct RdmaConnFwd {
     _opaque: [u8; 0],
 }
 
-/// Called with each message; `data` is valid only during the call. Runs on
-/// the completion thread.
+/// Called with each message; `data` holds the message during the call (a
+/// later message overwrites it; the memory stays allocated while the
+/// connection lives). Runs on the completion thread.
 pub type RdmaRecvCallbackFunc =
     Option<unsafe extern "C" fn(conn: *mut RdmaConnFwd, data: *mut c_void, data_len: usize)>;
 /// Called when an `rdmaConnWrite` or async RDMA WRITE completed (completion thread).

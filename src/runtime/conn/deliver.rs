@@ -88,8 +88,10 @@ impl Connection {
         }
         match cb {
             Deferred::Message(d) => self.deliver(d),
-            Deferred::WriteDone(len) => self.call_handler("write", |h| h.write_done(self, len)),
-            Deferred::ReadDone(len) => self.call_handler("read", |h| h.read_done(self, len)),
+            Deferred::WriteDone(len) => {
+                self.call_data_handler("write", |h| h.write_done(self, len))
+            }
+            Deferred::ReadDone(len) => self.call_data_handler("read", |h| h.read_done(self, len)),
         }
     }
 
@@ -171,7 +173,7 @@ impl Connection {
             start += EXT_HEADER_LEN;
         }
         self.inner.delivered.store(true, Ordering::Relaxed);
-        self.call_handler("receive", |h| {
+        self.call_data_handler("receive", |h| {
             // A message without an immediate is offered where it lies first.
             if imm.is_none()
                 && h.recv_in_ring(

@@ -276,6 +276,30 @@ impl Connection {
         }
     }
 
+    /// No data callback starts from now on, and one running on another
+    /// thread has returned (up to `deadline`, a timeout of its own: a
+    /// callback that waits for the closing thread, on a lock of the
+    /// program's, would otherwise hold both for good). On a thread that
+    /// runs this connection's callbacks, one may be running below us:
+    /// none is waited for.
+    fn shut_data_callbacks(&self, deadline: Instant) {
+        let inner = &self.inner;
+        inner.data_callbacks_shut.store(true, Ordering::SeqCst);
+        if self.on_callback_thread() {
+            return;
+        }
+        while inner.in_data_callbacks.load(Ordering::SeqCst) > 0 {
+            if Instant::now() >= deadline {
+                log::warn!(
+                    "closing the connection to {:?}: a callback still runs on another thread",
+                    inner.peer
+                );
+                return;
+            }
+            std::thread::sleep(Duration::from_micros(100));
+        }
+    }
+
     /// The runtime lets go of an accepted connection that ended (once: a
     /// failure and the peer's disconnect may both get here).
     pub(crate) fn retire(&self) {
@@ -290,7 +314,11 @@ impl Connection {
 
     /// Closes the connection: says goodbye to the peer, disconnects, and
     /// frees everything once the last handle is gone. No callback fires for a
-    /// local close; a second close does nothing.
+    /// local close; a second close does nothing. No data callback (receive,
+    /// write, read) starts after it returns, and one running on another
+    /// thread is waited for (up to the timeout, at least a second; not on
+    /// a thread that runs this connection's callbacks, where it may be
+    /// below us).
     pub fn close(&self) {
         if self.inner.closed_locally.swap(true, Ordering::SeqCst) {
             return;
@@ -324,6 +352,9 @@ impl Connection {
             });
         }
         self.take_send_completions();
+        self.shut_data_callbacks(
+            Instant::now() + self.inner.opts.timeout.max(Duration::from_secs(1)),
+        );
         {
             let mut st = self.lock();
             self.end_state(&mut st, ConnState::Closed);

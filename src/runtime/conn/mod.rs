@@ -300,6 +300,11 @@ pub(crate) struct ConnInner {
     /// lands when we READ it (`credit::CREDIT_REGION_LEN`).
     credit: MemoryRegion,
     /// Where a received message is copied before anyone looks at it.
+    /// Room for the whole ring from the start, so it never moves: a C
+    /// program that kept a receive callback's `data` (the legacy library's
+    /// pointed into its ring, which stayed mapped) reads memory that a later
+    /// message overwrites, never memory given back. Untouched room is
+    /// address space only.
     rx_copy: Mutex<Vec<u8>>,
     cmd_recv: MemoryRegion,
     cmd_send: MemoryRegion,
@@ -357,6 +362,12 @@ pub(crate) struct ConnInner {
     /// handler told): the completion thread may run the owed end.
     end_ready: AtomicBool,
     closed_locally: AtomicBool,
+    /// Set by `close` as it finishes: no data callback (receive, write,
+    /// read) starts after it, and those already running are counted in
+    /// `in_data_callbacks`, which `close` waits out (both SeqCst: either
+    /// a starting callback sees the flag, or `close` sees it counted).
+    data_callbacks_shut: AtomicBool,
+    in_data_callbacks: AtomicUsize,
     /// A message reached the handler since its last `round_done`.
     delivered: AtomicBool,
     /// The state is Closed or Error, which it never leaves: the completion
@@ -464,6 +475,18 @@ impl Connection {
 
     /// Runs a handler method: a panic in it ends this connection (logged),
     /// never the runtime thread that called it.
+    /// [`Connection::call_handler`] for a callback that hands the program
+    /// data (a message, a finished write or read): not once `close` has
+    /// finished, and one running is waited for by `close`.
+    fn call_data_handler(&self, what: &str, f: impl FnOnce(&dyn ConnHandler)) {
+        let inner = &self.inner;
+        inner.in_data_callbacks.fetch_add(1, Ordering::SeqCst);
+        if !inner.data_callbacks_shut.load(Ordering::SeqCst) {
+            self.call_handler(what, f);
+        }
+        inner.in_data_callbacks.fetch_sub(1, Ordering::SeqCst);
+    }
+
     fn call_handler(&self, what: &str, f: impl FnOnce(&dyn ConnHandler)) {
         let h = self.handler();
         if std::panic::catch_unwind(AssertUnwindSafe(|| f(&*h))).is_err() {

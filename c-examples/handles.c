@@ -156,6 +156,33 @@ static void dead_connection(char *ip, int port)
     rdmaServerRelease(l);
 }
 
+/* rdmaRuntimeStop closes the accepted connections and lets go of their
+ * handles, which are refused from then on. */
+static void stopped_runtime(char *ip, int port)
+{
+    RdmaListener *l = NULL;
+    RdmaServerOptions sopt = {0};
+    sopt.accept_callback = on_accept;
+    pthread_mutex_lock(&mu);
+    accepted = NULL;
+    pthread_mutex_unlock(&mu);
+    CHECK(rdmaServer(&l, ip, port, &sopt) == RDMA_OK, "a server for the runtime stop");
+    pthread_t t;
+    pthread_create(&t, NULL, serve, l);
+    RdmaConn *a = rdmaConn(NULL);
+    CHECK(rdmaConnect(a, ip, port) == RDMA_OK && wait_until(was_accepted), "... accepts a client");
+    pthread_mutex_lock(&mu);
+    RdmaConn *kept = accepted;
+    pthread_mutex_unlock(&mu);
+    rdmaRuntimeStop();
+    CHECK(rdmaConnSetRecvCallback(kept, NULL) == RDMA_ERR,
+          "after rdmaRuntimeStop the accepted connection's handle is refused");
+    rdmaServerStop(l);
+    pthread_join(t, NULL);
+    rdmaServerRelease(l);
+    rdmaConnClose(a);
+}
+
 static void dead_kv_handles(const char *ip, int port)
 {
     char buf[8];
@@ -204,6 +231,8 @@ int main(int argc, char **argv)
     int port = atoi(argv[2]);
     dead_connection(argv[1], port);
     dead_kv_handles(argv[1], port + 2);
+    /* The port of dead_connection's second listener, released. */
+    stopped_runtime(argv[1], port + 1);
     rdmaRuntimeStop();
     printf("handles: %d of %d checks behaved\n", checks - failures, checks);
     return failures ? 1 : 0;

@@ -589,8 +589,10 @@ int rdmaConnSetDisconnectCallback(struct RdmaConn *conn,
 int rdmaConnSetRecvImmCallback(struct RdmaConn *conn, RdmaRecvImmCallbackFunc func);
 
 /**
- * Stops the background runtime: closes accepted connections; the threads
- * end once no connection uses them. Later calls start it afresh.
+ * Stops the background runtime: closes accepted connections (no callback
+ * follows; their handles are refused from then on, as after a disconnect);
+ * the threads end once no connection uses them. Later calls start it
+ * afresh.
  */
 void rdmaRuntimeStop(void);
 

@@ -121,8 +121,10 @@ pub fn runtime() -> Result<Arc<Runtime>> {
     Ok(rt)
 }
 
-/// Stops the runtime: closes every accepted connection and lets the threads
-/// end once no connection uses them. A later call starts a fresh one.
+/// Stops the runtime: closes every accepted connection and lets go of it
+/// (its handler's `retired` runs, as at a listener's release), and lets
+/// the threads end once no connection uses them. A later call starts a
+/// fresh one.
 pub fn stop() {
     let Some(rt) = RUNTIME.lock().expect("runtime lock").take() else {
         return;
@@ -136,6 +138,9 @@ pub fn stop() {
         .collect();
     for c in conns {
         c.close();
+        // Closed here, its end is no thread's to see: without this, its C
+        // handle stayed live, and allocated, for good.
+        c.retire();
     }
     // The threads end when the last connection using this runtime is gone.
     drop(rt);

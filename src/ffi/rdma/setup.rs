@@ -443,8 +443,10 @@ pub unsafe extern "C" fn rdmaConnSetRecvImmCallback(
     })
 }
 
-/// Stops the background runtime: closes accepted connections; the threads
-/// end once no connection uses them. Later calls start it afresh.
+/// Stops the background runtime: closes accepted connections (no callback
+/// follows; their handles are refused from then on, as after a disconnect);
+/// the threads end once no connection uses them. Later calls start it
+/// afresh.
 #[no_mangle]
 pub extern "C" fn rdmaRuntimeStop() {
     guard_or((), runtime::stop)

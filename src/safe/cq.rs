@@ -44,6 +44,12 @@ pub enum Progress {
 const BATCH: usize = 32;
 /// How often the background thread looks whether its CQ is gone.
 const THREAD_TICK: Duration = Duration::from_millis(200);
+/// The queue pair of an operation posted to a shared receive queue, which
+/// no queue pair's flush completes.
+pub(crate) const NO_QP: u32 = u32::MAX;
+/// How long a dropped queue pair waits for its flushed work to be reaped.
+const FLUSH_WAIT: Duration = Duration::from_secs(2);
+
 /// Bit 63 of a work request id: the request that completes its operation
 /// (the only one of a batch that is signaled).
 const TAIL: u64 = 1 << 63;
@@ -84,12 +90,22 @@ struct Table {
 struct Slots {
     all: Vec<Slot>,
     free: Vec<u32>,
+    /// Work requests posted whose completions are not reaped yet: each may
+    /// still put one in the CQ (a batch's unsignaled ones when flushed),
+    /// and a CQ that overflows loses completions.
+    in_flight: usize,
 }
 
 #[derive(Default)]
 struct Slot {
     gen: u32,
     busy: bool,
+    /// The queue pair whose work queue holds the operation ([`NO_QP`]: a
+    /// shared receive queue's).
+    qp: u32,
+    /// Its work requests, counted in [`Slots::in_flight`] until its
+    /// completion is reaped.
+    wrs: usize,
     /// The operation's result: its tail's completion, or its first failure.
     done: Option<Completion>,
     failed: Option<Completion>,
@@ -268,10 +284,22 @@ impl CqShared {
         self.table.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// A slot for an operation about to be posted.
-    pub(crate) fn open(&self) -> Ticket {
+    /// A slot for an operation of `wrs` work requests about to be posted on
+    /// queue pair `qp`; refused while the CQ has no room for all their
+    /// completions (one it overflows loses them, and their futures would
+    /// wait for good).
+    pub(crate) fn open(&self, qp: u32, wrs: usize) -> Result<Ticket> {
         let mut t = self.table();
         let slots = &mut t.slots;
+        let room = self.cq.capacity();
+        if slots.in_flight + wrs > room {
+            return Err(super::Error::invalid(format!(
+                "the completion queue has room for {room} completions and {} are in flight: \
+                 wait for some before posting {wrs} more",
+                slots.in_flight
+            )));
+        }
+        slots.in_flight += wrs;
         let idx = match slots.free.pop() {
             Some(i) => i,
             None => {
@@ -282,12 +310,23 @@ impl CqShared {
         let slot = &mut slots.all[idx as usize];
         slot.gen = slot.gen.wrapping_add(1) & 0x7fff_ffff;
         slot.busy = true;
-        Ticket { idx, gen: slot.gen }
+        slot.qp = qp;
+        slot.wrs = wrs;
+        Ok(Ticket { idx, gen: slot.gen })
     }
 
     /// Gives back the slot of an operation whose post failed.
     pub(crate) fn abandon(&self, ticket: Ticket) {
-        self.table().slots.close(ticket.idx);
+        let slots = &mut self.table().slots;
+        slots.reaped(ticket.idx);
+        slots.close(ticket.idx);
+    }
+
+    /// A batch whose post failed part way: what went out before the failing
+    /// request completes, if ever, without its tail. Its queue pair's drop
+    /// does not wait for it.
+    pub(crate) fn disown(&self, ticket: Ticket) {
+        self.table().slots.all[ticket.idx as usize].qp = NO_QP;
     }
 
     /// The operation's completion, or `Pending` with the task's waker kept
@@ -347,6 +386,30 @@ impl CqShared {
             slot.waker = None;
             slot.abandoned = true;
             slot.parked = holds;
+        }
+    }
+
+    /// Queue pair `qp` is in the error state, about to be destroyed: reaps
+    /// until its operations on this CQ have their (flushed) completions,
+    /// up to [`FLUSH_WAIT`]. A destroyed QP's work never completes (some
+    /// providers also drop its completions not yet reaped), so its futures
+    /// would wait, and the memory of dropped ones stay parked, for good.
+    pub(crate) fn reap_flushed(&self, qp: u32) {
+        let deadline = std::time::Instant::now() + FLUSH_WAIT;
+        loop {
+            if let Err(e) = self.drive() {
+                log::warn!("dropping queue pair {qp}: reaping its flushed work: {e}");
+                return;
+            }
+            let left = self.table().slots.pending_of(qp);
+            if left == 0 {
+                return;
+            }
+            if std::time::Instant::now() >= deadline {
+                log::warn!("dropping queue pair {qp}: {left} operations were not flushed in time");
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(1));
         }
     }
 
@@ -413,6 +476,8 @@ impl CqShared {
             return None;
         }
         let result = slot.failed.take().unwrap_or_else(|| wc.clone());
+        slots.reaped(idx);
+        let slot = &mut slots.all[idx as usize];
         if slot.abandoned {
             released.append(&mut slot.parked);
             self.cancelled.fetch_add(1, Ordering::Relaxed);
@@ -468,6 +533,20 @@ impl Drop for Reaped {
 }
 
 impl Slots {
+    /// The operation's completion is out of the CQ: its room is free.
+    fn reaped(&mut self, idx: u32) {
+        let slot = &mut self.all[idx as usize];
+        self.in_flight -= std::mem::take(&mut slot.wrs);
+    }
+
+    /// Operations of queue pair `qp` not completed yet.
+    fn pending_of(&self, qp: u32) -> usize {
+        self.all
+            .iter()
+            .filter(|s| s.busy && s.qp == qp && s.done.is_none())
+            .count()
+    }
+
     fn close(&mut self, idx: u32) {
         let slot = &mut self.all[idx as usize];
         slot.busy = false;

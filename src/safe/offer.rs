@@ -155,7 +155,7 @@ impl<T: Connected> Qp<T, Rts> {
             }
         };
         let send = &self.core.send;
-        let ticket = send.open();
+        let ticket = send.open(self.core.qp.qp_num(), 1)?;
         // SAFETY: the window, the QP and the memory move into the returned
         // Op (parked with the CQ if it is dropped) until the bind completes,
         // then into the Offer, which deallocates the window before releasing

@@ -41,7 +41,7 @@ impl QpCore {
     /// Posts one signaled send-queue request over `mem`.
     fn post_one<S: Local>(&self, op: SendOp, mem: S) -> Result<Op<S>> {
         let sge = mem.sge(TOKEN);
-        let ticket = self.send.open();
+        let ticket = self.send.open(self.qp.qp_num(), 1)?;
         let req = SendRequest::new(ticket.wr_id(true), op, sges(&sge));
         // SAFETY: `mem` moves into the returned Op, which keeps it (or parks
         // it with the CQ when dropped) until the completion is reaped.
@@ -57,7 +57,7 @@ impl QpCore {
 
     pub(crate) fn post_recv<W: Writable>(&self, mem: W) -> Result<Op<W>> {
         let sge = mem.sge(TOKEN);
-        let ticket = self.recv.open();
+        let ticket = self.recv.open(self.qp.qp_num(), 1)?;
         // SAFETY: as in post_one; the segment is read-write, so nobody else
         // reads or writes it meanwhile.
         match unsafe { self.qp.post_recv(ticket.wr_id(true), sges(&sge)) } {
@@ -237,7 +237,10 @@ impl<T: Connected> Batch<'_, T> {
         let Some(last) = self.reqs.len().checked_sub(1) else {
             return Err(Error::invalid("an empty batch"));
         };
-        let ticket: Ticket = self.core.send.open();
+        let ticket: Ticket = self
+            .core
+            .send
+            .open(self.core.qp.qp_num(), self.reqs.len())?;
         let reqs: Vec<SendRequest<'_>> = self
             .reqs
             .iter()
@@ -258,6 +261,7 @@ impl<T: Connected> Batch<'_, T> {
             Err(e) => {
                 // Requests before the failing one may be on the wire, without
                 // a signaled tail: their memory stays parked for good.
+                self.core.send.disown(ticket);
                 self.core.send.cancel(ticket, self.holds);
                 Err(e.into())
             }

@@ -295,19 +295,28 @@ pub(crate) struct QpCore {
 
 impl Drop for QpCore {
     fn drop(&mut self) {
+        // Into the error state (a disconnect does it for RDMA CM's), which
+        // flushes the work in flight, then its flushed completions are
+        // reaped before the QP is destroyed: they resolve its futures and
+        // release the memory of dropped ones.
         if let Some(id) = &self.cm_id {
             super::cm::disconnect(id);
-            return;
+        } else {
+            // SAFETY: all-zero is a valid ibv_qp_attr.
+            let mut attr: sys::ibv_qp_attr = unsafe { std::mem::zeroed() };
+            attr.qp_state = QpState::ERR.0;
+            if let Err(e) = self.qp.modify(
+                &mut attr,
+                sys::ibv_qp_attr_mask::IBV_QP_STATE,
+                "ibv_modify_qp(->ERR)",
+            ) {
+                log::debug!("dropping a queue pair: {e}");
+            }
         }
-        // SAFETY: all-zero is a valid ibv_qp_attr.
-        let mut attr: sys::ibv_qp_attr = unsafe { std::mem::zeroed() };
-        attr.qp_state = QpState::ERR.0;
-        if let Err(e) = self.qp.modify(
-            &mut attr,
-            sys::ibv_qp_attr_mask::IBV_QP_STATE,
-            "ibv_modify_qp(->ERR)",
-        ) {
-            log::debug!("dropping a queue pair: {e}");
+        let qpn = self.qp.qp_num();
+        self.send.reap_flushed(qpn);
+        if !Arc::ptr_eq(&self.send, &self.recv) {
+            self.recv.reap_flushed(qpn);
         }
     }
 }

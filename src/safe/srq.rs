@@ -7,10 +7,10 @@ use std::sync::Arc;
 
 use rdma_sys as sys;
 
-use super::cq::CompletionQueue;
+use super::cq::{CompletionQueue, NO_QP};
 use super::error::Result;
 use super::op::Op;
-use super::region::{ProtectionDomain, Writable, TOKEN};
+use super::region::{ProtectionDomain, RawHold, Writable, TOKEN};
 use crate::verbs;
 
 pub(crate) struct SrqInner {
@@ -81,7 +81,7 @@ impl SharedReceiveQueue {
     pub fn recv<W: Writable>(&self, mem: W) -> Result<Op<W>> {
         let sge = mem.sge(TOKEN);
         let cq = &self.inner.cq.shared;
-        let ticket = cq.open();
+        let ticket = cq.open(NO_QP, 1)?;
         // SAFETY: all-zero is a valid ibv_recv_wr.
         let mut wr: sys::ibv_recv_wr = unsafe { std::mem::zeroed() };
         wr.wr_id = ticket.wr_id(true);
@@ -100,6 +100,8 @@ impl SharedReceiveQueue {
             cq.abandon(ticket);
             return Err(verbs::Error::from_code("ibv_post_srq_recv", rc).into());
         }
-        Ok(Op::new(cq.clone(), ticket, mem))
+        // The receive keeps the queue: a destroyed SRQ's receives never
+        // complete, so the future would wait for good.
+        Ok(Op::new(cq.clone(), ticket, mem).keeping(RawHold::keep(self.clone())))
     }
 }

@@ -101,7 +101,7 @@ impl Qp<Ud, Rts> {
         }
         let sge = mem.sge(TOKEN);
         let send = &self.core.send;
-        let ticket = send.open();
+        let ticket = send.open(self.core.qp.qp_num(), 1)?;
         // SAFETY: all-zero is a valid ibv_send_wr.
         let mut wr: sys::ibv_send_wr = unsafe { std::mem::zeroed() };
         wr.wr_id = ticket.wr_id(true);

@@ -322,11 +322,15 @@ impl CqShared {
         slots.close(ticket.idx);
     }
 
-    /// A batch whose post failed part way: what went out before the failing
-    /// request completes, if ever, without its tail. Its queue pair's drop
-    /// does not wait for it.
+    /// A batch whose post failed: what went out before the failing request
+    /// completes, if ever, without its tail, so its slot never settles. Its
+    /// queue pair's drop does not wait for it, and its room is given back
+    /// (kept, a failed post would shrink the CQ for good; what did go out
+    /// is at most the batch's length less one).
     pub(crate) fn disown(&self, ticket: Ticket) {
-        self.table().slots.all[ticket.idx as usize].qp = NO_QP;
+        let slots = &mut self.table().slots;
+        slots.all[ticket.idx as usize].qp = NO_QP;
+        slots.reaped(ticket.idx);
     }
 
     /// The operation's completion, or `Pending` with the task's waker kept
@@ -340,6 +344,10 @@ impl CqShared {
         // Declared before the lock's guard, so it wakes and releases after
         // the lock is given back, on every way out.
         let mut reaped = Reaped::default();
+        // A waker replaced here is dropped after the lock is given back: it
+        // may be a task's last, whose future (a queue pair's owner, say)
+        // then drops and takes this lock again.
+        let mut replaced = None;
         let mut t = self.table();
         // A polled CQ is reaped (a batch) under the lock the slot is then
         // looked at with: one lock a pass of a spinning future.
@@ -359,12 +367,13 @@ impl CqShared {
             None => {
                 match &slot.waker {
                     Some(w) if w.will_wake(cx.waker()) => {}
-                    _ => slot.waker = Some(cx.waker().clone()),
+                    _ => replaced = slot.waker.replace(cx.waker().clone()),
                 }
                 Poll::Pending
             }
         };
         drop(t);
+        drop(replaced);
         if outcome.is_pending() && self.progress == Progress::Poll {
             cx.waker().wake_by_ref();
         }
@@ -383,9 +392,12 @@ impl CqShared {
             drop(t);
             drop(holds);
         } else {
-            slot.waker = None;
+            let waker = slot.waker.take();
             slot.abandoned = true;
             slot.parked = holds;
+            // After the lock, as in `poll_ticket`.
+            drop(t);
+            drop(waker);
         }
     }
 

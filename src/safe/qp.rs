@@ -310,7 +310,9 @@ impl Drop for QpCore {
                 sys::ibv_qp_attr_mask::IBV_QP_STATE,
                 "ibv_modify_qp(->ERR)",
             ) {
+                // Nothing flushes: waiting for it would only stall.
                 log::debug!("dropping a queue pair: {e}");
+                return;
             }
         }
         let qpn = self.qp.qp_num();

@@ -10,7 +10,7 @@ use rdma_sys as sys;
 use super::cq::{CompletionQueue, NO_QP};
 use super::error::Result;
 use super::op::Op;
-use super::region::{ProtectionDomain, RawHold, Writable, TOKEN};
+use super::region::{ProtectionDomain, Writable, TOKEN};
 use crate::verbs;
 
 pub(crate) struct SrqInner {
@@ -100,8 +100,6 @@ impl SharedReceiveQueue {
             cq.abandon(ticket);
             return Err(verbs::Error::from_code("ibv_post_srq_recv", rc).into());
         }
-        // The receive keeps the queue: a destroyed SRQ's receives never
-        // complete, so the future would wait for good.
-        Ok(Op::new(cq.clone(), ticket, mem).keeping(RawHold::keep(self.clone())))
+        Ok(Op::new(cq.clone(), ticket, mem))
     }
 }

@@ -29,9 +29,14 @@ struct Pair<T> {
 }
 
 fn pair<T: Connected>(progress: Progress) -> Pair<T> {
+    pair_sized(progress, 256)
+}
+
+/// [`pair`] with room for `b_room` completions in `b`'s CQ.
+fn pair_sized<T: Connected>(progress: Progress, b_room: u32) -> Pair<T> {
     let pd = ProtectionDomain::open(None).expect("an RDMA device");
     let cq_a = pd.create_cq(256, progress).unwrap();
-    let cq_b = pd.create_cq(256, progress).unwrap();
+    let cq_b = pd.create_cq(b_room, progress).unwrap();
     let a = pd.qp::<T>(&cq_a, &cq_a).build().unwrap();
     let b = pd.qp::<T>(&cq_b, &cq_b).build().unwrap();
     let (ea, eb) = (a.endpoint().unwrap(), b.endpoint().unwrap());
@@ -535,13 +540,7 @@ fn safe_a_dropped_queue_pair_flushes_its_work_before_it_goes() {
 #[test]
 #[ignore = "needs an RDMA device: run `make test`"]
 fn safe_a_full_completion_queue_refuses_more_work() {
-    let pd = ProtectionDomain::open(None).unwrap();
-    let cq_a = pd.create_cq(64, Progress::Poll).unwrap();
-    let cq_b = pd.create_cq(4, Progress::Poll).unwrap();
-    let a = pd.qp::<Rc>(&cq_a, &cq_a).build().unwrap();
-    let b = pd.qp::<Rc>(&cq_b, &cq_b).build().unwrap();
-    let (ea, eb) = (a.endpoint().unwrap(), b.endpoint().unwrap());
-    let (a, b) = (a.connect(&eb).unwrap(), b.connect(&ea).unwrap());
+    let Pair { pd, a, b, .. } = pair_sized::<Rc>(Progress::Poll, 4);
     let mem = pd.allocate::<u8>(64 * 1024, AccessFlags::empty()).unwrap();
     let mut recvs = Vec::new();
     let refused = loop {

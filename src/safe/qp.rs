@@ -302,14 +302,7 @@ impl Drop for QpCore {
         if let Some(id) = &self.cm_id {
             super::cm::disconnect(id);
         } else {
-            // SAFETY: all-zero is a valid ibv_qp_attr.
-            let mut attr: sys::ibv_qp_attr = unsafe { std::mem::zeroed() };
-            attr.qp_state = QpState::ERR.0;
-            if let Err(e) = self.qp.modify(
-                &mut attr,
-                sys::ibv_qp_attr_mask::IBV_QP_STATE,
-                "ibv_modify_qp(->ERR)",
-            ) {
+            if let Err(e) = self.qp.to_error() {
                 // Nothing flushes: waiting for it would only stall.
                 log::debug!("dropping a queue pair: {e}");
                 return;

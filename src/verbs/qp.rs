@@ -272,6 +272,20 @@ impl QueuePair {
         Ok(QpState(attr.qp_state))
     }
 
+    /// Moves the QP to the error state: the device touches none of its
+    /// buffers after this returns, and its outstanding work completes
+    /// flushed. Moving an errored QP there again is harmless.
+    pub fn to_error(&self) -> Result<()> {
+        // SAFETY: all-zero is a valid ibv_qp_attr; only the state is read.
+        let mut attr: sys::ibv_qp_attr = unsafe { std::mem::zeroed() };
+        attr.qp_state = QpState::ERR.0;
+        self.modify(
+            &mut attr,
+            sys::ibv_qp_attr_mask::IBV_QP_STATE,
+            "ibv_modify_qp(->ERR)",
+        )
+    }
+
     pub(crate) fn modify(
         &self,
         attr: &mut sys::ibv_qp_attr,

@@ -7,7 +7,8 @@ use std::sync::{mpsc, Arc, Mutex};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use snowrdma::runtime::{AcceptHook, ConnHandler, Connection, Listener, Options};
+use snowrdma::runtime::{AcceptHook, ConnHandler, ConnState, Connection, Listener, Options};
+use snowrdma::verbs::QpState;
 
 use crate::runtime::{blocking, Collect};
 use crate::{device_ip, TIMEOUT};
@@ -182,5 +183,65 @@ fn a_start_after_the_release_is_refused_and_gives_the_port_back() {
             }
             thread::sleep(Duration::from_millis(20));
         }
+    }
+}
+
+/// An ended connection's queue pair is stopped (the error state) before
+/// its end is told to anyone: closed here, left by its peer, or failed. In
+/// socket mode a close only shut the socket, and the QP went on taking
+/// the peer's writes into our memory until the last handle was gone.
+#[test]
+#[ignore = "needs an RDMA device: run `make test`"]
+fn an_ended_connection_stops_its_queue_pair() {
+    for socket in [false, true] {
+        let opts = blocking();
+        let (accepted_tx, accepted) = mpsc::channel();
+        let accepted_tx = Mutex::new(accepted_tx);
+        let hook = Box::new(move |c: &Connection| {
+            let _ = accepted_tx.lock().unwrap().send(c.clone());
+            Some(Arc::new(Collect::default()) as Arc<dyn ConnHandler>)
+        });
+        let (server, addr) = serve(socket, &opts, hook);
+        let connect = || {
+            match socket {
+                true => Connection::connect_socket(addr, None, &opts, Arc::new(Collect::default())),
+                false => Connection::connect(addr, &opts, Arc::new(Collect::default())),
+            }
+            .unwrap()
+        };
+        let mode = if socket { "socket" } else { "RDMA CM" };
+        // Closed here; its peer sees it leave.
+        let conn = connect();
+        let peer: Connection = accepted.recv_timeout(TIMEOUT).unwrap();
+        assert_eq!(conn.qp_state().unwrap(), QpState::RTS, "{mode}");
+        conn.close();
+        assert_eq!(conn.qp_state().unwrap(), QpState::ERR, "{mode}: closed");
+        until_ended(&peer, &format!("{mode}: the peer of a closed connection"));
+        assert_eq!(peer.qp_state().unwrap(), QpState::ERR, "{mode}: left");
+        // Failed: a WRITE with a wrong key ends it.
+        let conn = connect();
+        let _peer = accepted.recv_timeout(TIMEOUT).unwrap();
+        let mr = conn.register(64).unwrap();
+        let mut bad = conn.peer_buffer().unwrap().at(0);
+        bad.rkey ^= 0x77;
+        let err = conn.write_sync(mr.addr(), mr.lkey(), bad, 64).unwrap_err();
+        // Ended by the failure (which the operation may report first), or
+        // by the peer, whose QP the wrong key failed too, leaving first.
+        until_ended(
+            &conn,
+            &format!("{mode}: a connection whose WRITE failed ({err})"),
+        );
+        assert_eq!(conn.qp_state().unwrap(), QpState::ERR, "{mode}: failed");
+        conn.close();
+        server.release();
+    }
+}
+
+/// Waits (bounded) until `conn` is closed or failed.
+fn until_ended(conn: &Connection, what: &str) {
+    let since = Instant::now();
+    while !matches!(conn.state(), ConnState::Error | ConnState::Closed) {
+        assert!(since.elapsed() < TIMEOUT, "{what} never ended");
+        thread::sleep(Duration::from_millis(5));
     }
 }

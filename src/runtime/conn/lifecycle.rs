@@ -83,11 +83,8 @@ impl Connection {
             // may come next, must see that the end is owed.
             self.inner.end_owed.store(!here, Ordering::SeqCst);
             st.last_errno = libc::ECONNABORTED;
-            for slot in st.sync_ops.outcomes_mut() {
-                slot.get_or_insert_with(|| Err(reason.to_string()));
-            }
         }
-        self.wake();
+        self.fail_sync_ops(reason);
         self.disconnect_link();
         self.notify_state(ConnState::Error);
         if here {
@@ -178,12 +175,9 @@ impl Connection {
                 self.end_state(&mut st, ConnState::Closed);
             }
             self.drop_queued(&mut st, "the peer left");
-            for slot in st.sync_ops.outcomes_mut() {
-                slot.get_or_insert_with(|| Err("the peer disconnected".into()));
-            }
             was
         };
-        self.wake();
+        self.fail_sync_ops("the peer disconnected");
         // Answer, so the peer's own DISCONNECTED arrives.
         self.disconnect_link();
         if !matches!(was, ConnState::Closed | ConnState::Error) {
@@ -276,19 +270,42 @@ impl Connection {
         }
     }
 
-    /// No data callback starts from now on, and one running on another
-    /// thread has returned (up to `deadline`, a timeout of its own: a
-    /// callback that waits for the closing thread, on a lock of the
-    /// program's, would otherwise hold both for good). On a thread that
-    /// runs this connection's callbacks, one may be running below us:
-    /// none is waited for.
-    fn shut_data_callbacks(&self, deadline: Instant) {
+    /// An ended connection's open synchronous operations fail with
+    /// `reason` (one already complete keeps its outcome), after the QP
+    /// stopped: the device writes none of their buffers once their callers
+    /// have the failure. Their waiters are woken.
+    fn fail_sync_ops(&self, reason: &str) {
+        self.stop_device();
+        for slot in self.lock().sync_ops.outcomes_mut() {
+            slot.get_or_insert_with(|| Err(reason.to_string()));
+        }
+        self.wake();
+    }
+
+    /// Moves the QP to the error state: the device touches none of this
+    /// connection's buffers, nor the program's, after it returns.
+    pub(super) fn stop_device(&self) {
+        if let Err(e) = self.inner.qp.to_error() {
+            // It may never have left RESET; an RDMA CM disconnect follows.
+            log::debug!("stopping the QP to {:?}: {e}", self.inner.peer);
+        }
+    }
+
+    /// Waits until no data callback of this connection runs on another
+    /// thread (once they are shut: none starts), up to `deadline`, a
+    /// timeout of its own: a callback that waits for the closing thread, on
+    /// a lock of the program's, would otherwise hold both for good. Those
+    /// below us on this thread are not waited for, and on a thread that
+    /// runs this connection's callbacks (the completion thread, a caller
+    /// polling) none is: it would stall every other connection, or a
+    /// callback below us may be one of another connection that called ours.
+    fn wait_data_callbacks(&self, deadline: Instant) {
         let inner = &self.inner;
-        inner.data_callbacks_shut.store(true, Ordering::SeqCst);
         if self.on_callback_thread() {
             return;
         }
-        while inner.in_data_callbacks.load(Ordering::SeqCst) > 0 {
+        let mine = self.data_callbacks_here();
+        while inner.in_data_callbacks.load(Ordering::SeqCst) > mine {
             if Instant::now() >= deadline {
                 log::warn!(
                     "closing the connection to {:?}: a callback still runs on another thread",
@@ -352,17 +369,15 @@ impl Connection {
             });
         }
         self.take_send_completions();
-        self.shut_data_callbacks(
+        // No data callback starts from here on; the synchronous operations
+        // still open fail before one running elsewhere is waited for, which
+        // may be blocked in one of them.
+        self.inner.data_callbacks_shut.store(true, Ordering::SeqCst);
+        self.end_state(&mut self.lock(), ConnState::Closed);
+        self.fail_sync_ops("the connection was closed");
+        self.wait_data_callbacks(
             Instant::now() + self.inner.opts.timeout.max(Duration::from_secs(1)),
         );
-        {
-            let mut st = self.lock();
-            self.end_state(&mut st, ConnState::Closed);
-            for slot in st.sync_ops.outcomes_mut() {
-                slot.get_or_insert_with(|| Err("the connection was closed".into()));
-            }
-        }
-        self.wake();
         if matches!(was, ConnState::Connected | ConnState::MrReady) || self.socket_link().is_some()
         {
             self.disconnect_link();

@@ -46,6 +46,14 @@ use super::send_queue::SendQueue;
 use super::socket::SocketLink;
 use super::{Result, Runtime};
 
+thread_local! {
+    /// The connection whose data callback runs innermost on this thread,
+    /// and how many of its data callbacks are nested there: `close` called
+    /// from one does not wait for itself.
+    static IN_DATA_CALLBACK: std::cell::Cell<(usize, usize)> =
+        const { std::cell::Cell::new((0, 0)) };
+}
+
 /// Send-queue depth of every connection.
 const MAX_SEND_WR: u32 = 1024;
 /// Send-queue slots only commands (credits, goodbye) may use, so returning
@@ -482,9 +490,25 @@ impl Connection {
         let inner = &self.inner;
         inner.in_data_callbacks.fetch_add(1, Ordering::SeqCst);
         if !inner.data_callbacks_shut.load(Ordering::SeqCst) {
+            let me = self.id();
+            let outer = IN_DATA_CALLBACK.get();
+            let depth = if outer.0 == me { outer.1 + 1 } else { 1 };
+            IN_DATA_CALLBACK.set((me, depth));
+            // `call_handler` catches a panic: the mark is always undone.
             self.call_handler(what, f);
+            IN_DATA_CALLBACK.set(outer);
         }
         inner.in_data_callbacks.fetch_sub(1, Ordering::SeqCst);
+    }
+
+    /// How many of this connection's data callbacks run on this thread,
+    /// below the caller (those under a callback of another connection that
+    /// runs above them are not seen).
+    fn data_callbacks_here(&self) -> usize {
+        match IN_DATA_CALLBACK.get() {
+            (id, depth) if id == self.id() => depth,
+            _ => 0,
+        }
     }
 
     fn call_handler(&self, what: &str, f: impl FnOnce(&dyn ConnHandler)) {
@@ -500,6 +524,13 @@ impl Connection {
 
     pub fn state(&self) -> ConnState {
         self.lock().state
+    }
+
+    /// The queue pair's state as the device reports it: `ERR` from the
+    /// moment the connection ends (closed, failed or left by its peer), so
+    /// the device touches none of its memory, nor the program's, after.
+    pub fn qp_state(&self) -> Result<verbs::QpState> {
+        Ok(self.inner.qp.state()?)
     }
 
     /// Moves to Closed or Error (which it never leaves), under the lock:

@@ -412,8 +412,11 @@ impl Connection {
                 }
                 drop(st);
                 if matches!(e, Error::Timeout(_)) {
-                    // Stop the device from touching the buffers any later.
                     self.fail("a synchronous operation timed out");
+                    // The device must not touch the buffers any later, even
+                    // when another thread ended the connection and has not
+                    // stopped the QP yet.
+                    self.stop_device();
                 }
                 Err(e)
             }

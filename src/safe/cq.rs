@@ -84,6 +84,9 @@ pub(crate) struct CqShared {
 struct Table {
     slots: Slots,
     room: CompletionRoom<BATCH>,
+    /// Why [`Progress::Thread`]'s reaper cannot poll the CQ: pending
+    /// futures resolve to it, keeping their memory, until a poll succeeds.
+    broken: Option<String>,
 }
 
 #[derive(Default)]
@@ -151,13 +154,24 @@ impl ProtectionDomain {
 
 /// The background thread of [`Progress::Thread`]: sleeps on the channel,
 /// reaps, and ends once the CQ is gone (its last handle and every queue pair
-/// on it dropped).
+/// on it dropped). It never gives up while the CQ lives: a channel that
+/// fails is left for polling at every tick, and while polling fails too,
+/// the waiting futures resolve to that error (keeping their memory) until a
+/// poll succeeds again.
 fn background(weak: Weak<CqShared>) {
+    let mut failing = false;
     while let Some(cq) = weak.upgrade() {
-        if let Err(e) = cq.service(THREAD_TICK) {
-            log::error!("safe completion thread: {e}");
-            break;
+        let Err(e) = cq.service(THREAD_TICK) else {
+            failing = false;
+            continue;
+        };
+        if !failing {
+            log::error!("safe completion thread: {e}: polling every {THREAD_TICK:?} instead");
+            failing = true;
         }
+        cq.poll_or_break();
+        drop(cq);
+        std::thread::sleep(THREAD_TICK);
     }
 }
 
@@ -356,7 +370,7 @@ impl CqShared {
                 return Poll::Ready(Err(e));
             }
         }
-        let slots = &mut t.slots;
+        let Table { slots, broken, .. } = &mut *t;
         let slot = &mut slots.all[ticket.idx as usize];
         debug_assert_eq!(slot.gen, ticket.gen);
         let outcome = match slot.done.take() {
@@ -364,6 +378,7 @@ impl CqShared {
                 slots.close(ticket.idx);
                 Poll::Ready(Ok(wc))
             }
+            None if broken.is_some() => Poll::Ready(Err(reaper_failed(broken.as_deref()))),
             None => {
                 match &slot.waker {
                     Some(w) if w.will_wake(cx.waker()) => {}
@@ -423,6 +438,21 @@ impl CqShared {
             }
             std::thread::sleep(Duration::from_millis(1));
         }
+    }
+
+    /// The reaper thread's poll when its channel failed: a poll that fails
+    /// too marks the CQ broken and wakes every waiting future (to that
+    /// error); one that succeeds mends it.
+    fn poll_or_break(&self) {
+        let error = self.drive().err().map(|e| e.to_string());
+        let mut wake: Vec<Waker> = Vec::new();
+        let mut t = self.table();
+        if error.is_some() {
+            wake.extend(t.slots.all.iter_mut().filter_map(|s| s.waker.take()));
+        }
+        t.broken = error;
+        drop(t);
+        wake.into_iter().for_each(Waker::wake);
     }
 
     /// Reaps everything the CQ holds now, a batch at a time, giving the
@@ -525,6 +555,15 @@ impl CqShared {
         }
         Ok(n)
     }
+}
+
+/// The error of a future whose CQ the reaper thread cannot poll.
+fn reaper_failed(why: Option<&str>) -> super::Error {
+    verbs::Error::Verb {
+        verb: "ibv_poll_cq (safe completion thread)",
+        source: std::io::Error::other(why.unwrap_or_default().to_string()),
+    }
+    .into()
 }
 
 /// What a reap owes once the CQ's lock is given back: tasks to wake and

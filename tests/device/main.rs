@@ -24,6 +24,7 @@ mod release;
 mod runtime;
 mod safe;
 mod safe_cm;
+mod safe_faults;
 mod verbs;
 
 use std::net::Ipv4Addr;

@@ -150,7 +150,12 @@ impl QpBuilder<Rc> {
     /// The queue pair on a CM id (RDMA CM drives its states).
     fn build_on(self, id: &CmId) -> Result<QpCore> {
         let (pd, send_cq, recv_cq, attrs) = self.into_parts()?;
-        let qp = id.create_qp(pd.verbs(), send_cq.verbs(), recv_cq.verbs(), &attrs.caps)?;
+        let qp = id.create_qp(
+            pd.verbs(),
+            send_cq.device_cq(),
+            recv_cq.device_cq(),
+            &attrs.caps,
+        )?;
         Ok(QpCore {
             ctx: pd.verbs().context().clone(),
             qp,

@@ -115,6 +115,9 @@ struct Slot {
     waker: Option<Waker>,
     /// The future was dropped: the completion only releases `parked`.
     abandoned: bool,
+    /// A batch posted in part: no tail will complete it
+    /// ([`CqShared::disown`]).
+    tailless: bool,
     /// Segments of an operation whose future was dropped.
     parked: Vec<RawHold>,
 }
@@ -203,7 +206,24 @@ impl CompletionQueue {
     }
 
     /// The verbs-layer CQ: the escape hatch.
-    pub fn verbs(&self) -> &verbs::CompletionQueue {
+    ///
+    /// # Safety
+    /// Completions taken from it (a poll) or events taken from its channel
+    /// never reach this layer: their futures would wait for good, and the
+    /// memory of dropped ones would stay parked. Do neither. Safe code
+    /// cannot reach it:
+    ///
+    /// ```compile_fail
+    /// fn steal(cq: &snowrdma::safe::CompletionQueue) {
+    ///     let mut room = snowrdma::verbs::CompletionRoom::<4>::new();
+    ///     let _ = room.poll(cq.verbs());
+    /// }
+    /// ```
+    pub unsafe fn verbs(&self) -> &verbs::CompletionQueue {
+        &self.shared.cq
+    }
+
+    pub(crate) fn device_cq(&self) -> &verbs::CompletionQueue {
         &self.shared.cq
     }
 
@@ -336,15 +356,39 @@ impl CqShared {
         slots.close(ticket.idx);
     }
 
-    /// A batch whose post failed: what went out before the failing request
-    /// completes, if ever, without its tail, so its slot never settles. Its
-    /// queue pair's drop does not wait for it, and its room is given back
-    /// (kept, a failed post would shrink the CQ for good; what did go out
-    /// is at most the batch's length less one).
-    pub(crate) fn disown(&self, ticket: Ticket) {
+    /// A batch whose post failed after its first `posted` requests went
+    /// out: they complete, if ever, without a signaled tail, so its slot
+    /// never settles. Their memory (`holds`) and CQ room stay taken until
+    /// the queue pair is stopped ([`CqShared::release_tailless`]), which
+    /// its drop does; the room of the requests not posted is free now.
+    pub(crate) fn disown(&self, ticket: Ticket, posted: usize, holds: Vec<RawHold>) {
         let slots = &mut self.table().slots;
-        slots.all[ticket.idx as usize].qp = NO_QP;
-        slots.reaped(ticket.idx);
+        let slot = &mut slots.all[ticket.idx as usize];
+        let unposted = slot.wrs.saturating_sub(posted);
+        slot.wrs -= unposted;
+        slot.tailless = true;
+        slot.abandoned = true;
+        slot.parked = holds;
+        slots.in_flight -= unposted;
+    }
+
+    /// Queue pair `qp` is in the error state and its flushed work reaped:
+    /// the device touches none of its memory any more, so the batches of
+    /// it that went out without their tail let go of theirs.
+    pub(crate) fn release_tailless(&self, qp: u32) {
+        let mut released = Vec::new();
+        let mut t = self.table();
+        let slots = &mut t.slots;
+        for idx in 0..slots.all.len() as u32 {
+            let slot = &mut slots.all[idx as usize];
+            if slot.busy && slot.tailless && slot.qp == qp {
+                released.append(&mut slot.parked);
+                slots.reaped(idx);
+                slots.close(idx);
+            }
+        }
+        drop(t);
+        drop(released);
     }
 
     /// The operation's completion, or `Pending` with the task's waker kept
@@ -590,11 +634,12 @@ impl Slots {
         self.in_flight -= std::mem::take(&mut slot.wrs);
     }
 
-    /// Operations of queue pair `qp` not completed yet.
+    /// Operations of queue pair `qp` not completed yet (a batch without
+    /// its tail never completes).
     fn pending_of(&self, qp: u32) -> usize {
         self.all
             .iter()
-            .filter(|s| s.busy && s.qp == qp && s.done.is_none())
+            .filter(|s| s.busy && s.qp == qp && s.done.is_none() && !s.tailless)
             .count()
     }
 
@@ -605,6 +650,7 @@ impl Slots {
         slot.failed = None;
         slot.waker = None;
         slot.abandoned = false;
+        slot.tailless = false;
         debug_assert!(slot.parked.is_empty());
         self.free.push(idx);
     }

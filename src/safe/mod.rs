@@ -22,7 +22,8 @@
 //!   but the last unsignaled, holding every segment until the last completes.
 //!
 //! The `unsafe` [`crate::verbs`] layer stays available as the escape hatch
-//! (`verbs()` on every handle).
+//! (`verbs()` on every handle; `unsafe` on a completion queue, as a
+//! completion polled there never reaches its future).
 
 mod cm;
 mod cq;

@@ -256,13 +256,18 @@ impl<T: Connected> Batch<'_, T> {
             .collect();
         // SAFETY: the holds move into the BatchOp (or are parked with the
         // CQ below), which keeps them until the tail's completion is reaped.
-        match unsafe { self.core.qp.post_send(&reqs) } {
+        match unsafe { self.core.qp.post_send_counted(&reqs) } {
             Ok(()) => Ok(BatchOp::new(self.core.send.clone(), ticket, self.holds)),
-            Err(e) => {
-                // Requests before the failing one may be on the wire, without
-                // a signaled tail: their memory stays parked for good.
-                self.core.send.disown(ticket);
-                self.core.send.cancel(ticket, self.holds);
+            Err((0, e)) => {
+                // Nothing went out: the memory is free at once.
+                self.core.send.abandon(ticket);
+                Err(e.into())
+            }
+            Err((posted, e)) => {
+                // The requests before the failing one are on the device,
+                // without a signaled tail: their memory stays parked until
+                // the queue pair is stopped.
+                self.core.send.disown(ticket, posted, self.holds);
                 Err(e.into())
             }
         }

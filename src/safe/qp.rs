@@ -233,8 +233,11 @@ impl<T: Transport> QpBuilder<T> {
             return Err(Error::invalid("PSNs are 24 bits"));
         }
         let pd = self.pd.verbs();
-        let mut init =
-            verbs::init_attr(self.send_cq.verbs(), self.recv_cq.verbs(), &self.attrs.caps);
+        let mut init = verbs::init_attr(
+            self.send_cq.device_cq(),
+            self.recv_cq.device_cq(),
+            &self.attrs.caps,
+        );
         init.qp_type = T::QP_TYPE;
         if let Some(srq) = &self.srq {
             init.srq = srq.as_raw();
@@ -243,8 +246,13 @@ impl<T: Transport> QpBuilder<T> {
         let raw = unsafe { sys::ibv_create_qp(pd.as_raw(), &mut init) };
         let raw =
             std::ptr::NonNull::new(raw).ok_or_else(|| verbs::Error::last_os("ibv_create_qp"))?;
-        let qp =
-            verbs::QueuePair::from_raw(raw, None, pd, self.send_cq.verbs(), self.recv_cq.verbs());
+        let qp = verbs::QueuePair::from_raw(
+            raw,
+            None,
+            pd,
+            self.send_cq.device_cq(),
+            self.recv_cq.device_cq(),
+        );
         let mut attrs = self.attrs;
         if attrs.gid_index.is_none() {
             attrs.gid_index = Some(pd.context().default_gid_index(attrs.port)?);
@@ -301,15 +309,18 @@ impl Drop for QpCore {
         // release the memory of dropped ones.
         if let Some(id) = &self.cm_id {
             super::cm::disconnect(id);
-        } else {
-            if let Err(e) = self.qp.to_error() {
-                // Nothing flushes: waiting for it would only stall.
-                log::debug!("dropping a queue pair: {e}");
-                return;
-            }
+        }
+        // Again after a disconnect, which may not have reached the QP (one
+        // never connected): what follows needs it stopped.
+        if let Err(e) = self.qp.to_error() {
+            // Nothing flushes (waiting for it would only stall), and the
+            // device may still use what is parked: it stays parked.
+            log::debug!("dropping a queue pair: {e}");
+            return;
         }
         let qpn = self.qp.qp_num();
         self.send.reap_flushed(qpn);
+        self.send.release_tailless(qpn);
         if !Arc::ptr_eq(&self.send, &self.recv) {
             self.recv.reap_flushed(qpn);
         }

@@ -307,6 +307,19 @@ impl QueuePair {
     /// polled, or, for unsignaled requests, until a later signaled request on
     /// this QP has completed.
     pub unsafe fn post_send(&self, reqs: &[SendRequest<'_>]) -> Result<()> {
+        self.post_send_counted(reqs).map_err(|(_, e)| e)
+    }
+
+    /// [`QueuePair::post_send`], telling on failure how many of the
+    /// requests, from the first, were posted before the one that failed:
+    /// those are on the device and complete (or flush) as posted ones do.
+    ///
+    /// # Safety
+    /// As [`QueuePair::post_send`].
+    pub unsafe fn post_send_counted(
+        &self,
+        reqs: &[SendRequest<'_>],
+    ) -> std::result::Result<(), (usize, Error)> {
         if reqs.is_empty() {
             return Ok(());
         }
@@ -315,12 +328,13 @@ impl QueuePair {
             // The common case, without a heap allocation.
             // SAFETY: all-zero is a valid ibv_send_wr.
             let mut wr: sys::ibv_send_wr = std::mem::zeroed();
-            req.fill(&mut wr)?;
+            req.fill(&mut wr).map_err(|e| (0, e))?;
             crate::costs::post_send(&wr);
             return check_code(
                 "ibv_post_send",
                 sys::ibv_post_send(self.as_raw(), &mut wr, &mut bad),
-            );
+            )
+            .map_err(|e| (0, e));
         }
         // Batches up to STACK_BATCH requests (every batch the library makes)
         // chain on the stack; only longer ones allocate.
@@ -329,7 +343,7 @@ impl QueuePair {
         // SAFETY: all-zero is a valid ibv_send_wr.
         let wrs = zeroed_chain(&mut on_stack, &mut on_heap, reqs.len());
         for (wr, req) in wrs.iter_mut().zip(reqs) {
-            req.fill(wr)?;
+            req.fill(wr).map_err(|e| (0, e))?;
         }
         for i in 1..wrs.len() {
             let next: *mut sys::ibv_send_wr = &mut wrs[i];
@@ -340,6 +354,12 @@ impl QueuePair {
             "ibv_post_send",
             sys::ibv_post_send(self.as_raw(), wrs.as_mut_ptr(), &mut bad),
         )
+        .map_err(|e| {
+            // `bad` is the first request not posted; one outside the chain
+            // (a provider that did not say) counts as none posted.
+            let posted = wrs.iter().position(|wr| std::ptr::eq(wr, bad)).unwrap_or(0);
+            (posted, e)
+        })
     }
 
     /// Posts one receive into `sges` (none: a receive for a zero-length

@@ -1,11 +1,12 @@
 //! The safe API when things go wrong around an operation: a queue pair
-//! dropped with work on it, a completion queue with no room left, and a
-//! completion channel that fails under the background reaper.
+//! dropped with work on it, a completion queue with no room left, a
+//! completion channel that fails under the background reaper, and a batch
+//! the send queue takes only in part.
 
 use std::fs::OpenOptions;
 use std::os::fd::AsRawFd;
 
-use snowrdma::safe::{AccessFlags, Progress, Rc, WcStatus};
+use snowrdma::safe::{AccessFlags, Progress, ProtectionDomain, Rc, WcStatus};
 
 use crate::safe::{block_on, pair, pair_sized, Pair};
 
@@ -91,4 +92,40 @@ fn safe_the_background_reaper_outlives_a_failing_channel() {
         assert_eq!(block_on(recv).unwrap().byte_len(), 64);
     }
     drop((a, b));
+}
+
+/// A batch that the send queue takes only in part: what went out stays on
+/// the device with no signaled tail, so its memory stays parked until the
+/// queue pair is stopped, and is released by the queue pair's drop (it
+/// stayed parked for good). A batch refused whole gives its memory back at
+/// once.
+#[test]
+#[ignore = "needs an RDMA device: run `make test`"]
+fn safe_a_partly_posted_batch_gives_its_memory_back_when_its_queue_pair_goes() {
+    let pd = ProtectionDomain::open(None).expect("an RDMA device");
+    let (cq_a, cq_b) = (
+        pd.create_cq(256, Progress::Poll).unwrap(),
+        pd.create_cq(256, Progress::Poll).unwrap(),
+    );
+    let a = pd.qp::<Rc>(&cq_a, &cq_a).max_send_wr(4).build().unwrap();
+    let b = pd.qp::<Rc>(&cq_b, &cq_b).build().unwrap();
+    let (ea, eb) = (a.endpoint().unwrap(), b.endpoint().unwrap());
+    let (mut a, _b) = (a.connect(&eb).unwrap(), b.connect(&ea).unwrap());
+    // `b` posts no receive: the sends that went out wait in RNR retries.
+    let mem = pd.allocate::<u8>(64 * 64, AccessFlags::empty()).unwrap();
+    let weak = mem.downgrade();
+    let mut batch = a.batch();
+    for i in 0..64 {
+        batch.send(mem.ro(i * 64..(i + 1) * 64).unwrap());
+    }
+    drop(mem);
+    let Err(err) = batch.post() else {
+        panic!("more requests than the send queue holds were taken");
+    };
+    assert!(
+        weak.is_alive(),
+        "part of the batch is on the device ({err})"
+    );
+    drop(a);
+    assert!(!weak.is_alive(), "released once its queue pair was stopped");
 }

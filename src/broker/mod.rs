@@ -512,9 +512,11 @@ impl Broker {
 
 impl Drop for Broker {
     fn drop(&mut self) {
-        // Peers learn at once (DISCONNECTED) instead of by retries.
-        for id in self.all().iter().flatten().filter_map(|p| p.cm_id.as_ref()) {
-            let _ = id.disconnect();
+        // Peers learn at once (a disconnect, or the socket shut) instead of
+        // by retries, and every QP is stopped before the rings and the data
+        // region, which the fields' order drops first, are deregistered.
+        for p in self.all().iter().flatten() {
+            p.stop();
         }
     }
 }

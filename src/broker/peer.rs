@@ -5,7 +5,6 @@
 use std::cell::{Cell, RefCell};
 use std::collections::VecDeque;
 
-use rdma_sys as sys;
 use smallvec::SmallVec;
 
 use super::mesh::Hello;
@@ -303,24 +302,26 @@ impl Peer {
     /// than when its own next operation finds our QP gone: one waiting for
     /// our reply would otherwise wait for good.
     pub(crate) fn fail(&self, why: &str) {
-        if !self.failed.replace(true) {
+        if !self.failed.get() {
             log::warn!("broker: server {} failed: {why}", self.server);
-            if let Some(id) = &self.cm_id {
-                let _ = id.disconnect();
-            }
-            if let Some(tcp) = &self.tcp {
-                let _ = tcp.shutdown(std::net::Shutdown::Both);
-            }
         }
-        // SAFETY: all-zero is a valid ibv_qp_attr.
-        let mut attr: sys::ibv_qp_attr = unsafe { std::mem::zeroed() };
-        attr.qp_state = sys::ibv_qp_state::IBV_QPS_ERR;
-        if let Err(e) = self.qp.modify(
-            &mut attr,
-            sys::ibv_qp_attr_mask::IBV_QP_STATE,
-            "ibv_modify_qp(->ERR)",
-        ) {
+        self.stop();
+    }
+
+    /// [`Peer::fail`] without a reason to log: the broker is going, or the
+    /// failed completion that ends it was logged.
+    pub(crate) fn stop(&self) {
+        if self.failed.replace(true) {
+            return;
+        }
+        if let Err(e) = self.qp.to_error() {
             log::debug!("broker: {e}");
+        }
+        if let Some(id) = &self.cm_id {
+            let _ = id.disconnect();
+        }
+        if let Some(tcp) = &self.tcp {
+            let _ = tcp.shutdown(std::net::Shutdown::Both);
         }
     }
 }

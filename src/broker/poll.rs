@@ -137,7 +137,10 @@ impl Broker {
                     }
                 }
                 if failed {
-                    peer.failed.set(true);
+                    // Logged by `failed`. The QP is in the error state
+                    // already; the peer is told now, not when its own next
+                    // operation finds it.
+                    peer.stop();
                 }
                 for p in done.drain(..) {
                     let bad = failed && p.seq >= wc.wr_id();
@@ -194,7 +197,7 @@ impl Broker {
             let mut reposts = 0;
             for wc in wcs {
                 if peer::failed(peer, wc) {
-                    peer.failed.set(true);
+                    peer.stop();
                     continue;
                 }
                 let slot = wc.wr_id() as u32;

@@ -69,7 +69,15 @@ impl Connection {
         let here = self.ends_here();
         {
             let mut st = self.lock();
-            if matches!(st.state, ConnState::Closed | ConnState::Error) || spared(st.state) {
+            if matches!(st.state, ConnState::Closed | ConnState::Error) {
+                drop(st);
+                // The thread that ended it may not have stopped the QP yet,
+                // and this one's caller is about to learn of the failure
+                // (a post that failed in part, say) and reuse its memory.
+                self.stop_device();
+                return false;
+            }
+            if spared(st.state) {
                 return false;
             }
             log::log!(

@@ -430,7 +430,15 @@ impl Connection {
                 // polls that CQ itself.
                 self.callback(done, true);
             }
-            K_BIND => self.lock().sq_used -= 1,
+            K_BIND => {
+                let mut st = self.lock();
+                st.sq_used -= 1;
+                st.binds_done += 1;
+                drop(st);
+                // A window dropped meanwhile may wait for this bind (binds
+                // are rare: one per exposed region).
+                self.wake();
+            }
             K_CREDIT => return self.credit_read_done().err(),
             K_SYNC => {
                 let mut st = self.lock();

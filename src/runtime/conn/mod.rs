@@ -202,6 +202,10 @@ struct State {
     rx: RecvRing,
     rx_msgs: u64,
     sq_used: u32,
+    /// Memory-window binds posted, and those completed (in order: the send
+    /// queue completes in order, and binds are signaled).
+    binds_posted: u64,
+    binds_done: u64,
     cmd_free: Vec<u16>,
     sync_ops: sync_ops::SyncOps,
     next_op: u64,

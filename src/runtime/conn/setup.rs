@@ -164,6 +164,8 @@ impl Connection {
                     rx: RecvRing::new(opts.recv_buf_len),
                     rx_msgs: 0,
                     sq_used: 0,
+                    binds_posted: 0,
+                    binds_done: 0,
                     cmd_free: (0..CMD_SLOTS).collect(),
                     sync_ops: SyncOps::with_capacity(2 * SYNC_OPS_UNGROWN),
                     next_op: 1,
@@ -419,6 +421,9 @@ impl Connection {
                 access,
             )
         };
+        if bound.is_ok() {
+            st.binds_posted += 1;
+        }
         bound.map_err(|e| {
             st.sq_used -= 1;
             e.into()

@@ -44,9 +44,10 @@ pub enum Progress {
 const BATCH: usize = 32;
 /// How often the background thread looks whether its CQ is gone.
 const THREAD_TICK: Duration = Duration::from_millis(200);
-/// The queue pair of an operation posted to a shared receive queue, which
-/// no queue pair's flush completes.
-pub(crate) const NO_QP: u32 = u32::MAX;
+/// Marks the `qp` of an operation posted to a shared receive queue (the low
+/// bits tell which one): no queue pair's flush completes it, and queue pair
+/// numbers have 24 bits.
+pub(crate) const SRQ_TAG: u32 = 1 << 31;
 /// How long a dropped queue pair waits for its flushed work to be reaped.
 const FLUSH_WAIT: Duration = Duration::from_secs(2);
 
@@ -103,8 +104,8 @@ struct Slots {
 struct Slot {
     gen: u32,
     busy: bool,
-    /// The queue pair whose work queue holds the operation ([`NO_QP`]: a
-    /// shared receive queue's).
+    /// The queue pair whose work queue holds the operation (with
+    /// [`SRQ_TAG`]: a shared receive queue's).
     qp: u32,
     /// Its work requests, counted in [`Slots::in_flight`] until its
     /// completion is reaped.
@@ -118,6 +119,9 @@ struct Slot {
     /// A batch posted in part: no tail will complete it
     /// ([`CqShared::disown`]).
     tailless: bool,
+    /// A receive whose shared receive queue was destroyed: it will never
+    /// complete, and the device no longer touches its memory.
+    gone: bool,
     /// Segments of an operation whose future was dropped.
     parked: Vec<RawHold>,
 }
@@ -372,6 +376,35 @@ impl CqShared {
         slots.in_flight -= unposted;
     }
 
+    /// Shared receive queue `tag` ([`SRQ_TAG`]) is destroyed: its receives
+    /// not completed never will, and the device touches none of their
+    /// memory. Dropped ones release it now; pending ones resolve to an
+    /// error and release it when dropped.
+    pub(crate) fn srq_destroyed(&self, tag: u32) {
+        let mut released = Vec::new();
+        let mut wake = Vec::new();
+        let mut t = self.table();
+        let slots = &mut t.slots;
+        for idx in 0..slots.all.len() as u32 {
+            let slot = &mut slots.all[idx as usize];
+            if !slot.busy || slot.qp != tag || slot.done.is_some() {
+                continue;
+            }
+            slots.reaped(idx);
+            let slot = &mut slots.all[idx as usize];
+            if slot.abandoned {
+                released.append(&mut slot.parked);
+                slots.close(idx);
+            } else {
+                slot.gone = true;
+                wake.extend(slot.waker.take());
+            }
+        }
+        drop(t);
+        drop(released);
+        wake.into_iter().for_each(Waker::wake);
+    }
+
     /// Queue pair `qp` is in the error state and its flushed work reaped:
     /// the device touches none of its memory any more, so the batches of
     /// it that went out without their tail let go of theirs.
@@ -422,6 +455,9 @@ impl CqShared {
                 slots.close(ticket.idx);
                 Poll::Ready(Ok(wc))
             }
+            None if slot.gone => Poll::Ready(Err(super::Error::invalid(
+                "its shared receive queue was destroyed before a message came",
+            ))),
             None if broken.is_some() => Poll::Ready(Err(reaper_failed(broken.as_deref()))),
             None => {
                 match &slot.waker {
@@ -446,7 +482,7 @@ impl CqShared {
     pub(crate) fn cancel(&self, ticket: Ticket, holds: Vec<RawHold>) {
         let mut t = self.table();
         let slot = &mut t.slots.all[ticket.idx as usize];
-        if slot.done.is_some() {
+        if slot.done.is_some() || slot.gone {
             t.slots.close(ticket.idx);
             drop(t);
             drop(holds);
@@ -651,6 +687,7 @@ impl Slots {
         slot.waker = None;
         slot.abandoned = false;
         slot.tailless = false;
+        slot.gone = false;
         debug_assert!(slot.parked.is_empty());
         self.free.push(idx);
     }

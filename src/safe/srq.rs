@@ -3,18 +3,25 @@
 //! ([`Completion::qp_num`](super::Completion::qp_num)).
 
 use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 
 use rdma_sys as sys;
 
-use super::cq::{CompletionQueue, NO_QP};
+use super::cq::{CompletionQueue, SRQ_TAG};
 use super::error::Result;
 use super::op::Op;
 use super::region::{ProtectionDomain, Writable, TOKEN};
 use crate::verbs;
 
+/// Tells the shared receive queues of a process apart in their receives'
+/// slots.
+static NEXT_SRQ: AtomicU32 = AtomicU32::new(0);
+
 pub(crate) struct SrqInner {
     srq: NonNull<sys::ibv_srq>,
+    /// Its receives' `qp` in the CQ's slots.
+    tag: u32,
     pub(crate) cq: CompletionQueue,
     _pd: verbs::ProtectionDomain,
 }
@@ -29,11 +36,15 @@ impl Drop for SrqInner {
         // value, so none is left.
         let rc = unsafe { sys::ibv_destroy_srq(self.srq.as_ptr()) };
         if rc != 0 {
+            // Its receives' memory stays parked: the device may write it.
             log::warn!(
                 "ibv_destroy_srq failed: {}",
                 std::io::Error::from_raw_os_error(rc)
             );
+            return;
         }
+        // Nothing completes its receives now: their futures resolve.
+        self.cq.shared.srq_destroyed(self.tag);
     }
 }
 
@@ -64,6 +75,7 @@ impl ProtectionDomain {
         Ok(SharedReceiveQueue {
             inner: Arc::new(SrqInner {
                 srq,
+                tag: SRQ_TAG | (NEXT_SRQ.fetch_add(1, Ordering::Relaxed) & !SRQ_TAG),
                 cq: cq.clone(),
                 _pd: self.verbs().clone(),
             }),
@@ -81,7 +93,7 @@ impl SharedReceiveQueue {
     pub fn recv<W: Writable>(&self, mem: W) -> Result<Op<W>> {
         let sge = mem.sge(TOKEN);
         let cq = &self.inner.cq.shared;
-        let ticket = cq.open(NO_QP, 1)?;
+        let ticket = cq.open(self.inner.tag, 1)?;
         // SAFETY: all-zero is a valid ibv_recv_wr.
         let mut wr: sys::ibv_recv_wr = unsafe { std::mem::zeroed() };
         wr.wr_id = ticket.wr_id(true);

@@ -129,3 +129,45 @@ fn safe_a_partly_posted_batch_gives_its_memory_back_when_its_queue_pair_goes() {
     drop(a);
     assert!(!weak.is_alive(), "released once its queue pair was stopped");
 }
+
+/// Receives still posted when their shared receive queue is destroyed never
+/// complete (no queue pair flushes them): a pending one resolves to an
+/// error, and its memory, like a dropped one's, is released (both waited,
+/// and stayed parked, for good). Two queues on one CQ are told apart.
+#[test]
+#[ignore = "needs an RDMA device: run `make test`"]
+fn safe_receives_of_a_destroyed_shared_receive_queue_resolve() {
+    let pd = ProtectionDomain::open(None).unwrap();
+    let cq = pd.create_cq(64, Progress::Poll).unwrap();
+    let (srq, other) = (
+        pd.create_srq(&cq, 16, 1).unwrap(),
+        pd.create_srq(&cq, 16, 1).unwrap(),
+    );
+    let (kept, dropped, stays) = (
+        pd.allocate::<u8>(64, AccessFlags::empty()).unwrap(),
+        pd.allocate::<u8>(64, AccessFlags::empty()).unwrap(),
+        pd.allocate::<u8>(64, AccessFlags::empty()).unwrap(),
+    );
+    let (kept_weak, dropped_weak, stays_weak) =
+        (kept.downgrade(), dropped.downgrade(), stays.downgrade());
+    let pending = srq.recv(kept.rw(..).unwrap()).unwrap();
+    drop(srq.recv(dropped.rw(..).unwrap()).unwrap());
+    let _other_pending = other.recv(stays.rw(..).unwrap()).unwrap();
+    drop((kept, dropped, stays));
+    assert!(dropped_weak.is_alive(), "the device may still write it");
+    drop(srq);
+    assert!(
+        !dropped_weak.is_alive(),
+        "released once its queue was destroyed"
+    );
+    let err = block_on(pending).expect_err("a receive of a destroyed queue");
+    assert!(err.to_string().contains("destroyed"), "{err}");
+    assert!(
+        !kept_weak.is_alive(),
+        "the pending one's memory is released"
+    );
+    assert!(
+        stays_weak.is_alive(),
+        "the other queue's receive is untouched"
+    );
+}

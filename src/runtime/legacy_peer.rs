@@ -252,6 +252,9 @@ impl LegacyPeer {
         let before = self.sends_done;
         while self.sends_done == before {
             if self.poll(deadline, &mut |_| Ok(()))?.is_none() {
+                // The send may still read the staging buffer the next one
+                // fills: stopped, the device reads it no more.
+                let _ = self.qp.to_error();
                 return Err(Error::Timeout("waiting for a send to complete".into()));
             }
         }

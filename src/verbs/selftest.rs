@@ -134,6 +134,21 @@ impl LoopbackPair {
 
     /// Runs `op` with `size` bytes (atomics: 8) and checks what arrived;
     /// returns the time from post to the initiator's completion.
+    /// The next completion of a's send CQ (or b's receive CQ); when none
+    /// comes in time, both QPs are stopped, so the device touches neither
+    /// buffer once the caller has the error.
+    fn wait_or_stop(&self, receive: bool) -> Result<super::Completion> {
+        let cq = if receive {
+            &self.b.recv_cq
+        } else {
+            &self.a.send_cq
+        };
+        cq.wait_one(self.timeout).inspect_err(|_| {
+            let _ = self.a.qp.to_error();
+            let _ = self.b.qp.to_error();
+        })
+    }
+
     pub fn verify(&mut self, op: Op, size: usize) -> Result<Duration> {
         let size = if op.is_atomic() { 8 } else { size };
         if size == 0 || size > self.a.mr.len() || size > self.b.mr.len() {
@@ -198,7 +213,7 @@ impl LoopbackPair {
                 .qp
                 .post_send(&[SendRequest::new(42, send_op, std::slice::from_ref(&sge))])?
         };
-        let wc = self.a.send_cq.wait_one(self.timeout)?;
+        let wc = self.wait_or_stop(false)?;
         let elapsed = start.elapsed();
         expect(wc.wr_id() == 42, || {
             format!("send completion has wr_id {}", wc.wr_id())
@@ -210,7 +225,7 @@ impl LoopbackPair {
             )
         })?;
         if two_sided {
-            let rc = self.b.recv_cq.wait_one(self.timeout)?;
+            let rc = self.wait_or_stop(true)?;
             let want = if op == Op::WriteWithImm {
                 WcOpcode::RECV_RDMA_WITH_IMM
             } else {

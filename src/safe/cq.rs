@@ -214,8 +214,9 @@ impl CompletionQueue {
     /// # Safety
     /// Completions taken from it (a poll) or events taken from its channel
     /// never reach this layer: their futures would wait for good, and the
-    /// memory of dropped ones would stay parked. Do neither. Safe code
-    /// cannot reach it:
+    /// memory of dropped ones would stay parked. Do neither. (Nor through
+    /// a queue pair's [`Qp::verbs`](super::Qp::verbs), unsafe for the same
+    /// reason.) Without `unsafe`, it cannot be reached:
     ///
     /// ```compile_fail
     /// fn steal(cq: &snowrdma::safe::CompletionQueue) {
@@ -363,8 +364,9 @@ impl CqShared {
     /// A batch whose post failed after its first `posted` requests went
     /// out: they complete, if ever, without a signaled tail, so its slot
     /// never settles. Their memory (`holds`) and CQ room stay taken until
-    /// the queue pair is stopped ([`CqShared::release_tailless`]), which
-    /// its drop does; the room of the requests not posted is free now.
+    /// the queue pair is dropped ([`CqShared::take_tailless`]), and the
+    /// memory until it is destroyed; the room of the requests not posted is
+    /// free now.
     pub(crate) fn disown(&self, ticket: Ticket, posted: usize, holds: Vec<RawHold>) {
         let slots = &mut self.table().slots;
         let slot = &mut slots.all[ticket.idx as usize];
@@ -381,6 +383,10 @@ impl CqShared {
     /// memory. Dropped ones release it now; pending ones resolve to an
     /// error and release it when dropped.
     pub(crate) fn srq_destroyed(&self, tag: u32) {
+        // What completed before is reaped first: those messages arrived.
+        if let Err(e) = self.drive() {
+            log::warn!("destroying a shared receive queue: reaping its completions: {e}");
+        }
         let mut released = Vec::new();
         let mut wake = Vec::new();
         let mut t = self.table();
@@ -406,9 +412,10 @@ impl CqShared {
     }
 
     /// Queue pair `qp` is in the error state and its flushed work reaped:
-    /// the device touches none of its memory any more, so the batches of
-    /// it that went out without their tail let go of theirs.
-    pub(crate) fn release_tailless(&self, qp: u32) {
+    /// the batches of it that went out without their tail give up their
+    /// slots and room, and hand back their memory, which the device may
+    /// use until the QP is destroyed (nothing completes to tell sooner).
+    pub(crate) fn take_tailless(&self, qp: u32) -> Vec<RawHold> {
         let mut released = Vec::new();
         let mut t = self.table();
         let slots = &mut t.slots;
@@ -420,8 +427,7 @@ impl CqShared {
                 slots.close(idx);
             }
         }
-        drop(t);
-        drop(released);
+        released
     }
 
     /// The operation's completion, or `Pending` with the task's waker kept

@@ -320,7 +320,10 @@ impl Drop for QpCore {
         }
         let qpn = self.qp.qp_num();
         self.send.reap_flushed(qpn);
-        self.send.release_tailless(qpn);
+        let tailless = self.send.take_tailless(qpn);
+        if !tailless.is_empty() {
+            self.qp.keep_until_destroyed(Box::new(tailless));
+        }
         if !Arc::ptr_eq(&self.send, &self.recv) {
             self.recv.reap_flushed(qpn);
         }
@@ -471,9 +474,20 @@ impl<T, S> Qp<T, S> {
         self.core.qp.qp_num()
     }
 
-    /// The verbs-layer queue pair: the escape hatch (posting there is
-    /// `unsafe`).
-    pub fn verbs(&self) -> &verbs::QueuePair {
+    /// The verbs-layer queue pair: the escape hatch.
+    ///
+    /// # Safety
+    /// As for [`CompletionQueue::verbs`](super::CompletionQueue::verbs):
+    /// polling its CQs (`send_cq()`, `recv_cq()`) takes completions their
+    /// futures wait for. Do not; nor post there, unsafe in its own right.
+    ///
+    /// ```compile_fail
+    /// fn steal(qp: &snowrdma::safe::Qp<snowrdma::safe::Rc, snowrdma::safe::Rts>) {
+    ///     let mut room = snowrdma::verbs::CompletionRoom::<4>::new();
+    ///     let _ = room.poll(qp.verbs().send_cq());
+    /// }
+    /// ```
+    pub unsafe fn verbs(&self) -> &verbs::QueuePair {
         &self.core.qp
     }
 }

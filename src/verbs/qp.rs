@@ -153,6 +153,10 @@ pub(crate) struct QpInner {
     _pd: ProtectionDomain,
     send_cq: CompletionQueue,
     recv_cq: CompletionQueue,
+    /// What the device may use for as long as the QP exists (memory of
+    /// work that went out without a completion to tell when it is done):
+    /// let go of once the QP is destroyed, and never if that fails.
+    until_destroyed: std::sync::Mutex<Vec<Box<dyn Send>>>,
 }
 
 // SAFETY: posting and modifying QPs is thread-safe in libibverbs.
@@ -172,9 +176,13 @@ impl Drop for QpInner {
                         "ibv_destroy_qp failed: {}",
                         std::io::Error::from_raw_os_error(rc)
                     );
+                    // The QP may live on: what it may use is never let go.
+                    let kept = self.until_destroyed.get_mut().map(std::mem::take);
+                    std::mem::forget(kept);
                 }
             }
         }
+        // `until_destroyed` drops after this, the QP gone.
     }
 }
 
@@ -227,8 +235,20 @@ impl QueuePair {
                 _pd: pd.clone(),
                 send_cq: send_cq.clone(),
                 recv_cq: recv_cq.clone(),
+                until_destroyed: std::sync::Mutex::default(),
             }),
         }
+    }
+
+    /// Keeps `what` until the QP is destroyed (for good, if destroying it
+    /// fails): for memory of work that went out with no completion to tell
+    /// when the device is done with it.
+    pub(crate) fn keep_until_destroyed(&self, what: Box<dyn Send>) {
+        self.inner
+            .until_destroyed
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(what);
     }
 
     /// The raw `ibv_qp`.
@@ -272,9 +292,10 @@ impl QueuePair {
         Ok(QpState(attr.qp_state))
     }
 
-    /// Moves the QP to the error state: the device touches none of its
-    /// buffers after this returns, and its outstanding work completes
-    /// flushed. Moving an errored QP there again is harmless.
+    /// Moves the QP to the error state: it starts no more work, and its
+    /// outstanding work completes flushed (a provider may still finish a
+    /// request under way; its completion tells when). Moving an errored QP
+    /// there again is harmless.
     pub fn to_error(&self) -> Result<()> {
         // SAFETY: all-zero is a valid ibv_qp_attr; only the state is read.
         let mut attr: sys::ibv_qp_attr = unsafe { std::mem::zeroed() };
@@ -356,8 +377,12 @@ impl QueuePair {
         )
         .map_err(|e| {
             // `bad` is the first request not posted; one outside the chain
-            // (a provider that did not say) counts as none posted.
-            let posted = wrs.iter().position(|wr| std::ptr::eq(wr, bad)).unwrap_or(0);
+            // (a provider that did not say) counts as all of them posted,
+            // whose memory is then kept.
+            let posted = wrs
+                .iter()
+                .position(|wr| std::ptr::eq(wr, bad))
+                .unwrap_or(wrs.len());
             (posted, e)
         })
     }

@@ -132,11 +132,9 @@ impl LoopbackPair {
         })
     }
 
-    /// Runs `op` with `size` bytes (atomics: 8) and checks what arrived;
-    /// returns the time from post to the initiator's completion.
     /// The next completion of a's send CQ (or b's receive CQ); when none
-    /// comes in time, both QPs are stopped, so the device touches neither
-    /// buffer once the caller has the error.
+    /// comes in time, both QPs are stopped, so the device starts nothing
+    /// more on either buffer once the caller has the error.
     fn wait_or_stop(&self, receive: bool) -> Result<super::Completion> {
         let cq = if receive {
             &self.b.recv_cq
@@ -149,6 +147,8 @@ impl LoopbackPair {
         })
     }
 
+    /// Runs `op` with `size` bytes (atomics: 8) and checks what arrived;
+    /// returns the time from post to the initiator's completion.
     pub fn verify(&mut self, op: Op, size: usize) -> Result<Duration> {
         let size = if op.is_atomic() { 8 } else { size };
         if size == 0 || size > self.a.mr.len() || size > self.b.mr.len() {

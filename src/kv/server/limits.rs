@@ -45,8 +45,10 @@ impl Shared {
                 conn.peer_addr()
             )
         });
-        self.forget(client);
+        // Dropped first: its targets then end without waiting for their
+        // binds, which a client that takes no replies may hold up.
         conn.drop_peer("it does not take its replies");
+        self.forget(client);
     }
 
     /// A reply could not be sent: the connection ended (its end is
@@ -58,8 +60,8 @@ impl Shared {
         e: &crate::runtime::Error,
     ) {
         log::debug!("no reply to {:?}: {e}", conn.peer_addr());
-        self.forget(client);
         conn.drop_peer("no reply could be sent");
+        self.forget(client);
     }
 
     /// A client with `queued` requests waiting already gets no more queued:

@@ -616,11 +616,12 @@ impl Shared {
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .clear();
-        client
+        let targets = client
             .targets
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
-            .clear();
+            .take_all();
+        drop(targets);
     }
 
     /// The answer to one request message (a worker's job), if it takes
@@ -650,10 +651,12 @@ impl Shared {
     fn drop_malformed(&self, conn: &Connection, client: &ClientState, why: &str) {
         bump(&self.counters.errors);
         log::warn!("closing {:?}: malformed request: {why}", conn.peer_addr());
-        self.forget(client);
         // Not a close, which waits (bounded) for queued replies to drain:
-        // this thread serves every client.
+        // this thread serves every client. Dropped first, so its targets
+        // end at once: their windows' binds wait for nothing on an ended
+        // connection (one of a client that takes no replies never runs).
         conn.drop_peer("malformed request");
+        self.forget(client);
     }
 }
 

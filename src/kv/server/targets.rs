@@ -112,9 +112,11 @@ impl<T: TargetLen> Targets<T> {
         self.held.remove(&token).map(|h| h.target)
     }
 
-    /// Ends every target (the client went away).
-    pub(super) fn clear(&mut self) {
-        self.held.clear();
+    /// Takes every target (the client went away), for the caller to end
+    /// once it let go of the list's lock: ending one waits for its window's
+    /// bind, and unregisters memory.
+    pub(super) fn take_all(&mut self) -> Vec<T> {
+        self.held.drain().map(|(_, h)| h.target).collect()
     }
 }
 
@@ -165,7 +167,7 @@ mod tests {
             }
         }
         assert_eq!(t.reserve(1, u64::MAX), Err(NoRoom::Count));
-        t.clear();
+        t.take_all();
         for _ in 0..MAX_TARGETS / 2 {
             assert_eq!(t.reserve(1, u64::MAX), Ok(()), "four held ended");
         }

@@ -69,15 +69,8 @@ impl Connection {
         let here = self.ends_here();
         {
             let mut st = self.lock();
-            if matches!(st.state, ConnState::Closed | ConnState::Error) {
-                drop(st);
-                // The thread that ended it may not have stopped the QP yet,
-                // and this one's caller is about to learn of the failure
-                // (a post that failed in part, say) and reuse its memory.
-                self.stop_device();
-                return false;
-            }
-            if spared(st.state) {
+            // Ended already: its QP was stopped as it ended.
+            if matches!(st.state, ConnState::Closed | ConnState::Error) || spared(st.state) {
                 return false;
             }
             log::log!(
@@ -279,19 +272,18 @@ impl Connection {
     }
 
     /// An ended connection's open synchronous operations fail with
-    /// `reason` (one already complete keeps its outcome), after the QP
-    /// stopped: the device writes none of their buffers once their callers
-    /// have the failure. Their waiters are woken.
+    /// `reason` (one already complete keeps its outcome); the QP was
+    /// stopped as it ended, so the device starts no more of their work once
+    /// their callers have the failure. Their waiters are woken.
     fn fail_sync_ops(&self, reason: &str) {
-        self.stop_device();
         for slot in self.lock().sync_ops.outcomes_mut() {
             slot.get_or_insert_with(|| Err(reason.to_string()));
         }
         self.wake();
     }
 
-    /// Moves the QP to the error state: the device touches none of this
-    /// connection's buffers, nor the program's, after it returns.
+    /// Moves the QP to the error state: the device starts no more work on
+    /// this connection's buffers, nor the program's.
     pub(super) fn stop_device(&self) {
         if let Err(e) = self.inner.qp.to_error() {
             // It may never have left RESET; an RDMA CM disconnect follows.
@@ -383,13 +375,15 @@ impl Connection {
         self.inner.data_callbacks_shut.store(true, Ordering::SeqCst);
         self.end_state(&mut self.lock(), ConnState::Closed);
         self.fail_sync_ops("the connection was closed");
-        self.wait_data_callbacks(
-            Instant::now() + self.inner.opts.timeout.max(Duration::from_secs(1)),
-        );
+        // The peer is told before the wait: with our QP stopped, its own
+        // operations would otherwise run out of retries meanwhile.
         if matches!(was, ConnState::Connected | ConnState::MrReady) || self.socket_link().is_some()
         {
             self.disconnect_link();
         }
+        self.wait_data_callbacks(
+            Instant::now() + self.inner.opts.timeout.max(Duration::from_secs(1)),
+        );
         self.notify_state(ConnState::Closed);
         if self.inner.kind == ConnKind::AcceptedConn {
             if self.inner.end_owed.load(Ordering::SeqCst) {

@@ -532,14 +532,18 @@ impl Connection {
 
     /// The queue pair's state as the device reports it: `ERR` from the
     /// moment the connection ends (closed, failed or left by its peer), so
-    /// the device touches none of its memory, nor the program's, after.
+    /// the device starts no more work on its memory, nor the program's.
     pub fn qp_state(&self) -> Result<verbs::QpState> {
         Ok(self.inner.qp.state()?)
     }
 
     /// Moves to Closed or Error (which it never leaves), under the lock:
-    /// with the flag the completion thread reads without the lock.
+    /// with the flag the completion thread reads without the lock. The QP
+    /// is stopped first (`ibv_modify_qp` calls back into nothing of ours):
+    /// whoever sees the end, here or through a refused call, finds the
+    /// device starting no more work.
     fn end_state(&self, st: &mut State, state: ConnState) {
+        self.stop_device();
         st.state = state;
         self.inner.ended.store(true, Ordering::Release);
     }

@@ -412,11 +412,10 @@ impl Connection {
                 }
                 drop(st);
                 if matches!(e, Error::Timeout(_)) {
+                    // Stops the QP (also when another thread ended the
+                    // connection first): the device starts nothing more on
+                    // the buffers.
                     self.fail("a synchronous operation timed out");
-                    // The device must not touch the buffers any later, even
-                    // when another thread ended the connection and has not
-                    // stopped the QP yet.
-                    self.stop_device();
                 }
                 Err(e)
             }

@@ -21,6 +21,8 @@ use smallvec::SmallVec;
 
 use super::error::Result;
 use super::region::{ProtectionDomain, RawHold};
+pub(crate) use super::slots::Ticket;
+use super::slots::{decode, Slots};
 use crate::verbs::{self, Completion, CompletionRoom};
 
 /// How completions are reaped.
@@ -50,10 +52,6 @@ const THREAD_TICK: Duration = Duration::from_millis(200);
 pub(crate) const SRQ_TAG: u32 = 1 << 31;
 /// How long a dropped queue pair waits for its flushed work to be reaped.
 const FLUSH_WAIT: Duration = Duration::from_secs(2);
-
-/// Bit 63 of a work request id: the request that completes its operation
-/// (the only one of a batch that is signaled).
-const TAIL: u64 = 1 << 63;
 
 /// A completion queue of the safe layer. Cheap to clone.
 #[derive(Clone)]
@@ -88,42 +86,6 @@ struct Table {
     /// Why [`Progress::Thread`]'s reaper cannot poll the CQ: pending
     /// futures resolve to it, keeping their memory, until a poll succeeds.
     broken: Option<String>,
-}
-
-#[derive(Default)]
-struct Slots {
-    all: Vec<Slot>,
-    free: Vec<u32>,
-    /// Work requests posted whose completions are not reaped yet: each may
-    /// still put one in the CQ (a batch's unsignaled ones when flushed),
-    /// and a CQ that overflows loses completions.
-    in_flight: usize,
-}
-
-#[derive(Default)]
-struct Slot {
-    gen: u32,
-    busy: bool,
-    /// The queue pair whose work queue holds the operation (with
-    /// [`SRQ_TAG`]: a shared receive queue's).
-    qp: u32,
-    /// Its work requests, counted in [`Slots::in_flight`] until its
-    /// completion is reaped.
-    wrs: usize,
-    /// The operation's result: its tail's completion, or its first failure.
-    done: Option<Completion>,
-    failed: Option<Completion>,
-    waker: Option<Waker>,
-    /// The future was dropped: the completion only releases `parked`.
-    abandoned: bool,
-    /// A batch posted in part: no tail will complete it
-    /// ([`CqShared::disown`]).
-    tailless: bool,
-    /// A receive whose shared receive queue was destroyed: it will never
-    /// complete, and the device no longer touches its memory.
-    gone: bool,
-    /// Segments of an operation whose future was dropped.
-    parked: Vec<RawHold>,
 }
 
 impl ProtectionDomain {
@@ -291,32 +253,6 @@ impl AsFd for CqFd {
     }
 }
 
-fn encode(idx: u32, gen: u32, tail: bool) -> u64 {
-    u64::from(idx) | (u64::from(gen & 0x7fff_ffff) << 32) | if tail { TAIL } else { 0 }
-}
-
-fn decode(wr_id: u64) -> (u32, u32, bool) {
-    (
-        wr_id as u32,
-        ((wr_id >> 32) as u32) & 0x7fff_ffff,
-        wr_id & TAIL != 0,
-    )
-}
-
-/// A slot of a posted operation: its index and generation.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct Ticket {
-    idx: u32,
-    gen: u32,
-}
-
-impl Ticket {
-    /// The work request id of one of the operation's requests.
-    pub(crate) fn wr_id(self, tail: bool) -> u64 {
-        encode(self.idx, self.gen, tail)
-    }
-}
-
 impl CqShared {
     fn table(&self) -> MutexGuard<'_, Table> {
         // Every update leaves the table consistent.
@@ -338,20 +274,7 @@ impl CqShared {
                 slots.in_flight
             )));
         }
-        slots.in_flight += wrs;
-        let idx = match slots.free.pop() {
-            Some(i) => i,
-            None => {
-                slots.all.push(Slot::default());
-                (slots.all.len() - 1) as u32
-            }
-        };
-        let slot = &mut slots.all[idx as usize];
-        slot.gen = slot.gen.wrapping_add(1) & 0x7fff_ffff;
-        slot.busy = true;
-        slot.qp = qp;
-        slot.wrs = wrs;
-        Ok(Ticket { idx, gen: slot.gen })
+        Ok(slots.open(qp, wrs))
     }
 
     /// Gives back the slot of an operation whose post failed.
@@ -464,7 +387,9 @@ impl CqShared {
             None if slot.gone => Poll::Ready(Err(super::Error::invalid(
                 "its shared receive queue was destroyed before a message came",
             ))),
-            None if broken.is_some() => Poll::Ready(Err(reaper_failed(broken.as_deref()))),
+            None if broken.is_some() => {
+                Poll::Ready(Err(reaper_failed(broken.as_deref().unwrap_or_default())))
+            }
             None => {
                 match &slot.waker {
                     Some(w) if w.will_wake(cx.waker()) => {}
@@ -644,10 +569,10 @@ impl CqShared {
 }
 
 /// The error of a future whose CQ the reaper thread cannot poll.
-fn reaper_failed(why: Option<&str>) -> super::Error {
+fn reaper_failed(why: &str) -> super::Error {
     verbs::Error::Verb {
         verb: "ibv_poll_cq (safe completion thread)",
-        source: std::io::Error::other(why.unwrap_or_default().to_string()),
+        source: std::io::Error::other(why.to_string()),
     }
     .into()
 }
@@ -666,47 +591,5 @@ struct Reaped {
 impl Drop for Reaped {
     fn drop(&mut self) {
         self.wake.drain(..).for_each(Waker::wake);
-    }
-}
-
-impl Slots {
-    /// The operation's completion is out of the CQ: its room is free.
-    fn reaped(&mut self, idx: u32) {
-        let slot = &mut self.all[idx as usize];
-        self.in_flight -= std::mem::take(&mut slot.wrs);
-    }
-
-    /// Operations of queue pair `qp` not completed yet (a batch without
-    /// its tail never completes).
-    fn pending_of(&self, qp: u32) -> usize {
-        self.all
-            .iter()
-            .filter(|s| s.busy && s.qp == qp && s.done.is_none() && !s.tailless)
-            .count()
-    }
-
-    fn close(&mut self, idx: u32) {
-        let slot = &mut self.all[idx as usize];
-        slot.busy = false;
-        slot.done = None;
-        slot.failed = None;
-        slot.waker = None;
-        slot.abandoned = false;
-        slot.tailless = false;
-        slot.gone = false;
-        debug_assert!(slot.parked.is_empty());
-        self.free.push(idx);
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn work_request_ids_round_trip() {
-        for (idx, gen, tail) in [(0, 1, true), (u32::MAX, 0x7fff_ffff, false), (7, 3, false)] {
-            assert_eq!(decode(encode(idx, gen, tail)), (idx, gen, tail));
-        }
     }
 }

@@ -34,6 +34,7 @@ mod post;
 mod qp;
 mod region;
 mod segments;
+mod slots;
 mod srq;
 mod ud;
 

@@ -59,18 +59,15 @@ impl Window {
 
 impl Connection {
     /// Returns once bind number `bind` has completed, or the QP is stopped
-    /// (an ended connection's, or this one's after [`BIND_WAIT`]): the
-    /// device will not run it later.
+    /// (an ended connection's, whose end stopped it, or this one's after
+    /// [`BIND_WAIT`]): the device will not run it later.
     fn settle_bind(&self, bind: u64) {
         let done = self.wait_on(Until::Within(BIND_WAIT), |st| {
             (st.binds_done >= bind || self.has_ended()).then_some(())
         });
         if done.is_err() {
+            // Stops the QP, as every end does before it shows.
             self.fail("a memory window's bind did not complete");
-        }
-        if self.has_ended() {
-            // The end may not have stopped the QP yet.
-            self.stop_device();
         }
     }
 

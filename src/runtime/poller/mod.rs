@@ -264,7 +264,8 @@ impl Drop for Poller {
 
 fn run(shared: &Shared, tick: Duration, spin: Duration, nap: Duration) {
     let tick_ms = tick.as_millis().clamp(1, i32::MAX as u128) as i32;
-    let mut last_tick = Instant::now();
+    // Compared, not subtracted, on every round: cheaper by half.
+    let mut next_tick = Instant::now() + tick;
     // The sources in the epoll set, by key. Removed ones are kept until
     // taken out of the set, so their fds stay open (not yet reused) until
     // then.
@@ -426,7 +427,7 @@ fn run(shared: &Shared, tick: Duration, spin: Duration, nap: Duration) {
             // over many sources leaves the ones it did not poll as they
             // were).
             let few = watched.len() <= FEW;
-            for (key, source) in napping.drain(..) {
+            for (key, source) in drain_if_any(&mut napping) {
                 let spin_has_it = spun && (few || hot.iter().any(|h| h.key == key));
                 if !spin_has_it && source.ready() == Ready::More {
                     again.owe(key, &source);
@@ -436,8 +437,8 @@ fn run(shared: &Shared, tick: Duration, spin: Duration, nap: Duration) {
         // The clock read after the wait serves, unless the thread spun
         // since (a spin may last `spin`): a read costs ~100 ns in a VM.
         let at = if spun { Instant::now() } else { now };
-        if at.saturating_duration_since(last_tick) >= tick {
-            last_tick = at;
+        if at >= next_tick {
+            next_tick = at + tick;
             for source in watched.values() {
                 source.tick();
             }
@@ -536,8 +537,14 @@ impl Turns {
     /// The turns, in order; none is owed afterwards.
     fn drain(&mut self) -> impl Iterator<Item = (u64, Arc<dyn Source>)> + '_ {
         self.owed.clear();
-        self.order.drain(..)
+        drain_if_any(&mut self.order)
     }
+}
+
+/// Drains `v`, without a drain (whose drop is not free) when it is empty.
+fn drain_if_any<T>(v: &mut Vec<T>) -> impl Iterator<Item = T> + '_ {
+    let any = !v.is_empty();
+    any.then(|| v.drain(..)).into_iter().flatten()
 }
 
 /// A source the spinning thread polls on every pass.

@@ -245,3 +245,51 @@ fn until_ended(conn: &Connection, what: &str) {
         thread::sleep(Duration::from_millis(5));
     }
 }
+
+/// `retire_sends` (what a kv call that timed out waits for before the
+/// caller may reuse its value's memory) gives a tail of messages posted
+/// without a completion one: a zero-length WRITE behind them, one doorbell,
+/// which the peer never sees. Then everything posted has completed; a
+/// second call posts nothing; the connection goes on, with or without the
+/// caller polling it.
+#[test]
+#[ignore = "needs an RDMA device: run `make test`"]
+fn retiring_sends_completes_an_unsignaled_tail_and_the_peer_sees_nothing_of_it() {
+    use snowrdma::costs::{self, Counter};
+    for caller_polls in [false, true] {
+        let sink = Arc::new(Collect::default());
+        let handler = sink.clone();
+        let (server, addr) = serve(
+            false,
+            &blocking(),
+            Box::new(move |_| Some(handler.clone() as Arc<dyn ConnHandler>)),
+        );
+        let opts = Options {
+            caller_polls,
+            ..blocking()
+        };
+        let conn = Connection::connect(addr, &opts, Arc::new(Collect::default())).unwrap();
+        for m in [&b"one "[..], b"two ", b"three "] {
+            assert_eq!(conn.send(m).unwrap(), m.len());
+        }
+        let before = costs::this_thread();
+        assert!(conn.retire_sends(TIMEOUT), "caller_polls {caller_polls}");
+        let d = costs::this_thread().since(&before);
+        assert_eq!(d.get(Counter::SendDoorbells), 1, "{d:?}");
+        let before = costs::this_thread();
+        assert!(conn.retire_sends(TIMEOUT));
+        let d = costs::this_thread().since(&before);
+        assert_eq!(d.get(Counter::SendDoorbells), 0, "nothing left: {d:?}");
+        assert_eq!(conn.send(b"four").unwrap(), 4);
+        assert_eq!(&sink.wait_bytes(18, TIMEOUT), b"one two three four");
+        std::thread::sleep(Duration::from_millis(100));
+        assert_eq!(
+            sink.wait_bytes(18, TIMEOUT).len(),
+            18,
+            "nothing more arrived"
+        );
+        assert_eq!(conn.state(), ConnState::MrReady);
+        conn.close();
+        server.release();
+    }
+}

@@ -408,10 +408,18 @@ impl Client {
             Some(r) => Ok(r),
             // The server went away, or this client was closed.
             None if ended => Err(KvError::Disconnected("the connection has ended".into())),
-            None => self
-                .replies
-                .abandon(sent.id)
-                .ok_or(KvError::Timeout(allowed)),
+            None => match self.replies.abandon(sent.id) {
+                Some(r) => Ok(r),
+                None => {
+                    // A value written ahead of the request may still be
+                    // read by the device (a retransmission): the caller
+                    // reuses that memory once this returns. A connection
+                    // whose sends do not complete within the timeout is
+                    // failed, which stops its QP.
+                    self.conn.retire_sends(self.timeout);
+                    Err(KvError::Timeout(allowed))
+                }
+            },
         }
     }
 

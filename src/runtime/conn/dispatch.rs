@@ -397,6 +397,7 @@ impl Connection {
                 }
             },
             K_DATA => {
+                self.inner.data_retired.fetch_add(low, Ordering::AcqRel);
                 // Not worth waiting for a sender's post: the next holder of
                 // the lock gives the places back.
                 match self.try_lock() {

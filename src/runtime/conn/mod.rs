@@ -11,6 +11,7 @@ mod in_ring;
 mod lifecycle;
 mod one_sided;
 mod park;
+mod retire;
 mod send;
 mod setup;
 mod sources;
@@ -219,6 +220,9 @@ struct State {
     legacy_exhausted: bool,
     /// Data writes posted without a completion since the last signaled one.
     unsignaled_data: u32,
+    /// Data work requests (messages and the writes ahead of them) ever
+    /// posted; [`Inner::data_retired`] counts those completed.
+    data_posted: u64,
     rx_msgs_reported: u64,
     /// `tx_msgs` when the last credit was staged, and at the last tick:
     /// whether this side has been sending (credit can ride with messages).
@@ -361,6 +365,9 @@ pub(crate) struct ConnInner {
     /// completion thread leaves them here when the state lock is held, and
     /// the next holder gives them back ([`Connection::lock`]).
     sq_done: AtomicU32,
+    /// Data work requests completed, in post order (the send queue
+    /// completes in order; a signaled one accounts for those before it).
+    data_retired: AtomicU64,
     /// Received messages read out of the ring since the lock was last
     /// taken: the next holder releases their bytes (`RecvRing::release`),
     /// so a delivery takes the lock once, not twice.

@@ -644,6 +644,7 @@ impl Connection {
         let signal = covered >= SIGNAL_EVERY || st.sq_used + wrs >= MAX_SEND_WR - CMD_RESERVE;
         st.unsignaled_data = if signal { 0 } else { covered };
         st.sq_used += wrs;
+        st.data_posted += u64::from(wrs);
         st.tx_msgs += 1;
         Ok(StagedMessage {
             sge: self.inner.staging.sge(offset..offset + len),

@@ -526,6 +526,9 @@ fn sync_read_and_write_move_the_bytes_and_a_wrong_rkey_fails() {
     let mut reads = unsafe { conn.start_reads(lkey, &ops) }.unwrap();
     assert!(reads.wait_through(0).is_ok());
     assert!(reads.wait_through(1).is_err());
+    // Whoever has the failure finds the connection ended, its QP stopped.
+    assert_eq!(conn.state(), ConnState::Error);
+    assert_eq!(conn.qp_state().unwrap(), snowrdma::verbs::QpState::ERR);
     drop(reads);
     assert!(conn.read_sync(addr_l, lkey, remote.at(0), 64).is_err());
     assert!(conn.send(b"x").is_err());

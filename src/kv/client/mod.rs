@@ -162,6 +162,11 @@ impl<'k> Outgoing<'k> {
     }
 }
 
+/// The least time a call that gave up on its reply waits for its sends to
+/// complete before it fails the connection: a round trip, whatever the
+/// caller's timeout.
+const RETIRE_AT_LEAST: Duration = Duration::from_secs(1);
+
 /// A request on its way. Its reply's deadline counts from when it was
 /// sent, so the replies of a batch time out together, not one timeout
 /// after another.
@@ -172,6 +177,9 @@ struct Sent {
     /// Replies filed before it was sent ([`Replies::arrived`]): its own
     /// came after, so the inbox is looked at only once that count moves.
     arrived_before: u64,
+    /// A value went ahead of it by RDMA WRITE: a call that gives up on its
+    /// reply waits until the device is done reading it.
+    wrote_ahead: bool,
 }
 
 impl Client {
@@ -281,10 +289,12 @@ impl Client {
         let arrived_before = self.replies.arrived.load(Ordering::Acquire);
         let header = req.header(key.len(), inline.len());
         let msg = [header.as_slice(), key, inline];
+        let wrote_ahead = staged.is_some();
         let sent = self.post_request(&msg, staged).map(|()| Sent {
             id,
             at,
             arrived_before,
+            wrote_ahead,
         });
         if sent.is_err() && lands {
             self.replies.unland(id);
@@ -342,11 +352,13 @@ impl Client {
             outcomes.push(request(i).map(|mut out| {
                 let id = self.new_request_id();
                 out.req.req_id = id;
+                let wrote_ahead = out.staged.is_some();
                 ready.push((out.req.header(out.key.len(), out.inline.len()), out));
                 Sent {
                     id,
                     at,
                     arrived_before,
+                    wrote_ahead,
                 }
             }));
         }
@@ -404,23 +416,24 @@ impl Client {
             ended = self.replies.dead.load(Ordering::Acquire);
             reply.is_some() || ended
         });
-        match reply {
-            Some(r) => Ok(r),
+        let failed = match reply {
+            Some(r) => return Ok(r),
             // The server went away, or this client was closed.
-            None if ended => Err(KvError::Disconnected("the connection has ended".into())),
+            None if ended => KvError::Disconnected("the connection has ended".into()),
             None => match self.replies.abandon(sent.id) {
-                Some(r) => Ok(r),
-                None => {
-                    // A value written ahead of the request may still be
-                    // read by the device (a retransmission): the caller
-                    // reuses that memory once this returns. A connection
-                    // whose sends do not complete within the timeout is
-                    // failed, which stops its QP.
-                    self.conn.retire_sends(self.timeout);
-                    Err(KvError::Timeout(allowed))
-                }
+                Some(r) => return Ok(r),
+                None => KvError::Timeout(allowed),
             },
+        };
+        if sent.wrote_ahead {
+            // The device may still read the value written ahead of the
+            // request (a retransmission), and the caller reuses that memory
+            // once this returns: wait until the sends complete, or the QP
+            // is stopped (a close in progress, or a failure after the
+            // wait).
+            self.conn.retire_sends(self.timeout.max(RETIRE_AT_LEAST));
         }
+        Err(failed)
     }
 
     /// Sends a request and waits for its reply; a reply with an error

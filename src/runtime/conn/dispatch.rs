@@ -362,17 +362,21 @@ impl Connection {
         let kind = wc.wr_id() >> KIND_SHIFT;
         let low = wc.wr_id() & LOW_MASK;
         if !wc.is_ok() {
-            let ending = self.reposts_no_receives();
-            if kind == K_SYNC {
-                let reason = format!("completed with {}", wc.status());
-                if let Some(slot) = self.lock().sync_ops.get_mut(low) {
-                    *slot = Some(Err(reason));
+            if self.reposts_no_receives() && wc.status() == WcStatus::WR_FLUSH_ERR {
+                // Flushed by the end: a synchronous operation gets its
+                // outcome here if the end did not give it one.
+                if kind == K_SYNC {
+                    let reason = format!("completed with {}", wc.status());
+                    if let Some(slot) = self.lock().sync_ops.get_mut(low) {
+                        slot.get_or_insert(Err(reason));
+                    }
                 }
-            }
-            self.wake();
-            if ending && wc.status() == WcStatus::WR_FLUSH_ERR {
+                self.wake();
                 return None;
             }
+            // The failure ends the connection, which fails a synchronous
+            // operation with it, under the lock that ends the state: its
+            // caller never has the failure while the state shows none.
             return Some(format!(
                 "work request {:#x} completed with {}",
                 wc.wr_id(),
@@ -397,7 +401,7 @@ impl Connection {
                 }
             },
             K_DATA => {
-                self.inner.data_retired.fetch_add(low, Ordering::AcqRel);
+                self.inner.data_retired.fetch_add(low, Ordering::Release);
                 // Not worth waiting for a sender's post: the next holder of
                 // the lock gives the places back.
                 match self.try_lock() {

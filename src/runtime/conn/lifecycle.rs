@@ -79,13 +79,13 @@ impl Connection {
                 self.inner.peer
             );
             self.drop_queued(&mut st, "it failed");
-            self.end_state(&mut st, ConnState::Error);
+            self.end_state(&mut st, ConnState::Error, reason);
             // Under the lock that ended it: the peer's disconnect, which
             // may come next, must see that the end is owed.
             self.inner.end_owed.store(!here, Ordering::SeqCst);
             st.last_errno = libc::ECONNABORTED;
         }
-        self.fail_sync_ops(reason);
+        self.wake();
         self.disconnect_link();
         self.notify_state(ConnState::Error);
         if here {
@@ -173,12 +173,12 @@ impl Connection {
             let mut st = self.lock();
             let was = st.state;
             if !matches!(was, ConnState::Closed | ConnState::Error) {
-                self.end_state(&mut st, ConnState::Closed);
+                self.end_state(&mut st, ConnState::Closed, "the peer disconnected");
             }
             self.drop_queued(&mut st, "the peer left");
             was
         };
-        self.fail_sync_ops("the peer disconnected");
+        self.wake();
         // Answer, so the peer's own DISCONNECTED arrives.
         self.disconnect_link();
         if !matches!(was, ConnState::Closed | ConnState::Error) {
@@ -269,17 +269,6 @@ impl Connection {
         if let Some(e) = failed {
             self.fail(&format!("sending a queued message: {e}"));
         }
-    }
-
-    /// An ended connection's open synchronous operations fail with
-    /// `reason` (one already complete keeps its outcome); the QP was
-    /// stopped as it ended, so the device starts no more of their work once
-    /// their callers have the failure. Their waiters are woken.
-    fn fail_sync_ops(&self, reason: &str) {
-        for slot in self.lock().sync_ops.outcomes_mut() {
-            slot.get_or_insert_with(|| Err(reason.to_string()));
-        }
-        self.wake();
     }
 
     /// Moves the QP to the error state: the device starts no more work on
@@ -373,8 +362,12 @@ impl Connection {
         // still open fail before one running elsewhere is waited for, which
         // may be blocked in one of them.
         self.inner.data_callbacks_shut.store(true, Ordering::SeqCst);
-        self.end_state(&mut self.lock(), ConnState::Closed);
-        self.fail_sync_ops("the connection was closed");
+        self.end_state(
+            &mut self.lock(),
+            ConnState::Closed,
+            "the connection was closed",
+        );
+        self.wake();
         // The peer is told before the wait: with our QP stopped, its own
         // operations would otherwise run out of retries meanwhile.
         if matches!(was, ConnState::Connected | ConnState::MrReady) || self.socket_link().is_some()

@@ -555,11 +555,16 @@ impl Connection {
     /// with the flag the completion thread reads without the lock. The QP
     /// is stopped first (`ibv_modify_qp` calls back into nothing of ours):
     /// whoever sees the end, here or through a refused call, finds the
-    /// device starting no more work.
-    fn end_state(&self, st: &mut State, state: ConnState) {
+    /// device starting no more work. The synchronous operations still open
+    /// fail with `why`, under the same lock: one that returns its failure
+    /// finds the state ended. The caller wakes their waiters.
+    fn end_state(&self, st: &mut State, state: ConnState, why: &str) {
         self.stop_device();
         st.state = state;
         self.inner.ended.store(true, Ordering::Release);
+        for slot in st.sync_ops.outcomes_mut() {
+            slot.get_or_insert_with(|| Err(why.to_string()));
+        }
     }
 
     /// Whether the connection is closed or failed, without the state lock.
@@ -641,7 +646,9 @@ impl Connection {
         {
             let mut st = self.lock();
             match state {
-                ConnState::Closed | ConnState::Error => self.end_state(&mut st, state),
+                ConnState::Closed | ConnState::Error => {
+                    self.end_state(&mut st, state, "the connection ended")
+                }
                 _ => st.state = state,
             }
         }

@@ -10,49 +10,66 @@ use crate::verbs::{SendOp, SendRequest};
 
 use super::{wr_id, Connection, CMD_RESERVE, K_DATA, MAX_SEND_WR};
 
+/// How often a wait for the send queue looks again for room for its
+/// marker (taken by other requests when it first looked).
+const MARKER_RETRY: Duration = Duration::from_millis(10);
+
 impl Connection {
     /// Returns true once every message, and every write ahead of one, posted
-    /// before the call has completed; false once the connection has ended,
-    /// or `within` passed without that (the connection is then failed,
-    /// which stops its QP). Either way the device reads no more of those
-    /// requests' memory. A tail of requests posted without a completion is
-    /// given one: a signaled zero-length RDMA WRITE behind them, which
-    /// touches no memory on either side. From a program thread, not a
-    /// callback (as [`Connection::wait_for`]).
+    /// before the call has completed. Returns false once the connection has
+    /// ended, or when `within` passed without that: the connection is then
+    /// failed. Either way its QP was stopped, so the device starts no more
+    /// work on those requests' memory. Requests posted without a completion
+    /// at the end of the send queue are given one: a signaled zero-length
+    /// RDMA WRITE behind them, which touches no memory on either side. From
+    /// a program thread, not a callback (as [`Connection::wait_for`]).
     pub fn retire_sends(&self, within: Duration) -> bool {
         let retired = || self.inner.data_retired.load(Ordering::Acquire);
-        let mut st = self.lock();
-        let target = st.data_posted;
-        if retired() >= target {
-            return true;
-        }
-        // A full send queue has a signaled request near its end already.
-        let room = st.sq_used < MAX_SEND_WR - CMD_RESERVE;
-        if let (Some(peer), true, true) = (st.peer_ring, st.unsignaled_data > 0, room) {
-            let covered = st.unsignaled_data + 1;
-            st.unsignaled_data = 0;
-            st.data_posted += 1;
-            st.sq_used += 1;
-            let marker = [SendRequest::new(
-                wr_id(K_DATA, u64::from(covered)),
-                SendOp::Write(peer.at(0)),
-                &[],
-            )];
-            // SAFETY: a zero-length write reads and writes nothing.
-            if let Err(e) = unsafe { self.post_unlocked(st, &marker) } {
+        let target = self.lock().data_posted;
+        let deadline = Instant::now() + within;
+        loop {
+            if retired() >= target {
+                return true;
+            }
+            if self.has_ended() {
+                return false;
+            }
+            if let Err(e) = self.mark_sends_through(target) {
                 self.fail(&format!("posting a send-queue marker: {e}"));
                 return false;
             }
-        } else {
-            drop(st);
+            let now = Instant::now();
+            if now >= deadline {
+                self.fail("sends did not complete in time");
+                return false;
+            }
+            self.wait_for((now + MARKER_RETRY).min(deadline), || {
+                retired() >= target || self.has_ended()
+            });
         }
-        let done = self.wait_for(Instant::now() + within, || {
-            retired() >= target || self.has_ended()
-        });
-        if !done {
-            self.fail("sends did not complete in time");
-            return false;
-        }
-        retired() >= target
+    }
+
+    /// Posts the marker that gives a completion to data requests up to
+    /// number `target` that have none coming, if there are such and the
+    /// send queue has room for it (else a later call tries again).
+    fn mark_sends_through(&self, target: u64) -> crate::runtime::Result<()> {
+        let mut st = self.lock();
+        // The unsignaled requests are the last `unsignaled_data` posted.
+        let uncovered = st.data_posted - u64::from(st.unsignaled_data) < target;
+        let room = st.sq_used < MAX_SEND_WR - CMD_RESERVE;
+        let Some(peer) = st.peer_ring.filter(|_| uncovered && room) else {
+            return Ok(());
+        };
+        let covered = st.unsignaled_data + 1;
+        st.unsignaled_data = 0;
+        st.data_posted += 1;
+        st.sq_used += 1;
+        let marker = [SendRequest::new(
+            wr_id(K_DATA, u64::from(covered)),
+            SendOp::Write(peer.at(0)),
+            &[],
+        )];
+        // SAFETY: a zero-length write reads and writes nothing.
+        unsafe { self.post_unlocked(st, &marker) }
     }
 }

@@ -264,7 +264,9 @@ impl Drop for Poller {
 
 fn run(shared: &Shared, tick: Duration, spin: Duration, nap: Duration) {
     let tick_ms = tick.as_millis().clamp(1, i32::MAX as u128) as i32;
-    // Compared, not subtracted, on every round: cheaper by half.
+    // Compared, not subtracted, on every round: cheaper by half. Bounded as
+    // the wait's timeout is, so the sum cannot overflow.
+    let tick = tick.min(Duration::from_millis(i32::MAX as u64));
     let mut next_tick = Instant::now() + tick;
     // The sources in the epoll set, by key. Removed ones are kept until
     // taken out of the set, so their fds stay open (not yet reused) until

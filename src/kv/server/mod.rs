@@ -637,13 +637,16 @@ impl Shared {
     }
 
     /// Serving a request of this client, or sending its answers, panicked:
-    /// the client goes (and nobody else).
+    /// the client goes (and nobody else). Dropped, not closed: a close
+    /// waits (up to the timeout) for the replies queued for it to drain,
+    /// while the completion thread may be waiting for room in this
+    /// worker's queue, which stalls every client for that long.
     fn serving_panicked(&self, conn: &Connection, client: &ClientState) {
         log::error!(
             "closing {:?}: serving its request panicked",
             conn.peer_addr()
         );
-        conn.close();
+        conn.drop_peer("serving its request panicked");
         self.forget(client);
     }
 

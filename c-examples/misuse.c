@@ -296,6 +296,7 @@ int main(int argc, char **argv)
     /* A wrong rkey fails the operation and, as RDMA does, the connection. */
     CHECK(rdmaSyncReadSignaled(a, local, mr->lkey, remote, a->tx_key ^ 0x77, 64) == RDMA_ERR,
           "sync read with a wrong rkey -> RDMA_ERR");
+    CHECK(a->state == RDMA_CONN_STATE_ERROR, "... with the state ERROR when it returns");
     CHECK(wait_count(&disconnects, 1), "... and the disconnect callback fires");
     CHECK(rdmaConnSend(a, buf, 4) == err, "send on the failed connection -> (size_t)-1");
     CHECK(echo_works(b), "the other connection is intact");

@@ -286,7 +286,10 @@ pub(super) fn sync_one_sided(
     length: u32,
 ) -> c_int {
     guard_or(RDMA_ERR, || {
-        let (Some(c), Some(len)) = (live(conn, func), checked_len(length as usize, func)) else {
+        let Some(ffi) = lookup(conn, func) else {
+            return RDMA_ERR;
+        };
+        let (Some(c), Some(len)) = (live_of(&ffi, func), checked_len(length as usize, func)) else {
             return RDMA_ERR;
         };
         let r = if read {
@@ -294,6 +297,13 @@ pub(super) fn sync_one_sided(
         } else {
             c.write_sync(local_addr, lkey, remote, len)
         };
+        if r.is_err() {
+            // A failed completion ended the connection before the failure
+            // reached us; the struct shows it before the caller has
+            // RDMA_ERR (the report from the thread that ended it may come
+            // after).
+            ffi.mirror_state(&c);
+        }
         op_result(func, r)
     })
 }

@@ -60,10 +60,7 @@ impl Connection {
         let Some(peer) = st.peer_ring.filter(|_| uncovered && room) else {
             return Ok(());
         };
-        let covered = st.unsignaled_data + 1;
-        st.unsignaled_data = 0;
-        st.data_posted += 1;
-        st.sq_used += 1;
+        let covered = Self::take_data_places(&mut st, 1, true);
         let marker = [SendRequest::new(
             wr_id(K_DATA, u64::from(covered)),
             SendOp::Write(peer.at(0)),

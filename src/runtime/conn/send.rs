@@ -640,11 +640,9 @@ impl Connection {
         // order), which saves the completion thread most of the work. A
         // write ahead of the message is one of those.
         let wrs = 1 + u32::from(before);
-        let covered = st.unsignaled_data + wrs;
-        let signal = covered >= SIGNAL_EVERY || st.sq_used + wrs >= MAX_SEND_WR - CMD_RESERVE;
-        st.unsignaled_data = if signal { 0 } else { covered };
-        st.sq_used += wrs;
-        st.data_posted += u64::from(wrs);
+        let signal = st.unsignaled_data + wrs >= SIGNAL_EVERY
+            || st.sq_used + wrs >= MAX_SEND_WR - CMD_RESERVE;
+        let covered = Self::take_data_places(st, wrs, signal);
         st.tx_msgs += 1;
         Ok(StagedMessage {
             sge: self.inner.staging.sge(offset..offset + len),
@@ -655,6 +653,18 @@ impl Connection {
             // instead of fetching them through the staging registration.
             inline: self.fits_inline(len),
         })
+    }
+
+    /// Takes send-queue places for `wrs` data work requests about to be
+    /// posted, the last of them `signal`ed or not; returns how many data
+    /// requests its completion will account for (its wr_id's low part).
+    /// The one place the counts behind [`Connection::retire_sends`] move.
+    pub(super) fn take_data_places(st: &mut State, wrs: u32, signal: bool) -> u32 {
+        let covered = st.unsignaled_data + wrs;
+        st.unsignaled_data = if signal { 0 } else { covered };
+        st.sq_used += wrs;
+        st.data_posted += u64::from(wrs);
+        covered
     }
 
     /// The SEND of the command in `slot`: inline where the connection's

@@ -11,7 +11,7 @@ use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use crate::runtime::Window;
-use crate::verbs::{AccessFlags, Context, MemoryRegion, ProtectionDomain};
+use crate::verbs::{AccessFlags, Context, MemoryRegion, ProtectionDomain, RemoteRegion};
 
 use super::index::{Index, Place};
 use super::limits::Episode;
@@ -115,24 +115,55 @@ impl Drop for Block {
 
 /// A write target handed to one client (values larger than its request
 /// buffer): the value part is registered writable for that client only
-/// until the commit.
+/// until the commit. Dropped (released), it ends the client's access
+/// without waiting for its window's bind: one that waits behind sends the
+/// client has not taken leaves the memory with the connection until the
+/// bind completes or the connection ends ([`Window::release_with`]).
 pub struct Target {
-    /// The value part, registered for window binding only, and exposed to
-    /// the one client through a window on its QP. Dropped before the map.
-    write: Window,
-    map: Mapping,
-    counted: OwnBytes,
+    /// Taken by `commit`; otherwise released as the target drops.
+    mem: Option<Exposed>,
+    remote: RemoteRegion,
     key_len: usize,
     value_len: usize,
 }
 
+/// A target's memory, and the window that exposes its value part.
+struct Exposed {
+    /// The value part, registered for window binding only, and exposed to
+    /// the one client through a window on its QP.
+    write: Window,
+    map: Mapping,
+    counted: OwnBytes,
+}
+
+impl Exposed {
+    /// Ends the client's access, then lets the memory go (at once, or once
+    /// the window's bind completes).
+    fn release(self) {
+        let Exposed {
+            write,
+            map,
+            counted,
+        } = self;
+        write.release_with((map, counted));
+    }
+}
+
+impl Drop for Target {
+    fn drop(&mut self) {
+        if let Some(mem) = self.mem.take() {
+            mem.release();
+        }
+    }
+}
+
 impl Target {
     pub fn value_addr(&self) -> u64 {
-        self.write.remote().addr
+        self.remote.addr
     }
 
     pub fn rkey(&self) -> u32 {
-        self.write.remote().rkey
+        self.remote.rkey
     }
 
     pub fn value_len(&self) -> usize {
@@ -423,10 +454,14 @@ impl Store {
                     KvError::NoMemory
                 })?
         };
+        let write = expose(write_mr)?;
         Ok(Target {
-            write: expose(write_mr)?,
-            map,
-            counted,
+            remote: write.remote(),
+            mem: Some(Exposed {
+                write,
+                map,
+                counted,
+            }),
             key_len,
             value_len,
         })
@@ -434,19 +469,40 @@ impl Store {
 
     /// Stores what the client wrote into `target`: its write access ends
     /// first, so the value cannot change after the checksum is taken.
-    pub fn commit(&self, key: &[u8], target: Target, cas: Option<u64>) -> Result<u64> {
+    /// When the window's bind has not completed (a client that commits
+    /// before it had the reply that carries the rkey, or one whose reply's
+    /// acknowledgement is still on its way), the access cannot end without
+    /// waiting: the value is copied out into a block of its own instead,
+    /// and the target released ([`Target`]).
+    pub fn commit(&self, key: &[u8], mut target: Target, cas: Option<u64>) -> Result<u64> {
         if key.len() != target.key_len {
             return Err(KvError::InvalidArgument(
                 "the key differs from the one the target was made for".into(),
             ));
         }
-        let Target {
+        let value_len = target.value_len;
+        let Some(mem) = target.mem.take() else {
+            return Err(KvError::Internal("the target was stored already".into()));
+        };
+        if !mem.write.drops_at_once() {
+            let stored = self.put_filled(
+                key.len(),
+                value_len,
+                |bytes| {
+                    bytes[..key.len()].copy_from_slice(key);
+                    mem.write.region().copy_out_to(0, &mut bytes[key.len()..])
+                },
+                None,
+                cas,
+            );
+            mem.release();
+            return stored;
+        }
+        let Exposed {
             write,
             map,
             counted,
-            value_len,
-            ..
-        } = target;
+        } = mem;
         drop(write);
         let len = block_len(key.len(), value_len);
         let mut block = self.own_block(map, len, counted)?;

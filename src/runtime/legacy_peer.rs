@@ -54,6 +54,8 @@ pub struct LegacyPeer {
     spins: bool,
     /// A received message, copied out of the ring (kept between messages).
     scratch: Vec<u8>,
+    /// Receives are posted again once taken ([`LegacyPeer::stop_reposting`]).
+    reposts: bool,
 }
 
 impl LegacyPeer {
@@ -150,6 +152,7 @@ impl LegacyPeer {
             sends_done: 0,
             spins: false,
             scratch: Vec::new(),
+            reposts: true,
         };
         for slot in 0..RECV_DEPTH as u64 {
             peer.post_recv(slot)?;
@@ -229,6 +232,14 @@ impl LegacyPeer {
         );
         self.credit_slot = Some(slot);
         self.send_command(&cmd.encode())
+    }
+
+    /// Posts no receive again once taken: when those posted are used up,
+    /// the other side's sends wait in RNR retries (at the RDMA CM's
+    /// minimum RNR timer, 655 ms each), and so does whatever it queued
+    /// behind them, as with a peer that stopped taking messages.
+    pub fn stop_reposting(&mut self) {
+        self.reposts = false;
     }
 
     /// Writes `data` at byte `at` of the peer's ring with immediate `imm`,
@@ -443,7 +454,9 @@ impl LegacyPeer {
             }
             other => log::warn!("legacy peer: unexpected completion {other}"),
         }
-        self.post_recv(slot)?;
+        if self.reposts {
+            self.post_recv(slot)?;
+        }
         Ok(Some(()))
     }
 }

@@ -19,6 +19,7 @@ mod kv_connections;
 mod kv_limits;
 mod kv_programs;
 mod kv_strings;
+mod kv_windows;
 mod kv_zero_copy;
 mod release;
 mod runtime;

@@ -113,8 +113,8 @@ impl<T: TargetLen> Targets<T> {
     }
 
     /// Takes every target (the client went away), for the caller to end
-    /// once it let go of the list's lock: ending one waits for its window's
-    /// bind, and unregisters memory.
+    /// once it let go of the list's lock: ending one unregisters and
+    /// unmaps memory.
     pub(super) fn take_all(&mut self) -> Vec<T> {
         self.held.drain().map(|(_, h)| h.target).collect()
     }

@@ -287,6 +287,7 @@ impl Connection {
             if self.inner.async_pending.load(Ordering::SeqCst) > 0
                 || self.inner.sleepers.load(Ordering::SeqCst) > 0
                 || self.inner.queued.load(Ordering::SeqCst)
+                || self.inner.windows_unsettled.load(Ordering::SeqCst)
             {
                 self.arm_send();
             }
@@ -439,7 +440,10 @@ impl Connection {
                 let mut st = self.lock();
                 st.sq_used -= 1;
                 st.binds_done += 1;
+                let settled = self.take_settled_windows(&mut st);
                 drop(st);
+                // Unregistered and unmapped outside the lock.
+                drop(settled);
                 // A window dropped meanwhile may wait for this bind (binds
                 // are rare: one per exposed region).
                 self.wake();

@@ -152,7 +152,7 @@ impl Connection {
     /// flush error can be polled first, as the QP's error flushes both
     /// queues at once, while a READ before the failed one sits in the send
     /// CQ, completed.
-    fn take_send_completions(&self) {
+    pub(super) fn take_send_completions(&self) {
         // Failures found here (the end's own flush) add nothing: it is
         // ending already, for its own reason. Callbacks owed are queued.
         while self.poll_send_batch(false).0 {}

@@ -208,6 +208,9 @@ struct State {
     /// queue completes in order, and binds are signaled).
     binds_posted: u64,
     binds_done: u64,
+    /// Windows let go before their binds completed, kept until they do
+    /// (or the connection ends): [`Window::release_with`].
+    unsettled: Vec<window::Unsettled>,
     cmd_free: Vec<u16>,
     sync_ops: sync_ops::SyncOps,
     next_op: u64,
@@ -357,6 +360,9 @@ pub(crate) struct ConnInner {
     /// lock, and a `false` is never stale past the lock hold that set it.
     /// The send queue may hold messages.
     queued: AtomicBool,
+    /// Windows are kept for binds not yet completed: the send CQ is armed
+    /// so that their completions are taken.
+    windows_unsettled: AtomicBool,
     /// Callbacks may be deferred.
     deferred_any: AtomicBool,
     /// Received bytes or messages may be owed credit.
@@ -565,6 +571,8 @@ impl Connection {
         for slot in st.sync_ops.outcomes_mut() {
             slot.get_or_insert_with(|| Err(why.to_string()));
         }
+        // The QP is stopped: binds that kept windows will not run now.
+        drop(self.take_settled_windows(st));
     }
 
     /// Whether the connection is closed or failed, without the state lock.

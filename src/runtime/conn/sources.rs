@@ -79,6 +79,7 @@ impl Source for CqSource {
             }
         }
         self.0.maybe_send_credit(true);
+        self.0.expire_unsettled_windows();
     }
 
     fn panicked(&self) {

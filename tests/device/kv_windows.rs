@@ -1,0 +1,130 @@
+//! Write targets of a client that takes none of its replies. The server's
+//! sends to it wait in RNR retries, and so does the bind of every memory
+//! window the server posts behind them. Releasing or storing such a target
+//! must not hold up the worker that serves everyone else, and must not
+//! leave the client a way into memory the server goes on to use.
+
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use snowrdma::kv::proto::{Op, Request, Source};
+use snowrdma::kv::{Client, ConnMode, Limits, Server};
+use snowrdma::runtime::legacy_peer::LegacyPeer;
+
+use crate::kv_limits::{client, server, until};
+use crate::TIMEOUT;
+
+/// Large enough to be written into a target, not sent inline.
+const TARGET: u64 = 1 << 20;
+const KEY: &[u8] = b"big";
+
+/// A legacy-protocol client that posts no receive again: once its
+/// receives are used up, the reply to its last GET waits at the server in
+/// RNR retries, with whatever the server posts to it after.
+fn client_taking_no_replies(addr: SocketAddr) -> LegacyPeer {
+    let mut rogue = LegacyPeer::connect(addr, TIMEOUT).unwrap();
+    rogue.stop_reposting();
+    for id in 1u64.. {
+        let get = Request::new(Op::Get, id).encode(b"small", &[]);
+        assert_eq!(rogue.send(&get).unwrap(), get.len());
+        let deadline = Instant::now() + Duration::from_secs(2);
+        if !rogue.recv(deadline, &mut |_| {}).unwrap() {
+            // The legacy library posts 1024 receives.
+            assert!(id > 1000, "a reply was lost after {id} GETs");
+            return rogue;
+        }
+        assert!(id <= 2048, "the client's receives were never used up");
+    }
+    unreachable!()
+}
+
+/// Asks for a write target (token 1: its first), and waits until the
+/// server has made it; its window's bind waits behind the stuck reply.
+fn target_behind_stuck_reply(server: &Server, rogue: &mut LegacyPeer) {
+    let mut alloc = Request::new(Op::Alloc, 5000);
+    alloc.value_len = TARGET;
+    rogue.send(&alloc.encode(KEY, &[])).unwrap();
+    until(server, "the target is made", |s| s.large_bytes > 0);
+}
+
+/// The slowest of the requests `good` makes, one after another, for
+/// 1.5 s (longer than a window's bind was waited for): GETs, which the
+/// completion thread answers, and PUTs of values written ahead, which a
+/// worker stores.
+fn slowest_request(good: &Client) -> Duration {
+    let start = Instant::now();
+    let mut slowest = Duration::ZERO;
+    let written_ahead = [7u8; 8192];
+    while start.elapsed() < Duration::from_millis(1500) {
+        let t = Instant::now();
+        assert_eq!(good.get(b"small").unwrap().0, b"value");
+        good.put(b"other", &written_ahead).unwrap();
+        slowest = slowest.max(t.elapsed());
+    }
+    slowest
+}
+
+fn server_and_client() -> (Server, SocketAddr, Client) {
+    // One worker: it serves the rogue's requests and the good client's.
+    let (server, addr) = server(ConnMode::Cm, Limits::default(), 1);
+    let good = client(addr, ConnMode::Cm).unwrap();
+    good.put(b"small", b"value").unwrap();
+    (server, addr, good)
+}
+
+/// A RELEASE of a target whose bind waits: the worker goes on at once; the
+/// server gives up on the client a second later (under emulation, rxe
+/// stops retrying the RNR'd reply without failing it), and the target's
+/// memory is freed then.
+#[test]
+#[ignore = "needs an RDMA device: run `make test`"]
+fn kv_a_release_behind_replies_the_client_does_not_take_stalls_nobody() {
+    let (server, addr, good) = server_and_client();
+    let mut rogue = client_taking_no_replies(addr);
+    target_behind_stuck_reply(&server, &mut rogue);
+    let (release, more) = Request::release(&[1], &mut []);
+    rogue.send(&release.encode(more, &[])).unwrap();
+    let slowest = slowest_request(&good);
+    assert!(
+        slowest < Duration::from_millis(500),
+        "a request waited {slowest:?} behind the release"
+    );
+    assert!(rogue.cut_off(Instant::now() + TIMEOUT), "not cut off");
+    until(&server, "the target's memory is freed", |s| {
+        s.large_bytes == 0
+    });
+    assert_eq!(good.get(b"small").unwrap().0, b"value");
+}
+
+/// A PUT that stores a target whose bind waits (sent before its ALLOC's
+/// reply could arrive): the worker goes on at once, and what is stored is
+/// a copy of what the target held then, which the client cannot change
+/// through the window once its bind completes.
+#[test]
+#[ignore = "needs an RDMA device: run `make test`"]
+fn kv_storing_a_target_behind_replies_the_client_does_not_take_stalls_nobody() {
+    let (server, addr, good) = server_and_client();
+    let mut rogue = client_taking_no_replies(addr);
+    target_behind_stuck_reply(&server, &mut rogue);
+    let mut put = Request::new(Op::Write, 5001);
+    put.value_len = TARGET;
+    put.source = Source::Allocated { token: 1 };
+    rogue.send(&put.encode(KEY, &[])).unwrap();
+    let slowest = slowest_request(&good);
+    assert!(
+        slowest < Duration::from_millis(500),
+        "a request waited {slowest:?} behind the PUT"
+    );
+    let (value, _) = good.get(KEY).unwrap();
+    assert_eq!(value.len() as u64, TARGET);
+    assert!(
+        value.iter().all(|&b| b == 0),
+        "the target's bytes, unwritten"
+    );
+    assert!(rogue.cut_off(Instant::now() + TIMEOUT), "not cut off");
+    // The value was copied into the pool (a 1 MiB block fits its largest
+    // class), not stored in place; the target itself is freed.
+    until(&server, "the target's memory is freed", |s| {
+        s.large_bytes == 0
+    });
+}

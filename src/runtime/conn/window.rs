@@ -103,8 +103,8 @@ impl Window {
     /// leaves both with the connection until the bind completes or the
     /// connection ends. The peer may use the window until then, so `keep`
     /// must not be reused meanwhile: it is dropped only after the window.
-    /// A connection that already keeps [`MAX_UNSETTLED`] windows is failed,
-    /// which ends them all at once.
+    /// A connection that keeps a window for a second, or 64 at once, is
+    /// failed, which ends them all.
     pub fn release_with(mut self, keep: impl Send + 'static) {
         let Some(conn) = self.conn.upgrade() else {
             drop(self);

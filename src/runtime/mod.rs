@@ -30,7 +30,7 @@ pub use conn::{
 pub use listener::{AcceptHook, Listener};
 pub use options::{
     CommMode, Options, CHOSEN_INLINE_DATA, DEFAULT_MAX_SETUPS, DEFAULT_RECV_BUF_LEN,
-    DEFAULT_SETUP_DEADLINE, MAX_SETUPS_ENV, NAP_ENV, SEND_QUEUE_ENV,
+    DEFAULT_SETUP_DEADLINE, MAX_SETUPS_ENV, MIN_DEVICE_WAIT, NAP_ENV, SEND_QUEUE_ENV,
 };
 pub(crate) use poller::thread_token;
 pub use send_queue::SendQueueStats;

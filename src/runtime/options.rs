@@ -172,6 +172,20 @@ fn default_spin() -> Duration {
     micros_from_env(SPIN_ENV, DEFAULT_SPIN_US)
 }
 
+/// The least a wait for the device or the peer to finish (a close
+/// draining, a send short of room, sends completing) is given, whatever
+/// [`Options::timeout`]: a round trip under load, retransmissions
+/// included, takes longer than the shortest timeouts programs set.
+pub const MIN_DEVICE_WAIT: Duration = Duration::from_secs(1);
+
+impl Options {
+    /// How long a wait for the device or the peer to finish may take: the
+    /// timeout, but at least [`MIN_DEVICE_WAIT`].
+    pub fn device_wait(&self) -> Duration {
+        self.timeout.max(MIN_DEVICE_WAIT)
+    }
+}
+
 impl Default for Options {
     fn default() -> Self {
         Options {

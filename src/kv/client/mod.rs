@@ -162,11 +162,6 @@ impl<'k> Outgoing<'k> {
     }
 }
 
-/// The least time a call that gave up on its reply waits for its sends to
-/// complete before it fails the connection: a round trip, whatever the
-/// caller's timeout.
-const RETIRE_AT_LEAST: Duration = Duration::from_secs(1);
-
 /// A request on its way. Its reply's deadline counts from when it was
 /// sent, so the replies of a batch time out together, not one timeout
 /// after another.
@@ -431,7 +426,8 @@ impl Client {
             // once this returns: wait until the sends complete, or the QP
             // is stopped (a close in progress, or a failure after the
             // wait).
-            self.conn.retire_sends(self.timeout.max(RETIRE_AT_LEAST));
+            self.conn
+                .retire_sends(self.timeout.max(crate::runtime::MIN_DEVICE_WAIT));
         }
         Err(failed)
     }

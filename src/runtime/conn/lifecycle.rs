@@ -329,7 +329,7 @@ impl Connection {
         if self.inner.closed_locally.swap(true, Ordering::SeqCst) {
             return;
         }
-        let deadline = Instant::now() + self.inner.opts.timeout.max(Duration::from_secs(1));
+        let deadline = Instant::now() + self.inner.opts.device_wait();
         // Queued messages were accepted: they go first, while the peer
         // returns room (bounded by the timeout).
         self.wait_closing(deadline, |st| st.queue.is_empty());
@@ -374,9 +374,7 @@ impl Connection {
         {
             self.disconnect_link();
         }
-        self.wait_data_callbacks(
-            Instant::now() + self.inner.opts.timeout.max(Duration::from_secs(1)),
-        );
+        self.wait_data_callbacks(Instant::now() + self.inner.opts.device_wait());
         self.notify_state(ConnState::Closed);
         if self.inner.kind == ConnKind::AcceptedConn {
             if self.inner.end_owed.load(Ordering::SeqCst) {

@@ -3,7 +3,7 @@
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use smallvec::SmallVec;
 
@@ -192,9 +192,8 @@ impl Connection {
                 Some(Err(e)) => return Err(e),
                 None => drop(st),
             }
-            let deadline = *deadline.get_or_insert_with(|| {
-                Instant::now() + self.inner.opts.timeout.max(Duration::from_secs(1))
-            });
+            let deadline =
+                *deadline.get_or_insert_with(|| Instant::now() + self.inner.opts.device_wait());
             self.wait_on(Until::At(deadline), room).and_then(|r| r)?;
         };
         // The credit owed to the peer rides in front, as it does with a

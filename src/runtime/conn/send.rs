@@ -4,7 +4,7 @@
 
 use std::sync::atomic::Ordering;
 use std::sync::{MutexGuard, PoisonError};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use smallvec::SmallVec;
 
@@ -334,8 +334,7 @@ impl Connection {
             let on_cq_thread = *on_cq_thread.get_or_insert_with(|| self.on_callback_thread());
             let waits = blocking && !on_cq_thread;
             let now = Instant::now();
-            let deadline = *deadline
-                .get_or_insert_with(|| now + self.inner.opts.timeout.max(Duration::from_secs(1)));
+            let deadline = *deadline.get_or_insert_with(|| now + self.inner.opts.device_wait());
             if waits && now < deadline {
                 st = self.park(st, deadline, now);
                 continue;

@@ -46,7 +46,7 @@ pub(super) struct Unsettled {
 /// ([`Window::release_with`]), the connection is failed on the first tick
 /// after this long. A bind waits only behind sends the peer has not taken,
 /// which one that follows the protocol takes within a round trip.
-const BIND_WAIT: Duration = Duration::from_secs(1);
+const BIND_WAIT: Duration = crate::runtime::MIN_DEVICE_WAIT;
 
 /// Windows a connection keeps for binds that have not completed: a peer
 /// this many behind is taking none of our sends, and its connection is

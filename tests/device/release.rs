@@ -293,3 +293,40 @@ fn retiring_sends_completes_an_unsignaled_tail_and_the_peer_sees_nothing_of_it()
         server.release();
     }
 }
+
+/// Sends a peer does not take (a legacy peer that posts no receive again:
+/// once its own are used up, the messages wait in RNR retries) never
+/// complete: `retire_sends` gives up after the time it was given, fails
+/// the connection and stops its QP, so the device reads the messages'
+/// memory no more.
+#[test]
+#[ignore = "needs an RDMA device: run `make test`"]
+fn retiring_sends_a_peer_does_not_take_fails_the_connection_in_time() {
+    use snowrdma::runtime::legacy_peer::LegacyPeer;
+    let (at, addr) = mpsc::channel();
+    let peer = thread::spawn(move || {
+        let any_port = SocketAddr::new(IpAddr::V4(device_ip()), 0);
+        let mut peer = LegacyPeer::accept(any_port, TIMEOUT, |a| at.send(a).unwrap()).unwrap();
+        peer.stop_reposting();
+        peer.cut_off(Instant::now() + 3 * TIMEOUT)
+    });
+    let addr = addr.recv_timeout(TIMEOUT).unwrap();
+    let conn =
+        Connection::connect(addr, &Options::default(), Arc::new(Collect::default())).unwrap();
+    // More than the legacy library's 1024 receives; the rest are queued.
+    for _ in 0..1100 {
+        assert_eq!(conn.send(&[3u8; 64]).unwrap(), 64);
+    }
+    let within = Duration::from_millis(500);
+    let t = Instant::now();
+    assert!(!conn.retire_sends(within), "the sends completed");
+    let took = t.elapsed();
+    // RNR retries would run out later (seconds, at the CM's RNR timer).
+    assert!(
+        took >= within && took < within * 4,
+        "gave up after {took:?}"
+    );
+    assert_eq!(conn.state(), ConnState::Error);
+    assert_eq!(conn.qp_state().unwrap(), QpState::ERR);
+    assert!(peer.join().unwrap(), "the peer was not told");
+}

@@ -14,7 +14,10 @@
 //! target before it makes any target asked for after. Threads sharing a
 //! client then see an ALLOC granted as soon as another's PUT is on its way,
 //! as when room was counted by the worker, and what is registered for the
-//! client still stays within its share.
+//! client still stays within its share, but for targets ended while their
+//! windows' binds wait behind replies the client does not take: those
+//! stay registered with the connection for up to a second, 16 at most
+//! (`Window::release_with`).
 
 use std::collections::HashMap;
 

@@ -342,10 +342,12 @@ impl Connection {
     /// in flight (`async_posted` does not arm for one a callback posts in a
     /// round), or while messages wait in the queue for room that a send
     /// completion brings (one that frees the send queue, or a READ of the
-    /// peer's credit, which nothing arms for).
+    /// peer's credit, which nothing arms for), or while windows are kept
+    /// for their binds' completions.
     fn send_event_wanted(&self) -> bool {
         (self.inner.async_pending.load(Ordering::SeqCst) > 0
-            || self.inner.queued.load(Ordering::SeqCst))
+            || self.inner.queued.load(Ordering::SeqCst)
+            || self.inner.windows_unsettled.load(Ordering::SeqCst))
             && !self.inner.send_armed.load(Ordering::SeqCst)
     }
 

@@ -85,6 +85,7 @@ impl Connection {
             self.inner.end_owed.store(!here, Ordering::SeqCst);
             st.last_errno = libc::ECONNABORTED;
         }
+        self.release_settled_windows();
         self.wake();
         self.disconnect_link();
         self.notify_state(ConnState::Error);
@@ -152,7 +153,7 @@ impl Connection {
     /// flush error can be polled first, as the QP's error flushes both
     /// queues at once, while a READ before the failed one sits in the send
     /// CQ, completed.
-    pub(super) fn take_send_completions(&self) {
+    fn take_send_completions(&self) {
         // Failures found here (the end's own flush) add nothing: it is
         // ending already, for its own reason. Callbacks owed are queued.
         while self.poll_send_batch(false).0 {}
@@ -178,6 +179,7 @@ impl Connection {
             self.drop_queued(&mut st, "the peer left");
             was
         };
+        self.release_settled_windows();
         self.wake();
         // Answer, so the peer's own DISCONNECTED arrives.
         self.disconnect_link();
@@ -367,6 +369,7 @@ impl Connection {
             ConnState::Closed,
             "the connection was closed",
         );
+        self.release_settled_windows();
         self.wake();
         // The peer is told before the wait: with our QP stopped, its own
         // operations would otherwise run out of retries meanwhile.

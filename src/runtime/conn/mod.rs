@@ -563,7 +563,9 @@ impl Connection {
     /// whoever sees the end, here or through a refused call, finds the
     /// device starting no more work. The synchronous operations still open
     /// fail with `why`, under the same lock: one that returns its failure
-    /// finds the state ended. The caller wakes their waiters.
+    /// finds the state ended. The caller wakes their waiters, and lets go
+    /// of the windows kept for binds once it let go of the lock (the binds
+    /// will not run now): [`Connection::release_settled_windows`].
     fn end_state(&self, st: &mut State, state: ConnState, why: &str) {
         self.stop_device();
         st.state = state;
@@ -571,8 +573,6 @@ impl Connection {
         for slot in st.sync_ops.outcomes_mut() {
             slot.get_or_insert_with(|| Err(why.to_string()));
         }
-        // The QP is stopped: binds that kept windows will not run now.
-        drop(self.take_settled_windows(st));
     }
 
     /// Whether the connection is closed or failed, without the state lock.
@@ -660,6 +660,7 @@ impl Connection {
                 _ => st.state = state,
             }
         }
+        self.release_settled_windows();
         self.wake();
         self.notify_state(state);
     }

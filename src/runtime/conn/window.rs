@@ -50,8 +50,9 @@ const BIND_WAIT: Duration = crate::runtime::MIN_DEVICE_WAIT;
 
 /// Windows a connection keeps for binds that have not completed: a peer
 /// this many behind is taking none of our sends, and its connection is
-/// failed at once.
-const MAX_UNSETTLED: usize = 64;
+/// failed at once. It bounds what such a peer holds beyond its share (two
+/// kv clients' shares of write targets), for the second it may hold it.
+const MAX_UNSETTLED: usize = 16;
 
 impl Drop for Window {
     fn drop(&mut self) {
@@ -86,13 +87,13 @@ impl Window {
     /// first), or the connection has ended. When not, the peer has not
     /// learnt the rkey from anything sent after the bind, but may once the
     /// bind completes.
-    pub fn drops_at_once(&self) -> bool {
+    pub(crate) fn drops_at_once(&self) -> bool {
         let Some(conn) = self.conn.upgrade() else {
             return true;
         };
         let settled = |conn: &Connection| conn.has_ended() || conn.lock().binds_done >= self.bind;
         settled(&conn) || {
-            conn.take_send_completions();
+            while conn.poll_send(false) {}
             settled(&conn)
         }
     }
@@ -102,10 +103,12 @@ impl Window {
     /// complete yet, which waits behind sends the peer has not taken,
     /// leaves both with the connection until the bind completes or the
     /// connection ends. The peer may use the window until then, so `keep`
-    /// must not be reused meanwhile: it is dropped only after the window.
-    /// A connection that keeps a window for a second, or 64 at once, is
-    /// failed, which ends them all.
-    pub fn release_with(mut self, keep: impl Send + 'static) {
+    /// must not be reused meanwhile: it is dropped only after the window,
+    /// perhaps on the completion thread and under the connection's send
+    /// poll lock, so it must not own this connection or its windows. A
+    /// connection that keeps a window for a second, or
+    /// [`MAX_UNSETTLED`] at once, is failed, which ends them all.
+    pub(crate) fn release_with(mut self, keep: impl Send + 'static) {
         let Some(conn) = self.conn.upgrade() else {
             drop(self);
             return drop(keep);
@@ -159,8 +162,9 @@ impl Connection {
         if !self.inner.windows_unsettled.load(Ordering::SeqCst) {
             return;
         }
-        // Completions already in settle what they can first.
-        self.take_send_completions();
+        // Completions already in settle what they can first (a failed one
+        // fails the connection, which ends the wait too).
+        while self.poll_send(false) {}
         let (expired, settled) = {
             let mut st = self.lock();
             let settled = self.take_settled_windows(&mut st);

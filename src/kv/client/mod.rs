@@ -47,10 +47,6 @@ const KEEP_BOUNCE: usize = 64 << 20;
 /// Requests of a batch in flight at once.
 const BATCH_WINDOW: usize = 64;
 
-/// Leases one release message ends at most (1 KiB of them after the
-/// header), so a batch ends its leases in one message, not one per value.
-const RELEASES_PER_MESSAGE: usize = 128;
-
 /// The bounce buffer a batch's values are READ into side by side, and the
 /// largest value read that way (a larger one is read alone).
 const GROUP_BYTES: usize = 4 << 20;

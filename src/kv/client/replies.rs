@@ -6,10 +6,8 @@ use rustc_hash::{FxHashMap, FxHashSet};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use crate::kv::proto::{Reply, Request, COMPACT_REPLY_LEN};
+use crate::kv::proto::{Reply, Request, COMPACT_REPLY_LEN, RELEASED_AT_MOST};
 use crate::runtime::{ConnHandler, Connection, InRing};
-
-use super::RELEASES_PER_MESSAGE;
 
 /// By request id. FxHash, not SipHash: ids are ours (sequential), so
 /// nobody can pick colliding ones, and SipHash on both sides of every
@@ -278,12 +276,12 @@ impl ConnHandler for ReplyHandler {
     }
 }
 
-/// Ends leases or write targets, up to [`RELEASES_PER_MESSAGE`] in one
-/// message. Releases get no reply, so they take no request id; losing one
+/// Ends leases or write targets, up to [`RELEASED_AT_MOST`] in one
+/// message (a batch's leases in one, not one per value). Releases get no reply, so they take no request id; losing one
 /// only keeps the memory a little longer (until we disconnect).
 pub(super) fn send_releases(conn: &Connection, leases: &[u64]) {
-    for part in leases.chunks(RELEASES_PER_MESSAGE) {
-        let mut words = [0u8; (RELEASES_PER_MESSAGE - 1) * 8];
+    for part in leases.chunks(RELEASED_AT_MOST) {
+        let mut words = [0u8; (RELEASED_AT_MOST - 1) * 8];
         let (release, more) = Request::release(part, &mut words);
         let header = release.header(more.len(), 0);
         let _ = conn.send_parts(&[header.as_slice(), more]);

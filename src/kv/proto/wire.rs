@@ -2,7 +2,7 @@
 //! value; a [`Reply`] header, then (inline GETs, HELLO) a payload; compact
 //! forms of both for the common small cases; the server's HELLO answer.
 
-use crate::kv::KvError;
+use crate::kv::{KvError, MAX_KEY_LEN};
 
 use super::{u32_at, u64_at};
 
@@ -11,6 +11,12 @@ pub const REPLY_MAGIC: u32 = 0x3141_564b; // "KVA1"
 pub const REQUEST_LEN: usize = 56;
 
 pub const REPLY_LEN: usize = 56;
+
+/// Leases (or write targets) one RELEASE names at most: one in its header
+/// and one per 8-byte word of its key, which is no longer than any key
+/// ([`MAX_KEY_LEN`]). A longer one is malformed: the server answers a
+/// RELEASE on the thread every client's requests come in on.
+pub const RELEASED_AT_MOST: usize = 1 + MAX_KEY_LEN / 8;
 
 /// A request's or reply's header, in an array of its own: the key and the
 /// payload are sent after it as they are, never copied in beside it.
@@ -228,8 +234,8 @@ impl Request {
         (req, more)
     }
 
-    /// The leases a release names, given its key bytes (a stray remainder
-    /// shorter than a word names none).
+    /// The leases a release names, given its key bytes (whole words:
+    /// [`Request::decode`] refuses a release with a stray remainder).
     pub fn released<'a>(&self, key: &'a [u8]) -> impl Iterator<Item = u64> + 'a {
         std::iter::once(self.lease).chain(key.chunks_exact(8).map(|w| u64_at(w, 0)))
     }
@@ -266,6 +272,9 @@ impl Request {
             .filter(|&e| e <= msg.len())
             .ok_or("key runs past the message")?;
         let key = &msg[REQUEST_LEN..key_end];
+        if op == Op::Release && (key.len() > MAX_KEY_LEN || key.len() % 8 != 0) {
+            return Err("a release names more leases than it may, or part of one");
+        }
         let rest = &msg[key_end..];
         let inline = if op == Op::Write && source == Source::Inline {
             if rest.len() as u64 != value_len {
@@ -474,8 +483,27 @@ mod tests {
         let (back, key, _) = Request::decode(&msg).unwrap();
         assert_eq!(back.op, Op::Release);
         assert_eq!(back.released(key).collect::<Vec<_>>(), vec![5, 6, 7]);
-        // A stray remainder names nothing.
-        assert_eq!(back.released(&[1, 2, 3]).collect::<Vec<_>>(), vec![5]);
+    }
+
+    #[test]
+    fn a_release_names_at_most_its_share_and_whole_words() {
+        let leases: Vec<u64> = (1..=RELEASED_AT_MOST as u64 + 1).collect();
+        let mut words = vec![0u8; leases.len() * 8];
+        let most = &leases[..RELEASED_AT_MOST];
+        let (req, more) = Request::release(most, &mut words);
+        let msg = req.encode(more, &[]);
+        let (back, key, _) = Request::decode(&msg).unwrap();
+        assert_eq!(back.released(key).collect::<Vec<_>>(), most);
+        let (req, more) = Request::release(&leases, &mut words);
+        assert!(
+            Request::decode(&req.encode(more, &[])).is_err(),
+            "one too many"
+        );
+        let (req, _) = Request::release(&[5], &mut []);
+        assert!(
+            Request::decode(&req.encode(&[1, 2, 3], &[])).is_err(),
+            "part of a word"
+        );
     }
 
     #[test]

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use smallvec::SmallVec;
 
 use crate::kv::proto::{
-    is_inline, Header, Op, Reply, Request, ServerInfo, Source, BLOCK_HEADER_LEN,
+    is_inline, Header, Op, Reply, Request, ServerInfo, Source, BLOCK_HEADER_LEN, RELEASED_AT_MOST,
 };
 use crate::kv::store::{Block, Target};
 use crate::kv::{check_key, KvError, Result, MAX_KEY_LEN};
@@ -61,10 +61,6 @@ impl Answer {
 /// Replies sent with one doorbell: as many as one round of completions
 /// delivers requests.
 pub(super) const REPLIES_PER_DOORBELL: usize = 32;
-
-/// Tokens one RELEASE names at most: its own, and one per 8 bytes of the
-/// longest key.
-const RELEASED_AT_MOST: usize = 1 + MAX_KEY_LEN / 8;
 
 impl Shared {
     /// Sends `answers` on `conn`, up to [`REPLIES_PER_DOORBELL`] with one

@@ -152,8 +152,11 @@ impl ConnHandler for ServerConn {
                 let _ = self.client.request_buf.set(w);
             }
             Err(e) => {
-                log::warn!("closing {:?}: no request buffer: {e}", conn.peer_addr());
-                conn.close();
+                log::warn!("dropping {:?}: no request buffer: {e}", conn.peer_addr());
+                // Not a close, which waits (up to a second) for its goodbye
+                // to complete, on the thread that serves every client, and a
+                // client that posts no receives holds the goodbye back.
+                conn.drop_peer("no request buffer");
                 self.shared.forget(&self.client);
             }
         }

@@ -208,11 +208,6 @@ impl Leases {
         self.queue.front().and_then(|l| l.since.checked_add(ttl))
     }
 
-    pub fn clear(&mut self) {
-        self.queue.clear();
-        self.bytes = 0;
-    }
-
     fn pop_first(&mut self) {
         if let Some(lease) = self.queue.pop_front() {
             self.bytes -= lease.block.len() as u64;

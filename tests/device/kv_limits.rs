@@ -117,7 +117,7 @@ fn kv_limit_queued_requests_per_client_and_per_worker() {
 pub(crate) struct Replies(pub(crate) Mutex<mpsc::Sender<Reply>>);
 
 /// A connection that speaks the kv protocol by hand, and its replies.
-fn raw_client(addr: SocketAddr) -> (Connection, mpsc::Receiver<Reply>) {
+pub(crate) fn raw_client(addr: SocketAddr) -> (Connection, mpsc::Receiver<Reply>) {
     let (tx, replies) = mpsc::channel();
     let handler = Arc::new(Replies(Mutex::new(tx)));
     let conn = Connection::connect(addr, &Options::default(), handler).unwrap();

@@ -123,7 +123,13 @@ impl Shared {
                     }
                 }
             }
-            drop((values, targets));
+            // A lease ends here, at once. Unregistering and unmapping a
+            // write target (which a client asks for without writing a
+            // byte) goes to the housekeeping thread.
+            drop(values);
+            if !targets.is_empty() {
+                self.discard(targets);
+            }
             return None;
         }
         if req.op == Op::Hello {

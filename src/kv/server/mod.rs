@@ -264,12 +264,15 @@ struct Shared {
 enum Chore {
     /// The lease time may have changed: wakes the thread to look.
     Sweep,
+    /// Memory to let go of ([`Shared::discard`]).
+    Discard(Box<dyn Send>),
     Stop,
 }
 
 /// Chores waiting for the housekeeping thread (a wake to sweep is
-/// dropped when one is waiting already).
-const CHORES: usize = 16;
+/// dropped when one is waiting already, memory to let go of is let go of
+/// where it is).
+const CHORES: usize = 256;
 
 /// Jobs' message buffers kept for reuse: more than the requests a burst
 /// of large PUTs keeps in the workers' queues at once.
@@ -611,17 +614,32 @@ impl Shared {
         }
         // A request that panicked holding one of these (the reason it is
         // forgotten, perhaps) left it poisoned; it is emptied all the same.
-        client
-            .leases
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .clear();
+        let leases =
+            std::mem::take(&mut *client.leases.lock().unwrap_or_else(PoisonError::into_inner));
         let targets = client
             .targets
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .take_all();
-        drop(targets);
+        // This runs on the completion thread when the client leaves.
+        self.discard((leases, targets));
+    }
+
+    /// Lets go of `what` on the housekeeping thread: unregistering and
+    /// unmapping a large value or a write target takes milliseconds per
+    /// MiB (far more under emulation), and the completion thread, which
+    /// answers every client's light requests (a RELEASE, a GET), must not
+    /// spend them. Here, when that thread is not running or its queue is
+    /// full.
+    pub(super) fn discard(&self, what: impl Send + 'static) {
+        let chore = Chore::Discard(Box::new(what));
+        let chores = self.chores.lock().unwrap_or_else(PoisonError::into_inner);
+        let left = match chores.as_ref() {
+            Some(tx) => tx.try_send(chore).err().map(|e| e.into_inner()),
+            None => Some(chore),
+        };
+        drop(chores);
+        drop(left);
     }
 
     /// The answer to one request message (a worker's job), if it takes

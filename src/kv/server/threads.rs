@@ -1,7 +1,7 @@
 //! The server's own threads: the workers, which serve the requests that
 //! copy or register large values, and the housekeeping thread, which
-//! closes connections off the completion thread and ends leases held past
-//! their time.
+//! ends leases held past their time and lets go of large memory off the
+//! completion thread.
 
 use std::panic::AssertUnwindSafe;
 use std::sync::atomic::Ordering;
@@ -146,6 +146,7 @@ pub(super) fn housekeeping(shared: Arc<Shared>, chores: Receiver<Chore>) {
     loop {
         match chores.recv_deadline(next_sweep) {
             Ok(Chore::Sweep) | Err(RecvTimeoutError::Timeout) => {}
+            Ok(Chore::Discard(what)) => drop(what),
             Ok(Chore::Stop) | Err(RecvTimeoutError::Disconnected) => return,
         }
         // At once when the lease time changed.

@@ -12,7 +12,6 @@
 //! server hold: connections, setup time, queued replies and requests, large
 //! values and leases.
 
-use std::fmt;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, PoisonError, RwLock, Weak};
@@ -24,7 +23,7 @@ use crate::runtime::{
     self, AcceptHook, CommMode, ConnHandler, Connection, Listener, Options, PdProvider, Window,
 };
 
-use super::limits::{Episode, HostConnections, Leases, Limits, MAX_WORKERS};
+use super::limits::{HostConnections, Leases, Limits, MAX_WORKERS};
 use super::pool::SLAB_PAGE;
 use super::proto::{Request, REQUEST_LEN};
 use super::store::Store;
@@ -37,6 +36,7 @@ mod answer;
 mod conn;
 mod device;
 mod limits;
+mod stats;
 mod targets;
 mod threads;
 
@@ -44,6 +44,8 @@ use answer::Answer;
 use conn::ServerConn;
 use device::{only_device, socket_device};
 use limits::check_limits;
+pub use stats::Stats;
+use stats::{bump, Counters, Episodes};
 use targets::Targets;
 
 /// Leases one client may hold; beyond, its oldest lease ends (the byte cap
@@ -104,118 +106,6 @@ fn max_value_from_env() -> u64 {
         log::warn!("{MAX_VALUE_ENV}={asked} is past the largest value any client holds: using {LARGEST_MAX_VALUE}");
     }
     asked.min(LARGEST_MAX_VALUE)
-}
-
-/// A snapshot of the server's counters.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Stats {
-    pub clients: u64,
-    pub clients_total: u64,
-    pub gets: u64,
-    pub get_misses: u64,
-    pub puts: u64,
-    pub deletes: u64,
-    pub cas_ok: u64,
-    pub cas_failed: u64,
-    pub errors: u64,
-    pub items: u64,
-    pub pool_used: u64,
-    pub pool_size: u64,
-    pub large_bytes: u64,
-    pub huge_pages: bool,
-    /// Clients refused: [`Limits::max_connections`] reached.
-    pub refused_connections: u64,
-    /// Clients dropped: setup not finished by [`Limits::setup_deadline`].
-    pub setup_timeouts: u64,
-    /// Clients disconnected: [`Limits::reply_queue_bytes`] of replies
-    /// waiting for them.
-    pub reply_overflows: u64,
-    /// Requests answered `KV_ERR_NO_MEMORY`: [`Limits::client_jobs`] of
-    /// that client's already waiting.
-    pub busy_refusals: u64,
-    /// Times a worker's queue was full ([`Limits::worker_queue`]) and
-    /// requests waited for room.
-    pub worker_queue_full: u64,
-    /// Large values refused: [`Limits::large_value_quota`] reached.
-    pub quota_refusals: u64,
-    /// Leases ended early: the client held [`Limits::lease_bytes`].
-    pub leases_capped: u64,
-    /// Leases ended after [`Limits::lease_time`].
-    pub leases_expired: u64,
-    /// Write targets refused: the client held [`Limits::target_bytes`].
-    pub targets_capped: u64,
-}
-
-impl fmt::Display for Stats {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "clients {} (total {}) | items {} | gets {} (misses {}) puts {} dels {} cas {}/{} failed | \
-             errors {} | pool {:.1}/{:.1} MiB{} | large values {:.1} MiB | limits: refused {} \
-             setup timeouts {} reply overflows {} busy {} worker queue full {} quota {} \
-             leases capped {} expired {} targets capped {}",
-            self.clients,
-            self.clients_total,
-            self.items,
-            self.gets,
-            self.get_misses,
-            self.puts,
-            self.deletes,
-            self.cas_ok,
-            self.cas_failed,
-            self.errors,
-            self.pool_used as f64 / 1048576.0,
-            self.pool_size as f64 / 1048576.0,
-            if self.huge_pages { " (huge pages)" } else { "" },
-            self.large_bytes as f64 / 1048576.0,
-            self.refused_connections,
-            self.setup_timeouts,
-            self.reply_overflows,
-            self.busy_refusals,
-            self.worker_queue_full,
-            self.quota_refusals,
-            self.leases_capped,
-            self.leases_expired,
-            self.targets_capped,
-        )
-    }
-}
-
-#[derive(Default)]
-struct Counters {
-    clients: AtomicU64,
-    clients_total: AtomicU64,
-    gets: AtomicU64,
-    get_misses: AtomicU64,
-    puts: AtomicU64,
-    deletes: AtomicU64,
-    cas_ok: AtomicU64,
-    cas_failed: AtomicU64,
-    errors: AtomicU64,
-    refused_connections: AtomicU64,
-    /// Of listeners already released (the current one counts its own).
-    setup_timeouts: AtomicU64,
-    reply_overflows: AtomicU64,
-    busy_refusals: AtomicU64,
-    worker_queue_full: AtomicU64,
-    leases_capped: AtomicU64,
-    leases_expired: AtomicU64,
-    targets_capped: AtomicU64,
-}
-
-/// One [`Episode`] per limit, so each logs once per episode.
-#[derive(Default)]
-struct Episodes {
-    refused: Episode,
-    overflow: Episode,
-    busy: Episode,
-    worker_queue: Episode,
-    leases: Episode,
-    targets: Episode,
-}
-
-fn bump(c: &AtomicU64) {
-    c.fetch_add(1, Ordering::Relaxed);
 }
 
 /// What the server keeps per client.

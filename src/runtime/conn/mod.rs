@@ -11,6 +11,7 @@ mod in_ring;
 mod lifecycle;
 mod one_sided;
 mod park;
+mod queued;
 mod retire;
 mod send;
 mod setup;
